@@ -1,0 +1,33 @@
+# Two commands for a fresh machine: `make run` (the daemon) and `make test` (the suite).
+# Both go through `setup`, which builds .venv once and is a no-op while
+# pyproject.toml and this Makefile are unchanged (a stamp file records it).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvelastic-setup
+# The CPU build of torch that this project is tested with; on a CUDA machine
+# pre-install the matching CUDA build and setup leaves it alone.
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup run test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel 2>&1 | grep -v '^WARNING: Location' || true
+	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
+	$(PY) -c 'import kvelastic, torch, zmq, msgspec, prometheus_client, xxhash, pytest, hypothesis'
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/kvelastic daemon
+
+# pytest exits 5 when it collected nothing: that must fail CI, and it does,
+# because any non-zero exit fails this target.
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,3 @@
+from kvelastic.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,182 @@
+"""The one place where ``KVELASTIC_*`` environment variables are read.
+
+Every variable is declared once in ``VARIABLES`` with its default, its parser
+and a line of documentation; the README table and ``daemon/kvelastic.env`` are
+checked against this list by the tests. A bad value raises ``ConfigError``
+naming the variable, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvelastic.errors import ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_DURATIONS = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "": 1.0}
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """``512MiB``, ``8GiB``, ``2M``, ``1048576`` -> bytes."""
+    m = _NUMBER_UNIT.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a size such as 512MiB, 8GiB or 1048576, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_optional_size(text: str) -> int | None:
+    """A size, or ``0``/``none``/``unlimited`` for no limit."""
+    if text.strip().lower() in ("", "0", "none", "unlimited"):
+        return None
+    return parse_size(text)
+
+
+def parse_memory(text: str) -> int | float:
+    """A size in bytes (``40GiB``) or a fraction of the device (``0.9``)."""
+    stripped = text.strip()
+    try:
+        value = float(stripped)
+    except ValueError:
+        return parse_size(stripped)
+    if 0.0 < value <= 1.0 and "." in stripped:
+        return value
+    if value >= 1 and value == int(value):
+        return int(value)
+    raise ValueError(f"expected a fraction in (0, 1] such as 0.9 or a size such as 40GiB, got {text!r}")
+
+
+def parse_duration(text: str) -> float:
+    """``30s``, ``500ms``, ``5m``, ``1h``, ``2.5`` (seconds) -> seconds."""
+    m = _NUMBER_UNIT.match(text)
+    if not m or m.group(2).lower() not in _DURATIONS:
+        raise ValueError(f"expected a duration such as 30s, 500ms or 5m, got {text!r}")
+    return float(m.group(1)) * _DURATIONS[m.group(2).lower()]
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected 1/0, true/false, yes/no or on/off, got {text!r}")
+
+
+def parse_choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        lowered = text.strip().lower()
+        if lowered not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return lowered
+
+    return parse
+
+
+def parse_port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"expected a TCP port 0-65535, got {text!r}")
+    return port
+
+
+def parse_power_of_two_size(text: str) -> int:
+    size = parse_size(text)
+    if size < 4096 or size & (size - 1):
+        raise ValueError(f"expected a power of two of at least 4KiB such as 2MiB, got {text!r}")
+    return size
+
+
+def default_socket() -> str:
+    """``/run/kvelastic/`` for root (systemd's RuntimeDirectory), else per user."""
+    if os.geteuid() == 0:
+        return "/run/kvelastic/kvelastic.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "kvelastic", "kvelastic.sock")
+    return f"/tmp/kvelastic-{os.getuid()}/kvelastic.sock"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    name: str
+    field: str
+    default: str
+    parse: Callable[[str], Any]
+    doc: str
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("KVELASTIC_ENABLE", "enable", "0", parse_bool,
+             "vLLM plugin switch: the plugin does nothing unless this is 1."),
+    Variable("KVELASTIC_BACKEND", "backend", "auto", parse_choice("auto", "cuda", "host"),
+             "Physical memory backend: `cuda` (CUDA VMM), `host` (memfd pages), `auto` (cuda when a GPU is usable)."),
+    Variable("KVELASTIC_MEMORY", "memory", "0.5", parse_memory,
+             "Device pool budget for KV cache: bytes with a unit (`40GiB`) or a fraction of the device (`0.5`)."),
+    Variable("KVELASTIC_PAGE_SIZE", "page_size", "2MiB", parse_power_of_two_size,
+             "Physical page size; a power of two and a multiple of the backend granularity (CUDA: 2MiB)."),
+    Variable("KVELASTIC_SOCKET", "socket", "", str,
+             "Daemon socket path. Default: `/run/kvelastic/kvelastic.sock` as root, else `$XDG_RUNTIME_DIR/kvelastic/kvelastic.sock` or `/tmp/kvelastic-$UID/kvelastic.sock`."),
+    Variable("KVELASTIC_METRICS_PORT", "metrics_port", "9477", parse_port,
+             "Prometheus `/metrics` HTTP port (0 disables the endpoint)."),
+    Variable("KVELASTIC_METRICS_ADDR", "metrics_addr", "0.0.0.0", str,
+             "Address the metrics endpoint binds."),
+    Variable("KVELASTIC_PREFIX_CACHE_MAX_SIZE", "prefix_cache_max_size", "0", parse_optional_size,
+             "Maximum size of cached (evictable) prefix blocks per engine; `0` means bounded only by memory."),
+    Variable("KVELASTIC_PREFIX_CACHE_TTL", "prefix_cache_ttl", "0", parse_duration,
+             "Cached blocks unused for longer than this are evicted; `0` disables the TTL."),
+    Variable("KVELASTIC_HASH", "hash", "sha256", parse_choice("sha256", "xxh3_128"),
+             "Block hash for prefix caching: `sha256` or the faster `xxh3_128`."),
+    Variable("KVELASTIC_VERIFY_TOKENS", "verify_tokens", "0", parse_bool,
+             "Keep token ids of cached blocks and compare them on every hit, so a hash collision can never serve wrong KV."),
+    Variable("KVELASTIC_LOG_LEVEL", "log_level", "info", parse_choice("debug", "info", "warning", "error"),
+             "Log level of the daemon and the client."),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    enable: bool
+    backend: str
+    memory: int | float
+    page_size: int
+    socket: str
+    metrics_port: int
+    metrics_addr: str
+    prefix_cache_max_size: int | None
+    prefix_cache_ttl: float
+    hash: str
+    verify_tokens: bool
+    log_level: str
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
+        """Read and validate every variable; the first bad one raises ``ConfigError``."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for var in VARIABLES:
+            raw = env.get(var.name, var.default)
+            try:
+                values[var.field] = var.parse(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{var.name}={raw!r}: {exc}") from None
+        if not values["socket"]:
+            values["socket"] = default_socket()
+        return cls(**values)
+
+
+def markdown_table() -> str:
+    """The README's configuration table, generated from ``VARIABLES``."""
+    rows = ["| Variable | Default | Meaning |", "|---|---|---|"]
+    for var in VARIABLES:
+        rows.append(f"| `{var.name}` | `{var.default}` | {var.doc} |")
+    return "\n".join(rows)

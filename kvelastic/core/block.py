@@ -1,0 +1,56 @@
+"""The per-block record and the slab that groups blocks.
+
+There is exactly one record per block. The pool reads and writes three
+attributes on it: ``block_id``, ``ref_cnt`` and ``_block_hash``; they carry the
+same names as vLLM's ``KVCacheBlock`` so the vLLM adapter passes its own block
+class as the pool's ``block_factory`` and no second copy of the state exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+
+class Block:
+    """A KV block: refcount plus the prefix-cache key it holds, if any.
+
+    State (derived, never stored): *live* when ``ref_cnt > 0``; *cached* when
+    ``ref_cnt == 0`` and it has a key; *free* otherwise.
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "_block_hash", "is_null")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self._block_hash: Hashable | None = None
+        self.is_null = False
+
+    @property
+    def block_hash(self) -> Hashable | None:
+        return self._block_hash
+
+    def __repr__(self) -> str:
+        return f"Block(id={self.block_id}, ref={self.ref_cnt}, hash={self._block_hash!r})"
+
+
+class Slab:
+    """The blocks of one granted slab and their live/cached/free counts.
+
+    Invariant: ``live + cached + len(free) == len(blocks)``; ``free`` holds
+    exactly the blocks with ``ref_cnt == 0`` and no key (a LIFO stack, so a
+    freed block is reused first while it is still warm in the cache).
+    """
+
+    __slots__ = ("slab_id", "blocks", "free", "live", "cached")
+
+    def __init__(self, slab_id: int, blocks: list[Any]) -> None:
+        self.slab_id = slab_id
+        self.blocks = blocks
+        self.free: list[Any] = blocks[::-1]  # pop() hands out the lowest id first
+        self.live = 0
+        self.cached = 0
+
+    def occupancy(self) -> tuple[int, int, int]:
+        return (self.live, self.cached, len(self.free))

@@ -1,0 +1,58 @@
+"""Hash index: prefix-cache key -> the block(s) holding that content.
+
+One key may map to several blocks (two requests filled identical blocks before
+either was cached; vLLM does not de-duplicate, so block tables stay
+append-only). Like vLLM's ``BlockHashToBlockMap`` the common single-block case
+is stored bare to keep the hot path and GC cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from typing import Any
+
+
+class HashIndex:
+    __slots__ = ("_map",)
+
+    def __init__(self) -> None:
+        self._map: dict[Hashable, Any] = {}
+
+    def get_one(self, key: Hashable) -> Any | None:
+        entry = self._map.get(key)
+        if entry is None or type(entry) is not dict:
+            return entry
+        return next(iter(entry.values()))
+
+    def insert(self, key: Hashable, block: Any) -> None:
+        entry = self._map.get(key)
+        if entry is None:
+            self._map[key] = block
+        elif type(entry) is dict:
+            entry[block.block_id] = block
+        else:
+            self._map[key] = {entry.block_id: entry, block.block_id: block}
+
+    def remove(self, key: Hashable, block: Any) -> None:
+        entry = self._map[key]
+        if type(entry) is dict:
+            del entry[block.block_id]
+            if len(entry) == 1:
+                self._map[key] = next(iter(entry.values()))
+        else:
+            del self._map[key]
+
+    def clear(self) -> None:
+        self._map.clear()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def items(self) -> Iterator[tuple[Hashable, int]]:
+        """(key, block_id) for every entry; for checks and snapshots only."""
+        for key, entry in self._map.items():
+            if type(entry) is dict:
+                for block_id in entry:
+                    yield key, block_id
+            else:
+                yield key, entry.block_id

@@ -1,0 +1,86 @@
+"""The journal: every change the daemon must mirror, in compact batches.
+
+The pool appends ops as it works and ``take()`` hands out a ``JournalBatch``:
+the ordered ops plus the final occupancy of every slab touched since the last
+batch (occupancy is coalesced: only the latest counts matter). ``Mirror`` is
+the other end: the daemon applies batches to it, and the tests check that
+replaying every batch into an empty mirror yields the pool's own state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+
+# Op codes: small ints keep the ops msgpack-compact.
+ADD_SLAB = 0      # (ADD_SLAB, slab_id)
+REMOVE_SLAB = 1   # (REMOVE_SLAB, slab_id)
+STORE = 2         # (STORE, key, block_id)
+REMOVE = 3        # (REMOVE, key, block_id)
+CLEAR = 4         # (CLEAR,)  every key dropped (invalidate / reset)
+
+Occupancy = tuple[int, int, int]  # (live, cached, free) blocks
+
+
+@dataclasses.dataclass
+class JournalBatch:
+    ops: list[tuple]
+    occupancy: dict[int, Occupancy]
+
+    def __bool__(self) -> bool:
+        return bool(self.ops or self.occupancy)
+
+
+class Journal:
+    __slots__ = ("ops", "dirty")
+
+    def __init__(self) -> None:
+        self.ops: list[tuple] = []
+        self.dirty: set[int] = set()
+
+    def take(self, occupancy_of) -> JournalBatch:
+        """Hand out everything recorded so far; ``occupancy_of(slab)`` is None
+        for a slab no longer held."""
+        occupancy = {}
+        for slab_id in self.dirty:
+            occ = occupancy_of(slab_id)
+            if occ is not None:
+                occupancy[slab_id] = occ
+        batch = JournalBatch(self.ops, occupancy)
+        self.ops = []
+        self.dirty = set()
+        return batch
+
+
+class Mirror:
+    """One engine's state as the daemon sees it, rebuilt from journal batches."""
+
+    def __init__(self) -> None:
+        self.slabs: dict[int, Occupancy] = {}
+        self.index: dict[Hashable, set[int]] = {}
+
+    def apply(self, batch: JournalBatch) -> None:
+        for op in batch.ops:
+            code = op[0]
+            if code == STORE:
+                self.index.setdefault(op[1], set()).add(op[2])
+            elif code == REMOVE:
+                holders = self.index.get(op[1])
+                if holders is not None:
+                    holders.discard(op[2])
+                    if not holders:
+                        del self.index[op[1]]
+            elif code == ADD_SLAB:
+                self.slabs[op[1]] = (0, 0, 0)
+            elif code == REMOVE_SLAB:
+                self.slabs.pop(op[1], None)
+            elif code == CLEAR:
+                self.index.clear()
+            else:
+                raise ValueError(f"unknown journal op {op!r}")
+        for slab_id, occ in batch.occupancy.items():
+            if slab_id in self.slabs:
+                self.slabs[slab_id] = tuple(occ)
+
+    def index_pairs(self) -> set[tuple[Hashable, int]]:
+        return {(key, block_id) for key, ids in self.index.items() for block_id in ids}

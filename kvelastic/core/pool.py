@@ -1,0 +1,427 @@
+"""SlabPool: an engine's blocks over the slabs it holds, with a prefix cache.
+
+Engine-agnostic and free of I/O: the vLLM adapter and the benchmarks drive it,
+the client ships its journal to the daemon. Every public operation validates
+its whole input before it changes anything, so a failure raises a typed
+``PoolError`` and leaves every structure as it was (an OOM rollback).
+
+Block states (see ``Block``): live (ref_cnt > 0), cached (ref_cnt == 0 with a
+key: evictable, kept in an LRU), free (ref_cnt == 0, no key: on its slab's
+free stack). For every held slab ``live + cached + free == blocks_per_slab``.
+
+Placement: ``allocate`` takes free blocks from the fullest slab first (best
+fit), so lightly used slabs drain and can be given back; only when no free
+block is left does it evict cached blocks, least recently used first.
+Eviction order for blocks freed together follows the order ``free`` got them
+(vLLM passes a request's blocks tail first, so the tail of a chain goes
+first). Proactive eviction (size limit, explicit) works in the unit memory is
+returned in: with the oldest cached block goes the rest of its slab's cache
+when that slab holds no live block, so the slab empties instead of leaving a
+few cached blocks pinning a page.
+
+Cost: every operation is O(1) or O(blocks touched); ``clear_index`` and
+``reset`` (rare, operator-driven) walk the held blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
+
+from kvelastic.core.block import Block, Slab
+from kvelastic.core.index import HashIndex
+from kvelastic.core.journal import ADD_SLAB, CLEAR, REMOVE, REMOVE_SLAB, STORE, Journal, JournalBatch
+from kvelastic.core.stats import PoolStats
+from kvelastic.errors import (
+    BlockNotCached,
+    BlockNotLive,
+    OutOfBlocks,
+    PoolBusy,
+    PoolError,
+    SlabAlreadyHeld,
+    SlabBusy,
+    UnknownBlock,
+    UnknownSlab,
+)
+
+
+class SlabPool:
+    def __init__(
+        self,
+        blocks_per_slab: int,
+        *,
+        block_size: int = 16,
+        block_bytes: int = 0,
+        max_cached_bytes: int | None = None,
+        ttl: float = 0.0,
+        verify_tokens: bool = False,
+        block_factory: Callable[[int], Any] = Block,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if blocks_per_slab < 1:
+            raise ValueError(f"blocks_per_slab must be >= 1, got {blocks_per_slab}")
+        if max_cached_bytes is not None and block_bytes <= 0:
+            raise ValueError("max_cached_bytes needs block_bytes (the size of one block)")
+        self.blocks_per_slab = blocks_per_slab
+        self.block_size = block_size
+        self.max_cached_blocks = None if max_cached_bytes is None else max_cached_bytes // block_bytes
+        self.ttl = ttl
+        self.verify_tokens = verify_tokens
+        self._factory = block_factory
+        self._clock = clock
+
+        self._slabs: dict[int, Slab] = {}
+        # _by_free[k]: held slabs with exactly k free blocks. Invariant: no
+        # bucket in [1, _min_hint) is non-empty, so best fit scans from there.
+        self._by_free: list[dict[int, Slab]] = [{} for _ in range(blocks_per_slab + 1)]
+        self._min_hint = 1
+        # Cached blocks in eviction order: block_id -> time it became cached.
+        self._lru: OrderedDict[int, float] = OrderedDict()
+        self._index = HashIndex()
+        self._tokens: dict[int, tuple[int, ...]] = {}
+        self.num_free = 0
+        self.num_live = 0
+        self.journal = Journal()
+        self.stats = PoolStats()
+
+    # ------------------------------------------------------------ capacity
+    @property
+    def num_cached(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._slabs) * self.blocks_per_slab
+
+    @property
+    def num_available(self) -> int:
+        """Blocks ``allocate`` can hand out now: free plus evictable."""
+        return self.num_free + len(self._lru)
+
+    def slab_ids(self) -> list[int]:
+        return list(self._slabs)
+
+    def occupancy(self, slab_id: int) -> tuple[int, int, int] | None:
+        slab = self._slabs.get(slab_id)
+        return None if slab is None else slab.occupancy()
+
+    def occupancies(self) -> dict[int, tuple[int, int, int]]:
+        return {sid: slab.occupancy() for sid, slab in self._slabs.items()}
+
+    def idle_slabs(self) -> list[int]:
+        """Slabs with no live and no cached block: returnable without loss."""
+        return list(self._by_free[self.blocks_per_slab])
+
+    def reclaimable_slabs(self) -> list[int]:
+        """Slabs with no live block (returnable after evicting their cache)."""
+        return [sid for sid, slab in self._slabs.items() if slab.live == 0]
+
+    def block(self, block_id: int) -> Any:
+        slab = self._slabs.get(block_id // self.blocks_per_slab) if block_id >= 0 else None
+        if slab is None:
+            raise UnknownBlock(f"block {block_id} is not in a held slab")
+        return slab.blocks[block_id % self.blocks_per_slab]
+
+    def cached_keys(self) -> list[tuple[Hashable, int]]:
+        """(key, block_id) for every index entry; for checks and snapshots."""
+        return list(self._index.items())
+
+    def take_journal(self) -> JournalBatch:
+        return self.journal.take(self.occupancy)
+
+    # --------------------------------------------------------------- slabs
+    def add_slab(self, slab_id: int) -> None:
+        """A slab was granted: its blocks join the pool, all free."""
+        if slab_id < 0:
+            raise UnknownSlab(f"slab id must be >= 0, got {slab_id}")
+        if slab_id in self._slabs:
+            raise SlabAlreadyHeld(f"slab {slab_id} is already held")
+        first = slab_id * self.blocks_per_slab
+        slab = Slab(slab_id, [self._factory(first + i) for i in range(self.blocks_per_slab)])
+        self._slabs[slab_id] = slab
+        self._by_free[self.blocks_per_slab][slab_id] = slab
+        self.num_free += self.blocks_per_slab
+        self.journal.ops.append((ADD_SLAB, slab_id))
+        self.journal.dirty.add(slab_id)
+
+    def take_slab_back(self, slab_id: int, reason: str = "reclaim") -> int:
+        """Remove a slab with no live block; its cached blocks are evicted
+        first, so their keys leave the index before the pages leave.
+        Returns the number of cached blocks evicted."""
+        slab = self._slabs.get(slab_id)
+        if slab is None:
+            raise UnknownSlab(f"slab {slab_id} is not held")
+        if slab.live:
+            raise SlabBusy(f"slab {slab_id} has {slab.live} live block(s)")
+        del self._by_free[len(slab.free)][slab_id]
+        evicted = 0
+        for blk in slab.blocks:
+            if blk._block_hash is not None:
+                del self._lru[blk.block_id]
+                self._drop_key(blk)
+                evicted += 1
+        if evicted:
+            self.stats.evictions[reason] += evicted
+        self.num_free -= len(slab.free)
+        del self._slabs[slab_id]
+        self.journal.ops.append((REMOVE_SLAB, slab_id))
+        return evicted
+
+    # -------------------------------------------------------------- blocks
+    def allocate(self, n: int) -> list[Any]:
+        """``n`` blocks with ref_cnt 1: free blocks by best fit, then LRU
+        evictions. Raises ``OutOfBlocks`` (nothing taken) if fewer exist."""
+        if n < 0:
+            raise PoolError(f"cannot allocate a negative number of blocks ({n})")
+        if n > self.num_free + len(self._lru):
+            raise OutOfBlocks(
+                f"asked for {n} blocks, {self.num_free} free + {len(self._lru)} evictable held")
+        out: list[Any] = []
+        dirty = self.journal.dirty
+        while len(out) < n and self.num_free:
+            slab = self._fullest_with_free()
+            free = slab.free
+            old = len(free)
+            take = min(n - len(out), old)
+            for _ in range(take):
+                blk = free.pop()
+                blk.ref_cnt = 1
+                out.append(blk)
+            slab.live += take
+            self.num_free -= take
+            self.num_live += take
+            self._rebucket(slab, old)
+            dirty.add(slab.slab_id)
+        if len(out) < n:
+            reused = n - len(out)
+            for _ in range(reused):
+                block_id, _t = self._lru.popitem(last=False)
+                slab = self._slabs[block_id // self.blocks_per_slab]
+                blk = slab.blocks[block_id % self.blocks_per_slab]
+                self._drop_key(blk)
+                blk.ref_cnt = 1
+                slab.cached -= 1
+                slab.live += 1
+                dirty.add(slab.slab_id)
+                out.append(blk)
+            self.num_live += reused
+            self.stats.evictions["lru"] += reused
+        return out
+
+    def touch(self, blocks: Sequence[Any]) -> None:
+        """A cache hit: each block gains a reference; a cached block turns live."""
+        self._check_held(blocks)
+        for blk in blocks:
+            if blk.ref_cnt == 0 and blk._block_hash is None:
+                raise BlockNotCached(f"block {blk.block_id} is free, not cached: it cannot be touched")
+        bps = self.blocks_per_slab
+        for blk in blocks:
+            if blk.ref_cnt == 0:
+                del self._lru[blk.block_id]
+                slab = self._slabs[blk.block_id // bps]
+                slab.cached -= 1
+                slab.live += 1
+                self.num_live += 1
+                self.journal.dirty.add(slab.slab_id)
+            blk.ref_cnt += 1
+
+    def free(self, blocks: Iterable[Any]) -> None:
+        """Drop one reference per block, in eviction order (first evicted
+        first). A block reaching 0 becomes cached if it has a key, else free."""
+        blocks = list(blocks)
+        self._check_held(blocks)
+        for blk in blocks:
+            if blk.ref_cnt <= 0:
+                raise BlockNotLive(f"block {blk.block_id} is not allocated (double free?)")
+        if len(blocks) > 1 and len({blk.block_id for blk in blocks}) != len(blocks):
+            counts = Counter(blk.block_id for blk in blocks)
+            for blk in blocks:
+                count = counts[blk.block_id]
+                if count > blk.ref_cnt:
+                    raise BlockNotLive(
+                        f"block {blk.block_id} freed {count} times with ref_cnt {blk.ref_cnt}")
+        bps = self.blocks_per_slab
+        now = None
+        for blk in blocks:
+            blk.ref_cnt -= 1
+            if blk.ref_cnt:
+                continue
+            slab = self._slabs[blk.block_id // bps]
+            slab.live -= 1
+            self.num_live -= 1
+            if blk._block_hash is None:
+                old = len(slab.free)
+                slab.free.append(blk)
+                self.num_free += 1
+                self._rebucket(slab, old)
+            else:
+                if now is None:
+                    now = self._clock()
+                slab.cached += 1
+                self._lru[blk.block_id] = now
+            self.journal.dirty.add(slab.slab_id)
+        if now is not None:
+            self._enforce_limits(now)
+
+    def cache(self, blocks: Sequence[Any], keys: Sequence[Hashable],
+              tokens: Sequence[Sequence[int]] | None = None) -> None:
+        """Give live blocks their prefix-cache keys (re-keying replaces)."""
+        if len(blocks) != len(keys) or (tokens is not None and len(tokens) != len(keys)):
+            raise PoolError(f"cache: {len(blocks)} blocks, {len(keys)} keys"
+                            + ("" if tokens is None else f", {len(tokens)} token lists"))
+        self._check_held(blocks)
+        for blk in blocks:
+            if blk.ref_cnt <= 0:
+                raise BlockNotLive(f"block {blk.block_id} is not allocated: only live blocks are cached")
+        ops = self.journal.ops
+        for i, blk in enumerate(blocks):
+            key = keys[i]
+            if blk._block_hash == key:
+                continue
+            if blk._block_hash is not None:
+                self._drop_key(blk)
+            blk._block_hash = key
+            self._index.insert(key, blk)
+            ops.append((STORE, key, blk.block_id))
+            if self.verify_tokens and tokens is not None:
+                self._tokens[blk.block_id] = tuple(tokens[i])
+
+    def get_cached_block(self, key: Hashable) -> Any | None:
+        return self._index.get_one(key)
+
+    def lookup(self, keys: Sequence[Hashable],
+               tokens: Sequence[Sequence[int]] | None = None) -> list[Any]:
+        """Blocks of the longest cached prefix of ``keys`` (not touched).
+        With ``verify_tokens`` and ``tokens``, a hit whose stored token ids
+        differ ends the prefix: a collision can never serve wrong KV."""
+        hits: list[Any] = []
+        get = self._index.get_one
+        check = self.verify_tokens and tokens is not None
+        for i, key in enumerate(keys):
+            blk = get(key)
+            if blk is None:
+                break
+            if check and self._tokens.get(blk.block_id) != tuple(tokens[i]):
+                self.stats.token_mismatches += 1
+                break
+            hits.append(blk)
+        stats = self.stats
+        stats.lookups += 1
+        stats.lookup_blocks += len(keys)
+        stats.hit_blocks += len(hits)
+        return hits
+
+    # ------------------------------------------------------------ eviction
+    def evict(self, n: int, reason: str = "explicit") -> int:
+        """Evict at least ``n`` cached blocks (fewer if fewer exist), whole
+        slabs' caches at a time where no live block pins the slab."""
+        if n <= 0:
+            return 0
+        return self._evict_oldest(n, reason, whole_slabs=True)
+
+    def expire(self) -> int:
+        """Apply the TTL and the size limit now (the client calls this when idle)."""
+        before = sum(self.stats.evictions.values())
+        self._enforce_limits(self._clock())
+        return sum(self.stats.evictions.values()) - before
+
+    def clear_index(self) -> int:
+        """Weights changed: drop every key. Live blocks stay live (running
+        requests finish), cached blocks become free, new lookups miss.
+        Returns the number of cached blocks dropped."""
+        dropped = len(self._lru)
+        for slab in self._slabs.values():
+            if not (slab.cached or slab.live):
+                continue
+            old = len(slab.free)
+            for blk in slab.blocks:
+                if blk._block_hash is None:
+                    continue
+                blk._block_hash = None
+                if blk.ref_cnt == 0:
+                    slab.free.append(blk)
+            self.num_free += slab.cached
+            slab.cached = 0
+            self._rebucket(slab, old)
+            self.journal.dirty.add(slab.slab_id)
+        self._index.clear()
+        self._lru.clear()
+        self._tokens.clear()
+        self.journal.ops.append((CLEAR,))
+        self.stats.evictions["invalidate"] += dropped
+        return dropped
+
+    def reset(self) -> None:
+        """Back to a clean cache: only when no block is live; stats restart."""
+        if self.num_live:
+            raise PoolBusy(f"{self.num_live} block(s) still live: cannot reset the pool")
+        self.clear_index()
+        self.stats = PoolStats()
+
+    # ------------------------------------------------------------ internals
+    def _check_held(self, blocks: Sequence[Any]) -> None:
+        get, bps = self._slabs.get, self.blocks_per_slab
+        for blk in blocks:
+            slab = get(blk.block_id // bps)
+            if slab is None or slab.blocks[blk.block_id % bps] is not blk:
+                raise UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds")
+
+    def _fullest_with_free(self) -> Slab:
+        buckets, i = self._by_free, self._min_hint
+        while not buckets[i]:
+            i += 1
+        self._min_hint = i
+        return next(iter(buckets[i].values()))
+
+    def _rebucket(self, slab: Slab, old_free: int) -> None:
+        new_free = len(slab.free)
+        if new_free != old_free:
+            del self._by_free[old_free][slab.slab_id]
+            self._by_free[new_free][slab.slab_id] = slab
+            if 0 < new_free < self._min_hint:
+                self._min_hint = new_free
+
+    def _drop_key(self, blk: Any) -> None:
+        key = blk._block_hash
+        self._index.remove(key, blk)
+        self.journal.ops.append((REMOVE, key, blk.block_id))
+        blk._block_hash = None
+        if self._tokens:
+            self._tokens.pop(blk.block_id, None)
+
+    def _evict_cached(self, blk: Any, slab: Slab) -> None:
+        del self._lru[blk.block_id]
+        self._drop_key(blk)
+        old = len(slab.free)
+        slab.cached -= 1
+        slab.free.append(blk)
+        self.num_free += 1
+        self._rebucket(slab, old)
+        self.journal.dirty.add(slab.slab_id)
+
+    def _evict_oldest(self, n: int, reason: str, whole_slabs: bool,
+                      older_than: float | None = None) -> int:
+        bps, evicted = self.blocks_per_slab, 0
+        while evicted < n and self._lru:
+            block_id, cached_at = next(iter(self._lru.items()))
+            if older_than is not None and cached_at > older_than:
+                break
+            slab = self._slabs[block_id // bps]
+            self._evict_cached(slab.blocks[block_id % bps], slab)
+            evicted += 1
+            if whole_slabs and slab.live == 0 and slab.cached:
+                for blk in slab.blocks:
+                    if blk._block_hash is not None:
+                        self._evict_cached(blk, slab)
+                        evicted += 1
+        self.stats.evictions[reason] += evicted
+        return evicted
+
+    def _enforce_limits(self, now: float) -> None:
+        if self.ttl and self._lru:
+            self._evict_oldest(len(self._lru), "ttl", whole_slabs=False, older_than=now - self.ttl)
+        limit = self.max_cached_blocks
+        if limit is not None and len(self._lru) > limit:
+            self._evict_oldest(len(self._lru) - limit, "size_limit", whole_slabs=True)

@@ -1,0 +1,52 @@
+"""The invariants of DESIGN.md that the pool must hold after every operation."""
+
+from kvelastic.core.journal import Mirror
+from kvelastic.core.pool import SlabPool
+
+
+def check_pool(pool: SlabPool, mirror: Mirror | None = None) -> None:
+    bps = pool.blocks_per_slab
+    live = cached = free = 0
+    index = set(pool.cached_keys())
+    for slab_id in pool.slab_ids():
+        n_live = n_cached = n_free = 0
+        for i in range(bps):
+            blk = pool.block(slab_id * bps + i)
+            assert blk.block_id == slab_id * bps + i
+            assert blk.ref_cnt >= 0
+            if blk.ref_cnt > 0:
+                n_live += 1
+            elif blk.block_hash is not None:
+                n_cached += 1
+            else:
+                n_free += 1
+            if blk.block_hash is not None:
+                # every block holding a key is findable under it
+                assert (blk.block_hash, blk.block_id) in index
+        # refcount sync: the slab's counts equal what its blocks say
+        assert pool.occupancy(slab_id) == (n_live, n_cached, n_free)
+        assert n_live + n_cached + n_free == bps
+        live, cached, free = live + n_live, cached + n_cached, free + n_free
+    assert (pool.num_live, pool.num_cached, pool.num_free) == (live, cached, free)
+    # every index entry points at a held block that holds that key
+    for key, block_id in index:
+        assert pool.block(block_id).block_hash == key
+    if pool.max_cached_blocks is not None:
+        assert pool.num_cached <= pool.max_cached_blocks
+    if mirror is not None:
+        mirror.apply(pool.take_journal())
+        assert mirror.slabs == pool.occupancies()
+        assert mirror.index_pairs() == index
+
+
+def snapshot(pool: SlabPool):
+    """Everything observable, for 'a failure changed nothing' assertions."""
+    bps = pool.blocks_per_slab
+    blocks = {}
+    for slab_id in pool.slab_ids():
+        for i in range(bps):
+            blk = pool.block(slab_id * bps + i)
+            blocks[blk.block_id] = (blk.ref_cnt, blk.block_hash)
+    return (blocks, pool.occupancies(), sorted(pool.cached_keys(), key=repr),
+            list(pool._lru.items()), pool.num_free, pool.num_live,
+            list(pool.journal.ops), set(pool.journal.dirty), repr(pool.stats))

@@ -1,0 +1,333 @@
+"""Unit tests of SlabPool: every operation and every failure path."""
+
+import pytest
+
+from kvelastic.core.journal import Mirror
+from kvelastic.core.pool import SlabPool
+from kvelastic.errors import (
+    BlockNotCached,
+    BlockNotLive,
+    OutOfBlocks,
+    PoolBusy,
+    PoolError,
+    SlabAlreadyHeld,
+    SlabBusy,
+    UnknownBlock,
+    UnknownSlab,
+)
+from tests.core.invariants import check_pool, snapshot
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def make_pool(slabs=(0, 1), bps=4, **kw):
+    pool = SlabPool(bps, **kw)
+    for s in slabs:
+        pool.add_slab(s)
+    return pool
+
+
+def keys(*names):
+    return [f"k{n}".encode() for n in names]
+
+
+def assert_unchanged(pool, op, exc):
+    before = snapshot(pool)
+    with pytest.raises(exc):
+        op()
+    assert snapshot(pool) == before
+    check_pool(pool)
+
+
+# ------------------------------------------------------------- allocation
+def test_allocate_is_best_fit_from_fullest_slab():
+    pool = make_pool(slabs=(0, 1, 2), bps=4)
+    a = pool.allocate(3)                  # all from one slab
+    assert {b.block_id // 4 for b in a} == {a[0].block_id // 4}
+    b = pool.allocate(1)                  # the fullest slab with room: the same one
+    assert b[0].block_id // 4 == a[0].block_id // 4
+    c = pool.allocate(1)                  # that slab is full now: another one
+    assert c[0].block_id // 4 != a[0].block_id // 4
+    pool.free(a[:2])                      # slab of a: 2 free; slab of c: 3 free
+    d = pool.allocate(1)
+    assert d[0].block_id // 4 == a[0].block_id // 4
+    check_pool(pool)
+
+
+def test_allocate_spans_slabs_and_sets_refcounts():
+    pool = make_pool(slabs=(0, 1), bps=4)
+    blocks = pool.allocate(6)
+    assert len({b.block_id for b in blocks}) == 6
+    assert all(b.ref_cnt == 1 for b in blocks)
+    assert pool.num_live == 6 and pool.num_free == 2
+    check_pool(pool)
+
+
+def test_allocate_more_than_available_changes_nothing():
+    pool = make_pool(slabs=(0,), bps=4)
+    pool.allocate(1)
+    assert_unchanged(pool, lambda: pool.allocate(4), OutOfBlocks)
+    assert_unchanged(pool, lambda: pool.allocate(-1), PoolError)
+    assert pool.allocate(0) == []
+
+
+def test_allocate_evicts_lru_cached_blocks_when_no_free_block():
+    pool = make_pool(slabs=(0,), bps=4)
+    blocks = pool.allocate(4)
+    pool.cache(blocks, keys(0, 1, 2, 3))
+    pool.free([blocks[3], blocks[2]])     # tail of the chain first
+    pool.free([blocks[1], blocks[0]])
+    got = pool.allocate(1)
+    assert got == [blocks[3]]             # the tail went first
+    assert pool.lookup(keys(0, 1, 2, 3)) == blocks[:3]
+    assert pool.stats.evictions["lru"] == 1
+    check_pool(pool)
+
+
+# ---------------------------------------------------------- touch / free
+def test_touch_revives_cached_block_and_counts_refs():
+    pool = make_pool(slabs=(0,), bps=4)
+    [blk] = pool.allocate(1)
+    pool.cache([blk], keys(0))
+    pool.free([blk])
+    assert pool.num_cached == 1
+    pool.touch([blk])
+    assert blk.ref_cnt == 1 and pool.num_cached == 0 and pool.num_live == 1
+    pool.touch([blk])
+    assert blk.ref_cnt == 2
+    pool.free([blk, blk])
+    assert pool.num_cached == 1
+    check_pool(pool)
+
+
+def test_touch_free_block_fails_and_changes_nothing():
+    pool = make_pool(slabs=(0,), bps=4)
+    [a, b] = pool.allocate(2)
+    pool.cache([a], keys(0))
+    pool.free([a, b])                      # a cached, b free
+    assert_unchanged(pool, lambda: pool.touch([a, b]), BlockNotCached)
+    assert a.ref_cnt == 0
+
+
+def test_double_free_fails_and_changes_nothing():
+    pool = make_pool(slabs=(0,), bps=4)
+    [a, b] = pool.allocate(2)
+    pool.free([a])
+    assert_unchanged(pool, lambda: pool.free([b, a]), BlockNotLive)
+    assert_unchanged(pool, lambda: pool.free([b, b]), BlockNotLive)
+    pool.free([b])
+    check_pool(pool)
+
+
+def test_free_puts_unhashed_blocks_back_on_their_slab():
+    pool = make_pool(slabs=(0,), bps=4)
+    blocks = pool.allocate(4)
+    pool.free(blocks)
+    assert pool.num_free == 4 and pool.num_cached == 0
+    assert pool.idle_slabs() == [0]
+
+
+def test_foreign_block_is_rejected():
+    pool = make_pool(slabs=(0,), bps=4)
+    other = make_pool(slabs=(0,), bps=4)
+    [foreign] = other.allocate(1)
+    pool.allocate(1)
+    assert_unchanged(pool, lambda: pool.free([foreign]), UnknownBlock)
+    assert_unchanged(pool, lambda: pool.touch([foreign]), UnknownBlock)
+    assert_unchanged(pool, lambda: pool.cache([foreign], keys(0)), UnknownBlock)
+    with pytest.raises(UnknownBlock):
+        pool.block(99)
+    with pytest.raises(UnknownBlock):
+        pool.block(-1)
+
+
+# ---------------------------------------------------------- cache / lookup
+def test_cache_and_lookup_longest_prefix():
+    pool = make_pool(slabs=(0, 1), bps=4)
+    blocks = pool.allocate(3)
+    pool.cache(blocks, keys(0, 1, 2))
+    assert pool.lookup(keys(0, 1, 2, 3)) == blocks
+    assert pool.lookup(keys(0, 9, 2)) == blocks[:1]
+    assert pool.lookup(keys(9)) == []
+    assert (pool.stats.lookup_blocks, pool.stats.hit_blocks) == (8, 4)
+    check_pool(pool)
+
+
+def test_cache_unallocated_block_fails_and_changes_nothing():
+    pool = make_pool(slabs=(0,), bps=4)
+    [a, b] = pool.allocate(2)
+    pool.free([b])
+    assert_unchanged(pool, lambda: pool.cache([a, b], keys(0, 1)), BlockNotLive)
+    assert_unchanged(pool, lambda: pool.cache([a], keys(0, 1)), PoolError)
+
+
+def test_one_key_may_map_to_several_blocks():
+    pool = make_pool(slabs=(0,), bps=4)
+    [a, b] = pool.allocate(2)
+    pool.cache([a], keys(0))
+    pool.cache([b], keys(0))              # same content filled twice
+    assert pool.lookup(keys(0))[0] in (a, b)
+    pool.free([a])
+    pool.allocate(3)                       # 2 free + evicts a
+    assert pool.lookup(keys(0)) == [b]
+    check_pool(pool)
+
+
+def test_recache_replaces_key():
+    pool = make_pool(slabs=(0,), bps=4, )
+    [a] = pool.allocate(1)
+    pool.cache([a], keys(0))
+    pool.cache([a], keys(0))               # idempotent
+    pool.cache([a], keys(1))
+    assert pool.lookup(keys(0)) == [] and pool.lookup(keys(1)) == [a]
+    check_pool(pool)
+
+
+def test_group_ids_in_keys_keep_groups_apart():
+    pool = make_pool(slabs=(0,), bps=4)
+    [a, b] = pool.allocate(2)
+    pool.cache([a, b], [(b"h", 0), (b"h", 1)])
+    assert pool.lookup([(b"h", 1)]) == [b]
+
+
+def test_verify_tokens_refuses_a_collision():
+    pool = make_pool(slabs=(0,), bps=4, verify_tokens=True)
+    [a] = pool.allocate(1)
+    pool.cache([a], keys(0), tokens=[[1, 2, 3]])
+    assert pool.lookup(keys(0), tokens=[[1, 2, 3]]) == [a]
+    assert pool.lookup(keys(0), tokens=[[1, 2, 4]]) == []
+    assert pool.stats.token_mismatches == 1
+
+
+# ------------------------------------------------------------------ limits
+def test_size_limit_evicts_whole_idle_slabs_first():
+    pool = make_pool(slabs=(0, 1), bps=4, block_bytes=100, max_cached_bytes=500)
+    s0 = pool.allocate(4)
+    s1 = pool.allocate(4)
+    pool.cache(s0 + s1, keys(*range(8)))
+    pool.free(s0)                          # 4 cached, slab of s0 has no live block
+    pool.free(s1[:2])                      # 6 cached > limit 5
+    assert pool.num_cached <= 5
+    # the oldest block's slab held no live block, so its whole cache went
+    assert pool.occupancy(s0[0].block_id // 4) == (0, 0, 4)
+    assert pool.stats.evictions["size_limit"] == 4
+    check_pool(pool)
+
+
+def test_ttl_expires_old_cached_blocks():
+    clock = FakeClock()
+    pool = make_pool(slabs=(0,), bps=4, ttl=10.0, clock=clock)
+    [a, b] = pool.allocate(2)
+    pool.cache([a, b], keys(0, 1))
+    pool.free([a])
+    clock.now += 6
+    pool.free([b])
+    clock.now += 6                          # a is 12 s old, b 6 s
+    assert pool.expire() == 1
+    assert pool.lookup(keys(0)) == [] and pool.lookup(keys(1)) == [b]
+    assert pool.stats.evictions["ttl"] == 1
+    check_pool(pool)
+
+
+def test_explicit_evict_returns_count():
+    pool = make_pool(slabs=(0,), bps=4)
+    blocks = pool.allocate(3)
+    pool.cache(blocks, keys(0, 1, 2))
+    pool.free(blocks)
+    assert pool.evict(1) == 3              # slab had no live block: all its cache
+    assert pool.evict(5) == 0
+    assert pool.stats.evictions["explicit"] == 3
+
+
+# ------------------------------------------------------------------- slabs
+def test_take_slab_back_evicts_cache_then_removes():
+    pool = make_pool(slabs=(0, 1), bps=4)
+    blocks = pool.allocate(2)
+    slab = blocks[0].block_id // 4
+    pool.cache(blocks, keys(0, 1))
+    pool.free(blocks)
+    assert pool.take_slab_back(slab) == 2
+    assert slab not in pool.slab_ids() and pool.lookup(keys(0)) == []
+    assert pool.stats.evictions["reclaim"] == 2
+    assert pool.num_blocks == 4
+    check_pool(pool)
+
+
+def test_take_slab_back_with_live_blocks_fails_and_changes_nothing():
+    pool = make_pool(slabs=(0,), bps=4)
+    pool.allocate(1)
+    assert_unchanged(pool, lambda: pool.take_slab_back(0), SlabBusy)
+    assert_unchanged(pool, lambda: pool.take_slab_back(7), UnknownSlab)
+
+
+def test_add_slab_twice_fails_and_changes_nothing():
+    pool = make_pool(slabs=(0,), bps=4)
+    assert_unchanged(pool, lambda: pool.add_slab(0), SlabAlreadyHeld)
+    assert_unchanged(pool, lambda: pool.add_slab(-3), UnknownSlab)
+
+
+def test_reclaimable_and_idle_slabs():
+    pool = make_pool(slabs=(0, 1, 2), bps=2)
+    a = pool.allocate(2)                   # one slab full and live
+    b = pool.allocate(1)
+    pool.cache(b, keys(0))
+    pool.free(b)                           # one slab with a cached block
+    live_slab, cached_slab = a[0].block_id // 2, b[0].block_id // 2
+    assert set(pool.reclaimable_slabs()) == {0, 1, 2} - {live_slab}
+    assert set(pool.idle_slabs()) == {0, 1, 2} - {live_slab, cached_slab}
+
+
+# ----------------------------------------------------- invalidate / reset
+def test_clear_index_keeps_live_blocks_and_frees_cached():
+    pool = make_pool(slabs=(0,), bps=4)
+    blocks = pool.allocate(3)
+    pool.cache(blocks, keys(0, 1, 2))
+    pool.free(blocks[2:])
+    assert pool.clear_index() == 1
+    assert all(b.ref_cnt == 1 for b in blocks[:2])
+    assert pool.lookup(keys(0)) == []
+    assert pool.num_free == 2 and pool.num_cached == 0
+    pool.free(blocks[:2])                  # running requests finish normally
+    assert pool.num_free == 4 and pool.num_cached == 0
+    assert pool.stats.evictions["invalidate"] == 1
+    check_pool(pool)
+
+
+def test_reset_needs_no_live_block():
+    pool = make_pool(slabs=(0,), bps=4)
+    blocks = pool.allocate(2)
+    pool.cache(blocks, keys(0, 1))
+    assert_unchanged(pool, pool.reset, PoolBusy)
+    pool.free(blocks)
+    pool.lookup(keys(0))
+    pool.reset()
+    assert pool.num_cached == 0 and pool.stats.lookups == 0
+    check_pool(pool)
+
+
+# ----------------------------------------------------------------- journal
+def test_journal_replays_into_mirror():
+    pool = make_pool(slabs=(), bps=4)
+    mirror = Mirror()
+    pool.add_slab(3)
+    blocks = pool.allocate(3)
+    pool.cache(blocks, keys(0, 1, 2))
+    check_pool(pool, mirror)
+    assert mirror.slabs == {3: (3, 0, 1)}
+    pool.free(blocks)
+    pool.allocate(4)                        # evicts one
+    check_pool(pool, mirror)
+    pool.clear_index()
+    check_pool(pool, mirror)
+    assert mirror.index == {}
+    pool.add_slab(5)
+    pool.take_slab_back(5)
+    check_pool(pool, mirror)
+    assert set(mirror.slabs) == {3}
+    assert not pool.take_journal()          # nothing new since the last batch

@@ -1,0 +1,258 @@
+"""Random sequences of every pool operation, checked against a plain model.
+
+The model keeps refcounts, keys and the LRU order in dicts and lists. Where
+the pool may choose (which free block best fit hands out, how many extra
+blocks page-aware eviction takes), the test checks the choice against the
+rules and then applies it to the model. After every step: the invariants of
+``check_pool`` (refcount sync, one state per block, index both ways, cache
+limit, journal replay == pool state) and model == pool.
+"""
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvelastic.core.block import Block
+from kvelastic.core.journal import Mirror
+from kvelastic.core.pool import SlabPool
+from kvelastic.errors import PoolError
+from tests.core.invariants import check_pool, snapshot
+
+BPS = 3
+SLABS = range(3)
+KEYS = st.sampled_from([b"a", b"b", b"c", b"d", b"e", b"f", (b"a", 1)])
+TTL = 50.0
+MAX_CACHED = 5
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.clock = Clock()
+        self.pool = SlabPool(BPS, block_bytes=10, max_cached_bytes=10 * MAX_CACHED,
+                             ttl=TTL, clock=self.clock)
+        self.mirror = Mirror()
+        self.ref: dict[int, int] = {}       # block_id -> refcount (held slabs only)
+        self.key: dict[int, object] = {}    # block_id -> key
+        self.lru: list[int] = []            # cached block ids, oldest first
+        self.cached_at: dict[int, float] = {}
+
+    # ----------------------------------------------------------- helpers
+    def blocks(self, ids):
+        return [self.pool.block(i) for i in ids]
+
+    def expect_failure(self, op):
+        before = snapshot(self.pool)
+        try:
+            op()
+        except PoolError:
+            assert snapshot(self.pool) == before
+            return True
+        return False
+
+    def live_ids(self):
+        return sorted(i for i, r in self.ref.items() if r > 0)
+
+    def reconcile_evictions(self, *, min_count=0, oldest_first=False, ttl_cutoff=None):
+        """Blocks the pool evicted on its own: check, then apply to the model."""
+        gone = [i for i in self.lru if self.pool.block(i).block_hash is None]
+        if ttl_cutoff is not None:
+            assert gone == [i for i in self.lru if self.cached_at[i] <= ttl_cutoff]
+        if min_count:
+            assert len(gone) >= min(min_count, len(self.lru))
+        if oldest_first and gone:
+            assert gone[0] == self.lru[0]
+        for i in gone:
+            self.lru.remove(i)
+            self.key.pop(i, None)
+
+    def after_free_limits(self):
+        cutoff = self.clock.now - TTL
+        expired = [i for i in self.lru if self.cached_at[i] <= cutoff]
+        for i in expired:
+            assert self.pool.block(i).block_hash is None
+            self.lru.remove(i)
+            self.key.pop(i, None)
+        excess = len(self.lru) - MAX_CACHED
+        if excess > 0:
+            self.reconcile_evictions(min_count=excess, oldest_first=True)
+        assert len(self.lru) <= MAX_CACHED
+
+    # ------------------------------------------------------------- rules
+    @rule(slab=st.sampled_from(SLABS))
+    def add_slab(self, slab):
+        if slab * BPS in self.ref:
+            assert self.expect_failure(lambda: self.pool.add_slab(slab))
+            return
+        self.pool.add_slab(slab)
+        for i in range(slab * BPS, (slab + 1) * BPS):
+            self.ref[i] = 0
+
+    @rule(slab=st.sampled_from(SLABS))
+    def take_slab_back(self, slab):
+        ids = range(slab * BPS, (slab + 1) * BPS)
+        if slab * BPS not in self.ref or any(self.ref[i] for i in ids):
+            assert self.expect_failure(lambda: self.pool.take_slab_back(slab))
+            return
+        self.pool.take_slab_back(slab)
+        for i in ids:
+            del self.ref[i]
+            self.key.pop(i, None)
+            if i in self.lru:
+                self.lru.remove(i)
+
+    @rule(n=st.integers(0, 9))
+    def allocate(self, n):
+        free = [i for i, r in self.ref.items() if r == 0 and i not in self.key]
+        if n > len(free) + len(self.lru):
+            assert self.expect_failure(lambda: self.pool.allocate(n))
+            return
+        got = [b.block_id for b in self.pool.allocate(n)]
+        n_free = min(n, len(free))
+        assert set(got[:n_free]) <= set(free)           # free blocks first
+        assert got[n_free:] == self.lru[:n - n_free]    # then LRU order
+        for i in got:
+            self.ref[i] = 1
+            self.key.pop(i, None)
+            if i in self.lru:
+                self.lru.remove(i)
+
+    @rule(extra=st.integers(1, 3))
+    def allocate_past_free(self, extra):
+        """Ask for more than the free blocks, so cached ones get reused."""
+        self.allocate(self.pool.num_free + extra)
+
+    @rule(data=st.data())
+    def touch(self, data):
+        candidates = [i for i, r in self.ref.items() if r > 0 or i in self.key]
+        bad = data.draw(st.booleans()) and len(candidates) < len(self.ref)
+        if bad:
+            free = [i for i in self.ref if i not in candidates]
+            ids = data.draw(st.lists(st.sampled_from(free), min_size=1, max_size=2))
+            assert self.expect_failure(lambda: self.pool.touch(self.blocks(ids)))
+            return
+        if not candidates:
+            return
+        ids = data.draw(st.lists(st.sampled_from(candidates), max_size=4))
+        self.pool.touch(self.blocks(ids))
+        for i in ids:
+            if self.ref[i] == 0:
+                self.lru.remove(i)
+            self.ref[i] += 1
+
+    @rule(data=st.data())
+    def free(self, data):
+        live = self.live_ids()
+        if data.draw(st.booleans()) and len(live) < len(self.ref):
+            dead = [i for i in self.ref if self.ref[i] == 0]
+            ids = data.draw(st.lists(st.sampled_from(dead), min_size=1, max_size=2))
+            assert self.expect_failure(lambda: self.pool.free(self.blocks(ids)))
+            return
+        if not live:
+            return
+        ids = data.draw(st.lists(st.sampled_from(live), max_size=4, unique=True))
+        self.pool.free(self.blocks(ids))
+        for i in ids:
+            self.ref[i] -= 1
+            if self.ref[i] == 0 and i in self.key:
+                self.lru.append(i)
+                self.cached_at[i] = self.clock.now
+        self.after_free_limits()
+
+    @rule(data=st.data())
+    def cache(self, data):
+        live = self.live_ids()
+        if data.draw(st.booleans()) or not live:
+            pool_ids = sorted(self.ref) or [0]
+            ids = data.draw(st.lists(st.sampled_from(pool_ids + [99]), min_size=1, max_size=3, unique=True))
+        else:
+            ids = data.draw(st.lists(st.sampled_from(live), max_size=3, unique=True))
+        ks = data.draw(st.lists(KEYS, min_size=len(ids), max_size=len(ids)))
+        if not all(i in self.ref and self.ref[i] > 0 for i in ids):
+            assert self.expect_failure(lambda: self.pool.cache(
+                [self.pool.block(i) if i in self.ref else Block(i) for i in ids], ks))
+            return
+        self.pool.cache(self.blocks(ids), ks)
+        for i, k in zip(ids, ks):
+            self.key[i] = k
+
+    @rule(n=st.integers(1, 4), data=st.data())
+    def request(self, n, data):
+        """A request's life: allocate, fill and cache its blocks, free tail first."""
+        free = sum(1 for i, r in self.ref.items() if r == 0 and i not in self.key)
+        if n > free + len(self.lru):
+            return
+        self.allocate(n)
+        got = [i for i in self.live_ids() if self.ref[i] == 1 and i not in self.key][:n]
+        ks = data.draw(st.lists(KEYS, min_size=len(got), max_size=len(got)))
+        self.pool.cache(self.blocks(got), ks)
+        self.key.update(zip(got, ks))
+        self.pool.free(self.blocks(got[::-1]))
+        for i in got[::-1]:
+            self.ref[i] -= 1
+            self.lru.append(i)
+            self.cached_at[i] = self.clock.now
+        self.after_free_limits()
+
+    @rule(ks=st.lists(KEYS, max_size=4))
+    def lookup(self, ks):
+        hits = self.pool.lookup(ks)
+        expected = 0
+        for k in ks:
+            if k not in self.key.values():
+                break
+            expected += 1
+        assert len(hits) == expected
+        for blk, k in zip(hits, ks):
+            assert self.key[blk.block_id] == k
+
+    @rule(n=st.integers(0, 4))
+    def evict(self, n):
+        evicted = self.pool.evict(n)
+        before = len(self.lru)
+        self.reconcile_evictions(min_count=n, oldest_first=True)
+        assert evicted == before - len(self.lru)
+
+    @rule(dt=st.floats(0, 40))
+    def advance_clock_and_expire(self, dt):
+        self.clock.now += dt
+        self.pool.expire()
+        self.reconcile_evictions(ttl_cutoff=self.clock.now - TTL)
+
+    @precondition(lambda self: True)
+    @rule()
+    def clear_index(self):
+        self.pool.clear_index()
+        self.key.clear()
+        self.lru.clear()
+
+    @rule()
+    def reset(self):
+        if self.live_ids():
+            assert self.expect_failure(self.pool.reset)
+            return
+        self.pool.reset()
+        self.key.clear()
+        self.lru.clear()
+
+    # -------------------------------------------------------- invariants
+    @invariant()
+    def pool_matches_model(self):
+        check_pool(self.pool, self.mirror)
+        for i, r in self.ref.items():
+            blk = self.pool.block(i)
+            assert blk.ref_cnt == r
+            assert blk.block_hash == self.key.get(i)
+        assert [i for i in self.pool._lru] == self.lru
+        assert set(self.pool.slab_ids()) == {i // BPS for i in self.ref}
+
+
+TestPoolStateful = PoolMachine.TestCase
+TestPoolStateful.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
