@@ -1,0 +1,1 @@
+"""Client side of the daemon link: ``EngineClient`` (block pool) and ``WorkerClient`` (KV arena)."""

@@ -1,0 +1,293 @@
+"""A client's link to the daemon: one background I/O thread per connection.
+
+The thread owns the ZMQ DEALER (ZMQ sockets are not thread-safe) and the
+AF_UNIX *lifeline*: the page channel for a worker, a bare liveness link for
+an engine. Other threads hand it messages through a queue and an eventfd.
+When the lifeline reports the daemon gone, the thread reconnects with
+exponential backoff and calls ``handshake`` again (re-registration), so a
+daemon restart is invisible to the caller apart from failed requests while
+it is down.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from kvelastic import protocol as p
+from kvelastic.errors import KvelasticError
+from kvelastic.vmm import fdchannel
+
+log = logging.getLogger("kvelastic.client")
+
+BACKOFF_MIN, BACKOFF_MAX = 0.05, 2.0
+
+
+class DaemonUnavailable(KvelasticError):
+    reason = "daemon_unavailable"
+
+
+class DaemonError(KvelasticError):
+    """The daemon answered a request with an ``Error``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{message} ({reason})")
+        self.reason = reason
+
+
+class _Pending:
+    __slots__ = ("event", "reply", "callback")
+
+    def __init__(self, callback: Callable[[p.Msg], None] | None) -> None:
+        self.event = threading.Event()
+        self.reply: p.Msg | None = None
+        self.callback = callback
+
+
+class Connection:
+    def __init__(self, socket_path: str, engine_id: str, rank: int, *,
+                 handshake: Callable[[Connection], None],
+                 on_command: Callable[[p.Msg], None],
+                 on_tick: Callable[[float], None] | None = None,
+                 tick_interval: float = 0.01, name: str = "kvelastic-io") -> None:
+        self.socket_path = socket_path
+        self.engine_id = engine_id
+        self.rank = rank
+        self._handshake = handshake
+        self._on_command = on_command
+        self._on_tick = on_tick
+        self._tick_interval = tick_interval
+        self._ctx = zmq.Context.instance()
+        self._dealer: zmq.Socket | None = None
+        self.lifeline: fdchannel.FdChannel | None = None
+        self._early: list[p.Msg] = []
+        self._outbox: collections.deque[tuple[p.Msg, _Pending | None]] = collections.deque()
+        self._pending: dict[int, _Pending] = {}
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._next_req = 0
+        self._req_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.connected = threading.Event()
+        self.errors = 0                      # error replies to notifications
+        self.reconnects = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # --------------------------------------------------------- caller API
+    def start(self, timeout: float = 10.0) -> None:
+        self._thread.start()
+        if not self.connected.wait(timeout):
+            self.close()
+            raise DaemonUnavailable(f"no kvelastic daemon answered on {self.socket_path} within {timeout:.0f} s "
+                                    "(is it running? see KVELASTIC_SOCKET)")
+
+    def request(self, msg: p.Msg, timeout: float = 10.0) -> p.Msg:
+        """Send and wait for the reply (never from the I/O thread)."""
+        pending = self._submit(msg, _Pending(None))
+        if not pending.event.wait(timeout):
+            self._pending.pop(msg.req_id, None)
+            raise DaemonUnavailable(f"no answer to {type(msg).__name__} within {timeout:.1f} s")
+        return self._result(pending.reply)
+
+    def request_async(self, msg: p.Msg, callback: Callable[[p.Msg], None]) -> None:
+        """``callback(reply)`` runs on the I/O thread; an ``Error`` reply or a lost
+        connection arrives as an ``Error`` message."""
+        self._submit(msg, _Pending(callback))
+
+    def notify(self, msg: p.Msg) -> None:
+        """Fire and forget: the daemon answers only if it rejects the message."""
+        self._submit(msg, None)
+
+    def send_now(self, msg: p.Msg) -> None:
+        """From the I/O thread only (handshakes and answers to commands)."""
+        if msg.req_id == 0:
+            msg.req_id = self._new_req_id()
+        if self._dealer is not None:
+            self._dealer.send(p.encode(msg))
+
+    def call_now(self, msg: p.Msg, timeout: float = 5.0) -> p.Msg:
+        """A synchronous request from the I/O thread itself (used by handshakes)."""
+        msg.req_id = self._new_req_id()
+        self._dealer.send(p.encode(msg))
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._dealer.poll(int(left * 1000)):
+                raise DaemonUnavailable(f"no answer to {type(msg).__name__}")
+            reply = p.decode(self._dealer.recv())
+            if reply.req_id == msg.req_id:
+                return self._result(reply)
+            self._early.append(reply)   # delivered once the handshake is over
+
+    def close(self) -> None:
+        self._stop.set()
+        os.eventfd_write(self._wake, 1)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(5)
+
+    # ------------------------------------------------------------ internals
+    def _new_req_id(self) -> int:
+        with self._req_lock:
+            self._next_req += 1
+            return self._next_req
+
+    def _submit(self, msg: p.Msg, pending: _Pending | None) -> _Pending | None:
+        msg.req_id = self._new_req_id()
+        if pending is not None:
+            self._pending[msg.req_id] = pending
+        self._outbox.append((msg, pending))
+        os.eventfd_write(self._wake, 1)
+        return pending
+
+    @staticmethod
+    def _result(reply: p.Msg | None) -> p.Msg:
+        if isinstance(reply, p.Error):
+            raise DaemonError(reply.reason, reply.message)
+        if reply is None:
+            raise DaemonUnavailable("the daemon went away before answering")
+        return reply
+
+    def _connect(self) -> bool:
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(2.0)
+            sock.connect(p.fd_socket_path(self.socket_path))
+            p.write_hello(sock, self.engine_id, self.rank)
+            sock.settimeout(None)
+        except OSError:
+            sock.close()
+            return False
+        self.lifeline = fdchannel.FdChannel(sock)
+        self._dealer = self._ctx.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.connect(f"ipc://{self.socket_path}")
+        try:
+            self._handshake(self)
+        except (KvelasticError, zmq.ZMQError) as exc:
+            log.warning("engine %s: handshake with the daemon failed: %s", self.engine_id, exc)
+            if isinstance(exc, DaemonError) and exc.reason in ("version", "geometry", "engine_exists", "limit"):
+                self._fatal = exc
+            self._disconnect()
+            return False
+        return True
+
+    def _disconnect(self) -> None:
+        self.connected.clear()
+        if self._dealer is not None:
+            self._dealer.close(0)
+            self._dealer = None
+        if self.lifeline is not None:
+            self.lifeline.close()
+            self.lifeline = None
+        for req_id, pending in list(self._pending.items()):
+            self._pending.pop(req_id, None)
+            self._complete(pending, p.Error(req_id=req_id, reason="daemon_unavailable",
+                                            message="connection to the daemon lost"))
+
+    def _complete(self, pending: _Pending, reply: p.Msg) -> None:
+        pending.reply = reply
+        pending.event.set()
+        if pending.callback is not None:
+            try:
+                pending.callback(reply)
+            except Exception:
+                log.exception("engine %s: reply handler failed", self.engine_id)
+
+    def _deliver(self, msg: p.Msg) -> None:
+        pending = self._pending.pop(msg.req_id, None)
+        if pending is not None:
+            self._complete(pending, msg)
+        elif isinstance(msg, p.Error):
+            self.errors += 1
+            log.warning("engine %s: daemon rejected a message: %s (%s)", self.engine_id, msg.message, msg.reason)
+        else:
+            try:
+                self._on_command(msg)
+            except Exception:
+                log.exception("engine %s: handling %s failed", self.engine_id, type(msg).__name__)
+
+    def _run(self) -> None:
+        self._fatal: Exception | None = None
+        backoff = BACKOFF_MIN
+        next_tick = 0.0
+        while not self._stop.is_set():
+            if self._dealer is None:
+                if self._connect():
+                    backoff = BACKOFF_MIN
+                    if self.reconnects or self.connected.is_set():
+                        log.info("engine %s: reconnected to the daemon", self.engine_id)
+                    self.connected.set()
+                    early, self._early = self._early, []
+                    for msg in early:
+                        self._deliver(msg)
+                else:
+                    if self._fatal is not None:
+                        log.error("engine %s: daemon refused us: %s", self.engine_id, self._fatal)
+                    self._drain_outbox_offline()
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, BACKOFF_MAX)
+                    continue
+            poller = zmq.Poller()
+            poller.register(self._dealer, zmq.POLLIN)
+            poller.register(self._wake, zmq.POLLIN)
+            poller.register(self.lifeline.fileno(), zmq.POLLIN)
+            while not self._stop.is_set():
+                now = time.monotonic()
+                events = dict(poller.poll(max(0, int((next_tick - now) * 1000)) if self._on_tick else 100))
+                if self._wake in events:
+                    try:
+                        os.eventfd_read(self._wake)
+                    except BlockingIOError:
+                        pass
+                while self._outbox:
+                    msg, _pending = self._outbox.popleft()
+                    self._dealer.send(p.encode(msg))
+                if self._dealer in events:
+                    while True:
+                        try:
+                            data = self._dealer.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        try:
+                            self._deliver(p.decode(data))
+                        except Exception as exc:
+                            log.warning("engine %s: undecodable message from the daemon: %s", self.engine_id, exc)
+                if self.lifeline.fileno() in events and self._lifeline_closed():
+                    log.warning("engine %s: lost the daemon; serving from held memory, reconnecting",
+                                self.engine_id)
+                    self.reconnects += 1
+                    self._disconnect()
+                    break
+                now = time.monotonic()
+                if self._on_tick is not None and now >= next_tick:
+                    next_tick = now + self._tick_interval
+                    try:
+                        self._on_tick(now)
+                    except Exception:
+                        log.exception("engine %s: periodic work failed", self.engine_id)
+        self._disconnect()
+        os.close(self._wake)
+
+    def _lifeline_closed(self) -> bool:
+        """Readable may mean page descriptors waiting (a worker's channel) or EOF."""
+        try:
+            return self.lifeline.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def _drain_outbox_offline(self) -> None:
+        """While disconnected, requests fail at once instead of queueing forever."""
+        while self._outbox:
+            msg, pending = self._outbox.popleft()
+            if pending is not None:
+                self._pending.pop(msg.req_id, None)
+                self._complete(pending, p.Error(req_id=msg.req_id, reason="daemon_unavailable",
+                                                message="no kvelastic daemon is running"))

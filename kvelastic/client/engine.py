@@ -1,0 +1,215 @@
+"""The engine side of the daemon link: keeps a ``SlabPool`` supplied with slabs.
+
+The engine's scheduler thread drives the pool; the I/O thread (``Connection``)
+applies grants, answers reclaims, flushes the journal, returns idle slabs and
+sends heartbeats. ``lock`` guards the pool between the two: the scheduler
+holds it around each pool operation (uncontended: ~100 ns).
+
+Watermarks keep the hot path off the daemon: when free blocks fall under
+``low_watermark`` the I/O thread asks for more slabs ahead of need; only a
+starved allocation waits (``ensure``). Slabs that stay idle (no live, no
+cached block) beyond ``keep_idle_slabs`` for ``shrink_grace`` seconds go back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+
+import msgspec
+
+from kvelastic import protocol as p
+from kvelastic.client.connection import Connection, DaemonError, DaemonUnavailable
+from kvelastic.core.journal import REMOVE, STORE
+from kvelastic.core.pool import SlabPool
+from kvelastic.errors import PoolError
+
+log = logging.getLogger("kvelastic.client")
+
+HEARTBEAT_INTERVAL = 0.5
+JOURNAL_MAX_OPS = 20000
+
+
+def wire_key(key) -> bytes:
+    """Prefix-cache keys travel as bytes (vLLM's already are)."""
+    return key if type(key) is bytes else msgspec.msgpack.encode(key)
+
+
+class EngineClient:
+    def __init__(self, pool: SlabPool, *, socket_path: str, engine_id: str, namespace: str,
+                 page_size: int, pages_per_worker: int, num_workers: int, block_bytes: int,
+                 min_bytes: int = 0, max_bytes: int = 0, low_watermark: int | None = None,
+                 keep_idle_slabs: int = 1, shrink_grace: float = 5.0, tick_interval: float = 0.01) -> None:
+        self.pool = pool
+        self.engine_id = engine_id
+        self.namespace = namespace
+        self.geometry = dict(page_size=page_size, pages_per_worker=pages_per_worker,
+                             num_workers=num_workers, blocks_per_slab=pool.blocks_per_slab,
+                             block_bytes=block_bytes, min_bytes=min_bytes, max_bytes=max_bytes)
+        self.low_watermark = pool.blocks_per_slab if low_watermark is None else low_watermark
+        self.keep_idle_slabs = keep_idle_slabs
+        self.shrink_grace = shrink_grace
+        self.lock = threading.RLock()
+        self.max_slabs = 0
+        self.budget_bytes = 0
+        self.refused_until = 0.0           # after a refused grow, no prefetch for a while
+        self._grow_in_flight = False
+        self._grow_done = threading.Condition(self.lock)
+        self._idle_since: dict[int, float] = {}
+        self._last_heartbeat = 0.0
+        self._now = 0.0
+        self.conn = Connection(socket_path, engine_id, -1, handshake=self._register,
+                               on_command=self._on_command, on_tick=self._tick,
+                               tick_interval=tick_interval, name=f"kvelastic-engine-{engine_id}")
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self, timeout: float = 10.0) -> EngineClient:
+        self.conn.start(timeout)
+        return self
+
+    def close(self, unregister: bool = True) -> None:
+        if unregister and self.conn.connected.is_set():
+            try:
+                self.conn.request(p.Unregister(engine_id=self.engine_id), timeout=2.0)
+            except (DaemonError, DaemonUnavailable):
+                pass
+        self.conn.close()
+
+    def _register(self, conn: Connection) -> None:
+        """Handshake (I/O thread): register, adopting whatever the pool holds."""
+        with self.lock:
+            held = self.pool.slab_ids()
+            occupancy = self.pool.occupancies()
+        reply = conn.call_now(p.RegisterEngine(
+            version=p.PROTOCOL_VERSION, engine_id=self.engine_id, pid=os.getpid(),
+            namespace=self.namespace, held=held, occupancy=occupancy, **self.geometry))
+        self.max_slabs, self.budget_bytes = reply.max_slabs, reply.budget_bytes
+        self._grow_in_flight = False
+        if held:  # a restarted daemon has an empty mirror: send the whole index
+            with self.lock:
+                ops = [(STORE, wire_key(k), b) for k, b in self.pool.cached_keys()]
+                self.pool.take_journal()
+                occupancy = self.pool.occupancies()
+            conn.send_now(p.Journal(engine_id=self.engine_id, ops=ops, occupancy=occupancy))
+            log.info("engine %s: re-registered with %d slab(s) held", self.engine_id, len(held))
+
+    # ---------------------------------------------------- scheduler thread
+    def ensure(self, blocks: int, timeout: float = 5.0) -> bool:
+        """Make ``blocks`` allocatable (free + evictable), waiting for the daemon
+        only if they are not already there. False: the device is full."""
+        pool = self.pool
+        with self.lock:
+            if pool.num_available >= blocks:
+                return True
+            want = math.ceil((blocks - pool.num_available) / pool.blocks_per_slab)
+        try:
+            reply = self.conn.request(p.Grow(engine_id=self.engine_id, slabs=want), timeout)
+        except (DaemonError, DaemonUnavailable) as exc:
+            log.warning("engine %s: grow of %d slab(s) failed: %s", self.engine_id, want, exc)
+            return False
+        self._apply_grant(reply)
+        with self.lock:
+            return pool.num_available >= blocks
+
+    def wake(self) -> None:
+        """Tell the I/O thread to look at the watermarks now (cheap)."""
+        os.eventfd_write(self.conn._wake, 1)
+
+    # --------------------------------------------------------- I/O thread
+    def _apply_grant(self, reply: p.Msg) -> None:
+        if not isinstance(reply, p.Granted):
+            return
+        with self.lock:
+            for slab_id in reply.slabs:
+                try:
+                    self.pool.add_slab(slab_id)
+                except PoolError as exc:
+                    log.error("engine %s: granted slab %d not usable: %s", self.engine_id, slab_id, exc)
+        if not reply.slabs:
+            self.refused_until = self._now + 0.5
+
+    def _on_grow_reply(self, reply: p.Msg) -> None:
+        self._grow_in_flight = False
+        self._apply_grant(reply)
+
+    def _on_command(self, msg: p.Msg) -> None:
+        if isinstance(msg, p.Reclaim):
+            given, refused = [], []
+            with self.lock:
+                for slab_id in msg.slabs:
+                    try:
+                        self.pool.take_slab_back(slab_id, reason="reclaim")
+                        given.append(slab_id)
+                    except PoolError:
+                        refused.append(slab_id)
+                self._flush_journal()
+            self.conn.send_now(p.ReclaimDone(req_id=msg.req_id, engine_id=self.engine_id,
+                                             given=given, refused=refused))
+        elif isinstance(msg, p.ClearIndex):
+            with self.lock:
+                dropped = self.pool.clear_index()
+            log.info("engine %s: prefix cache invalidated by the daemon (%d cached blocks dropped)",
+                     self.engine_id, dropped)
+
+    def _tick(self, now: float) -> None:
+        self._now = now
+        pool = self.pool
+        with self.lock:
+            self._flush_journal()
+            if not self._grow_in_flight and pool.num_free < self.low_watermark and now >= self.refused_until \
+                    and len(pool.slab_ids()) < self.max_slabs:
+                want = max(1, math.ceil((self.low_watermark - pool.num_free) / pool.blocks_per_slab))
+                self._grow_in_flight = True
+                self.conn.request_async(p.Grow(engine_id=self.engine_id, slabs=want), self._on_grow_reply)
+            returned = self._shrink(now)
+            if returned:
+                self._flush_journal()
+        if returned:
+            self.conn.send_now(p.Return(engine_id=self.engine_id, slabs=returned))
+        if now - self._last_heartbeat >= HEARTBEAT_INTERVAL:
+            self._last_heartbeat = now
+            self.conn.send_now(p.Heartbeat(engine_id=self.engine_id))
+        if pool.ttl or pool.max_cached_blocks is not None:
+            with self.lock:
+                pool.expire()
+
+    def _shrink(self, now: float) -> list[int]:
+        idle = self.pool.idle_slabs()
+        idle_set = set(idle)
+        for slab_id in list(self._idle_since):
+            if slab_id not in idle_set:
+                del self._idle_since[slab_id]
+        for slab_id in idle:
+            self._idle_since.setdefault(slab_id, now)
+        if len(idle) <= self.keep_idle_slabs or self.pool.num_free - self.pool.blocks_per_slab < self.low_watermark:
+            return []
+        # Return the highest slab ids first: the arena stays compact at its low end.
+        expired = sorted((s for s in idle if now - self._idle_since[s] >= self.shrink_grace), reverse=True)
+        excess = len(idle) - self.keep_idle_slabs
+        returned = []
+        for slab_id in expired[:excess]:
+            if self.pool.num_free - self.pool.blocks_per_slab < self.low_watermark:
+                break
+            self.pool.take_slab_back(slab_id, reason="return")
+            del self._idle_since[slab_id]
+            returned.append(slab_id)
+        return returned
+
+    def _flush_journal(self) -> None:
+        batch = self.pool.take_journal()
+        if not batch:
+            return
+        stats = self.pool.stats
+        counters = {"lookups": stats.lookups, "lookup_blocks": stats.lookup_blocks,
+                    "hit_blocks": stats.hit_blocks, "token_mismatches": stats.token_mismatches}
+        counters.update({f"evictions_{k}": v for k, v in stats.evictions.items()})
+        ops = [(op[0], wire_key(op[1]), op[2]) if op[0] in (STORE, REMOVE) else op for op in batch.ops]
+        for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):
+            chunk = ops[start:start + JOURNAL_MAX_OPS]
+            last = start + JOURNAL_MAX_OPS >= len(ops)
+            self.conn.send_now(p.Journal(engine_id=self.engine_id, ops=chunk,
+                                         occupancy=batch.occupancy if last else {},
+                                         stats=counters if last else {}))
+

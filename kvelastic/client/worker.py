@@ -1,0 +1,122 @@
+"""The worker side: an arena the daemon's pages are mapped into.
+
+Maps are applied at once, on the I/O thread: new pages land in virtual
+addresses no running step reads. Unmaps wait for a safe point (invariant 5):
+the caller brackets each model step with ``step()``, and an unmap that
+arrives during a step is applied when the step ends; between steps it is
+applied at once. Every map and unmap is acknowledged to the daemon, which
+grants a slab only after every worker mapped it and reuses pages only after
+every worker let go of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator
+
+from kvelastic import protocol as p
+from kvelastic.client.connection import Connection
+from kvelastic.vmm.base import Arena, Backend
+
+log = logging.getLogger("kvelastic.client")
+
+
+class WorkerClient:
+    def __init__(self, backend: Backend, *, socket_path: str, engine_id: str, rank: int) -> None:
+        self.backend = backend
+        self.engine_id = engine_id
+        self.rank = rank
+        self.arena: Arena | None = None
+        self.max_slabs = 0
+        self.slabs: dict[int, list[int]] = {}        # slab id -> offsets mapped here
+        self._mu = threading.Lock()
+        self._in_step = False
+        self._deferred: list[p.UnmapSlab] = []
+        self.conn = Connection(socket_path, engine_id, rank, handshake=self._register,
+                               on_command=self._on_command, name=f"kvelastic-worker-{engine_id}-{rank}")
+
+    def start(self, timeout: float = 10.0) -> WorkerClient:
+        self.conn.start(timeout)
+        return self
+
+    def close(self) -> None:
+        self.conn.close()
+        if self.arena is not None:
+            self.arena.close()
+
+    def _register(self, conn: Connection) -> None:
+        reply = conn.call_now(p.RegisterWorker(version=p.PROTOCOL_VERSION, engine_id=self.engine_id,
+                                               rank=self.rank, pid=os.getpid(), mapped=sorted(self.slabs)))
+        if self.arena is None:
+            # The engine's whole virtual capacity: one region per page of a slab.
+            self.max_slabs = reply.max_slabs
+            self.arena = self.backend.reserve(reply.page_size * reply.max_slabs * reply.pages_per_worker)
+
+    # -------------------------------------------------------- safe points
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Bracket a model step: no page is unmapped while it runs."""
+        with self._mu:
+            self._in_step = True
+        try:
+            yield
+        finally:
+            with self._mu:
+                self._in_step = False
+                deferred, self._deferred = self._deferred, []
+            for msg in deferred:
+                self._unmap(msg)
+
+    # ------------------------------------------------------- I/O thread
+    def _on_command(self, msg: p.Msg) -> None:
+        if isinstance(msg, p.MapSlab):
+            self._map(msg)
+        elif isinstance(msg, p.UnmapSlab):
+            with self._mu:
+                if self._in_step:
+                    self._deferred.append(msg)
+                    return
+            self._unmap(msg)
+
+    def _map(self, msg: p.MapSlab) -> None:
+        fds = dict(self.conn.lifeline.recv())      # sent just before this message
+        error = ""
+        done: list[int] = []
+        with self._mu:
+            try:
+                for page_id, offset in msg.pages:
+                    page = self.backend.import_page(fds.pop(page_id))
+                    try:
+                        self.arena.map(offset, page)
+                    finally:
+                        # The mapping keeps the memory alive; holding a descriptor
+                        # per page would run into the process's file limit.
+                        self.backend.release_page(page)
+                    done.append(offset)
+            except Exception as exc:  # any failure is reported: the daemon must not wait forever
+                error = f"{type(exc).__name__}: {exc}"
+                for offset in done:                      # all or nothing
+                    self.arena.unmap(offset)
+                done = []
+            if done:
+                self.slabs[msg.slab] = done
+        for fd in fds.values():
+            os.close(fd)
+        self.conn.send_now(p.Mapped(req_id=msg.req_id, engine_id=self.engine_id, rank=self.rank,
+                                    slab=msg.slab, error=error))
+
+    def _unmap(self, msg: p.UnmapSlab) -> None:
+        with self._mu:
+            offsets = self.slabs.pop(msg.slab, msg.offsets)
+            for offset in offsets:
+                if self.arena.is_mapped(offset):
+                    self.arena.unmap(offset)
+        # From another thread (step end) the I/O thread sends it on its next turn.
+        ack = p.Unmapped(req_id=msg.req_id, engine_id=self.engine_id, rank=self.rank, slab=msg.slab)
+        if threading.current_thread() is self.conn._thread:
+            self.conn.send_now(ack)
+        else:
+            self.conn.notify(ack)

@@ -1,0 +1,1 @@
+"""The per-node daemon: books (state), the message loop (server), start-up (main)."""

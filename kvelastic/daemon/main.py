@@ -1,0 +1,116 @@
+"""``kvelastic daemon``: configuration, backend, metrics endpoint, signals, loop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+
+from kvelastic.config import Config
+from kvelastic.daemon.server import Daemon, sd_notify
+from kvelastic.protocol import fd_socket_path
+from kvelastic.errors import ConfigError, KvelasticError
+from kvelastic.vmm import get_backend
+from kvelastic.vmm.base import Backend
+
+log = logging.getLogger("kvelastic.daemon")
+
+
+def device_memory_bytes(backend: Backend) -> int:
+    """Total memory of the device the backend serves (host: MemTotal)."""
+    total = getattr(backend, "total_memory", None)
+    if callable(total):
+        return int(total())
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise KvelasticError("cannot read MemTotal from /proc/meminfo")
+
+
+def budget_bytes(config: Config, backend: Backend) -> int:
+    if isinstance(config.memory, float):
+        budget = int(device_memory_bytes(backend) * config.memory)
+    else:
+        budget = config.memory
+    budget -= budget % config.page_size
+    if budget < config.page_size:
+        raise ConfigError(f"KVELASTIC_MEMORY={config.memory!r} is smaller than one page ({config.page_size} bytes)")
+    return budget
+
+
+def prepare_socket_dir(path: str) -> None:
+    """Create the socket's folder (owner and group only) and refuse to start
+    over a live daemon; a stale socket from a crash is removed."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, mode=0o750, exist_ok=True)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(fd_socket_path(path))
+    except OSError:
+        pass
+    else:
+        raise KvelasticError(f"another kvelastic daemon is running on {path}")
+    finally:
+        probe.close()
+    for stale in (path, fd_socket_path(path)):
+        try:
+            os.unlink(stale)
+        except FileNotFoundError:
+            pass
+
+
+def raise_fd_limit() -> None:
+    """The daemon holds one descriptor per page (12,000 for a 24 GiB pool)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def main() -> int:
+    try:
+        config = Config.from_env()
+    except ConfigError as exc:
+        print(f"kvelastic daemon: configuration error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise_fd_limit()
+    try:
+        backend = get_backend(config.backend, config.page_size)
+        budget = budget_bytes(config, backend)
+        prepare_socket_dir(config.socket)
+        daemon = Daemon(backend, budget, config.socket)
+    except KvelasticError as exc:
+        print(f"kvelastic daemon: {exc}", file=sys.stderr)
+        return 1
+    for path in (config.socket, fd_socket_path(config.socket)):
+        os.chmod(path, 0o660)   # owner and the kvelastic group only
+    if config.metrics_port:
+        from prometheus_client import start_http_server
+
+        try:
+            start_http_server(config.metrics_port, addr=config.metrics_addr, registry=daemon.metrics.registry)
+        except OSError as exc:
+            print(f"kvelastic daemon: cannot serve metrics on {config.metrics_addr}:{config.metrics_port} "
+                  f"({exc}); set KVELASTIC_METRICS_PORT", file=sys.stderr)
+            daemon.close()
+            return 1
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+    log.info("kvelastic daemon ready: %s backend, budget %d MiB, pages of %d KiB, socket %s, metrics %s",
+             backend.name, budget >> 20, config.page_size >> 10, config.socket,
+             f"{config.metrics_addr}:{config.metrics_port}" if config.metrics_port else "off")
+    sd_notify("READY=1")
+    try:
+        daemon.serve(lambda: bool(stopping))
+    finally:
+        sd_notify("STOPPING=1")
+        log.info("kvelastic daemon stopping")
+        daemon.close()
+    return 0

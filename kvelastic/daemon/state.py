@@ -1,0 +1,195 @@
+"""The daemon's books: pages, slabs, engines, budgets. No I/O.
+
+The server (``server.py``) performs system calls and sends messages; this
+module decides and records. Page ids are ints; the server keeps the backend
+handle of each page.
+
+Page states (invariant 1: every page is in exactly one):
+    free                in ``PagePool.free`` (tagged with its last owner)
+    in a slab           ``SlabRecord.pages`` of exactly one engine's slab,
+                        whatever the slab's phase:
+                        mapping -> held -> unmapping -> (pages back to free)
+Budget (invariant 2): pages created + pages adopted after a restart never
+exceed ``budget_pages``; an engine's slabs never exceed its ``max_slabs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from kvelastic.core.journal import JournalBatch, Mirror
+
+
+class Phase(enum.Enum):
+    MAPPING = "mapping"       # pages sent to workers, not every ack in yet
+    HELD = "held"             # granted to the engine's pool
+    UNMAPPING = "unmapping"   # taken back, waiting for every worker's unmap ack
+
+
+@dataclasses.dataclass
+class SlabRecord:
+    slab_id: int
+    pages: list[int]                   # empty for an adopted slab (see EngineRecord.adopt)
+    phase: Phase
+    waiting: set[int]                  # worker ranks whose ack is still due
+    adopted_pages: int = 0             # pages that exist only in the engine's workers
+    failed: bool = False               # a worker could not map it: it goes straight back
+
+
+@dataclasses.dataclass
+class EngineRecord:
+    engine_id: str
+    namespace: str
+    pid: int
+    page_size: int
+    pages_per_worker: int
+    num_workers: int
+    blocks_per_slab: int
+    block_bytes: int
+    min_bytes: int
+    max_bytes: int
+    max_slabs: int
+    identity: bytes = b""                                   # ZMQ routing id
+    workers: dict[int, bytes] = dataclasses.field(default_factory=dict)  # rank -> routing id
+    slabs: dict[int, SlabRecord] = dataclasses.field(default_factory=dict)
+    mirror: Mirror = dataclasses.field(default_factory=Mirror)
+    active: dict[int, float] = dataclasses.field(default_factory=dict)  # slab -> last change
+    stats: dict[str, int] = dataclasses.field(default_factory=dict)
+    last_seen: float = 0.0
+    grants: int = 0
+    returns: int = 0
+    reclaims: int = 0
+
+    @property
+    def pages_per_slab(self) -> int:
+        return self.pages_per_worker * max(1, self.num_workers)
+
+    @property
+    def slab_bytes(self) -> int:
+        return self.pages_per_slab * self.page_size
+
+    def owned_slabs(self) -> int:
+        """Slabs that count against the engine's limits (not those on their way out)."""
+        return sum(1 for s in self.slabs.values() if s.phase is not Phase.UNMAPPING)
+
+    def held_bytes(self) -> int:
+        return len(self.slabs) * self.slab_bytes
+
+    def cached_bytes(self) -> int:
+        return sum(occ[1] for occ in self.mirror.slabs.values()) * self.block_bytes
+
+    def free_slab_id(self) -> int | None:
+        """Lowest slab index of the arena not in use (ids are arena positions)."""
+        for slab_id in range(self.max_slabs):
+            if slab_id not in self.slabs:
+                return slab_id
+        return None
+
+    def worker_offsets(self, slab_id: int, rank: int) -> list[int]:
+        """Arena offsets of the slab's pages in one worker (layer-outer regions).
+
+        Page k of a slab lives in region k; region k spans ``max_slabs`` pages.
+        """
+        region = self.max_slabs * self.page_size
+        return [k * region + slab_id * self.page_size for k in range(self.pages_per_worker)]
+
+    def apply_journal(self, batch: JournalBatch, now: float) -> None:
+        self.mirror.apply(batch)
+        for slab_id in batch.occupancy:
+            self.active[slab_id] = now
+        # The daemon, not the journal, says which slabs the engine holds.
+        for slab_id in [s for s in self.mirror.slabs if s not in self.slabs
+                        or self.slabs[s].phase is not Phase.HELD]:
+            del self.mirror.slabs[slab_id]
+
+
+class PagePool:
+    """The device pool: free pages and the budget they are created under."""
+
+    def __init__(self, budget_pages: int) -> None:
+        self.budget_pages = budget_pages
+        self.created = 0                     # pages that exist in the daemon
+        self.adopted = 0                     # pages that exist only in engines (after a restart)
+        self.free: dict[int, str] = {}       # page id -> last owner ("" when clean)
+        self._next_id = 0
+
+    @property
+    def in_use(self) -> int:
+        return self.created + self.adopted
+
+    def creatable(self) -> int:
+        return max(0, self.budget_pages - self.in_use)
+
+    def available(self) -> int:
+        return len(self.free) + self.creatable()
+
+    def take(self, n: int, owner: str) -> tuple[list[int], list[int], int] | None:
+        """``n`` pages for ``owner``: (reused, to_zero, to_create) or None if
+        the budget has no room. Pages last held by ``owner`` and clean pages
+        need no zeroing; another owner's pages are zeroed before they move."""
+        if n > self.available():
+            return None
+        same = [p for p, o in self.free.items() if o == owner or o == ""][:n]
+        rest = [p for p, o in self.free.items() if o != owner and o != ""]
+        create = min(n - len(same), self.creatable())
+        dirty = rest[: n - len(same) - create]
+        for page in same + dirty:
+            del self.free[page]
+        return same, dirty, create
+
+    def new_ids(self, n: int) -> list[int]:
+        ids = list(range(self._next_id, self._next_id + n))
+        self._next_id += n
+        self.created += n
+        return ids
+
+    def put_back(self, pages: list[int], owner: str) -> None:
+        for page in pages:
+            self.free[page] = owner
+
+    def forget(self, pages: list[int]) -> None:
+        """Pages released to the backend (their memory is gone)."""
+        for page in pages:
+            del self.free[page]
+        self.created -= len(pages)
+
+
+def owner_tag(engine: EngineRecord) -> str:
+    return f"{engine.engine_id}\0{engine.namespace}"
+
+
+def pick_victims(engines: list[EngineRecord], requester: EngineRecord, slabs_needed: int,
+                 bytes_needed: int) -> list[tuple[EngineRecord, int]]:
+    """Slabs to reclaim so that ``bytes_needed`` bytes come free.
+
+    Candidates hold no live block by the daemon's mirror (the owner may still
+    refuse one that turned live meanwhile). Empty slabs first, then fully
+    cached ones, least recently active first; no engine goes below its
+    guaranteed minimum.
+    """
+    candidates = []
+    for engine in engines:
+        if engine is requester:
+            continue
+        for slab_id, slab in engine.slabs.items():
+            if slab.phase is not Phase.HELD:
+                continue
+            live, cached, _free = engine.mirror.slabs.get(slab_id, (0, 0, 0))
+            if live:
+                continue
+            candidates.append((cached > 0, engine.active.get(slab_id, 0.0), engine.engine_id, slab_id, engine))
+    candidates.sort(key=lambda c: c[:4])
+    chosen: list[tuple[EngineRecord, int]] = []
+    remaining = dict.fromkeys((id(e) for e in engines), 0)
+    freed = 0
+    for _cached, _t, _eid, slab_id, engine in candidates:
+        if freed >= bytes_needed:
+            break
+        owned_after = engine.owned_slabs() - remaining[id(engine)] - 1
+        if owned_after * engine.slab_bytes < engine.min_bytes:
+            continue
+        remaining[id(engine)] += 1
+        chosen.append((engine, slab_id))
+        freed += engine.slab_bytes
+    return chosen

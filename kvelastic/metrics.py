@@ -1,0 +1,94 @@
+"""Every Prometheus metric kvelastic exports, defined here and nowhere else.
+
+Names follow Prometheus conventions (base units, ``_bytes``, ``_seconds``,
+``_total`` for counters). Labels are ``device``, ``engine``, ``namespace``,
+``reason``, ``state``, ``bound`` only: never a hash, a token or a prompt.
+
+Per-engine series are produced at scrape time from the daemon's books
+(``DaemonCollector``), so an engine that leaves takes its series with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "kvelastic"
+GRANT_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class DaemonMetrics:
+    """The daemon's own instruments plus the collector over its books."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        self.grant_latency = Histogram(
+            f"{PREFIX}_grant_latency_seconds",
+            "Time from a grow request to the grant, workers' map acknowledgements included.",
+            ["device"], buckets=GRANT_LATENCY_BUCKETS, registry=self.registry)
+        self.rejected = Counter(
+            f"{PREFIX}_rejected_messages",
+            "Messages the daemon refused (malformed, wrong version, unknown engine, ...).",
+            ["reason"], registry=self.registry)
+        self.registry.register(DaemonCollector(snapshot))
+
+
+class DaemonCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self):
+        s = self._snapshot()
+        dev = s["device"]
+        g = GaugeMetricFamily(f"{PREFIX}_budget_bytes", "Device pool budget.", labels=["device"])
+        g.add_metric([dev], s["budget_bytes"])
+        yield g
+        g = GaugeMetricFamily(f"{PREFIX}_memory_bytes",
+                              "Device memory by state: held by engines, cached (inside held), "
+                              "free in the daemon (created, not held), unused budget.",
+                              labels=["device", "state"])
+        for state in ("held", "cached", "free", "unallocated"):
+            g.add_metric([dev, state], s["memory"][state])
+        yield g
+        g = GaugeMetricFamily(f"{PREFIX}_engines_connected", "Engines registered.", labels=["device"])
+        g.add_metric([dev], len(s["engines"]))
+        yield g
+
+        held = GaugeMetricFamily(f"{PREFIX}_engine_held_bytes", "Memory held by an engine.",
+                                 labels=["device", "engine", "namespace"])
+        cached = GaugeMetricFamily(f"{PREFIX}_engine_cached_bytes",
+                                   "Memory in an engine's cached (evictable) prefix blocks.",
+                                   labels=["device", "engine", "namespace"])
+        limit = GaugeMetricFamily(f"{PREFIX}_engine_limit_bytes", "An engine's guaranteed minimum and cap.",
+                                  labels=["device", "engine", "bound"])
+        slabs = {name: CounterMetricFamily(f"{PREFIX}_slab_{name}", help_, labels=["device", "engine"])
+                 for name, help_ in (("grants", "Slabs granted to an engine."),
+                                     ("returns", "Slabs an engine gave back when idle."),
+                                     ("reclaims", "Slabs taken from an engine under pressure."))}
+        lookups = CounterMetricFamily(f"{PREFIX}_prefix_cache_lookup_blocks",
+                                      "Blocks looked up in an engine's prefix cache.",
+                                      labels=["device", "engine"])
+        hits = CounterMetricFamily(f"{PREFIX}_prefix_cache_hit_blocks",
+                                   "Blocks served from an engine's prefix cache.",
+                                   labels=["device", "engine"])
+        evictions = CounterMetricFamily(f"{PREFIX}_prefix_cache_evictions",
+                                        "Cached blocks evicted, by reason.",
+                                        labels=["device", "engine", "reason"])
+        for e in s["engines"]:
+            eid, ns = e["engine_id"], e["namespace"]
+            held.add_metric([dev, eid, ns], e["held_bytes"])
+            cached.add_metric([dev, eid, ns], e["cached_bytes"])
+            limit.add_metric([dev, eid, "min"], e["min_bytes"])
+            limit.add_metric([dev, eid, "max"], e["max_bytes"])
+            for name in slabs:
+                slabs[name].add_metric([dev, eid], e[name])
+            lookups.add_metric([dev, eid], e["stats"].get("lookup_blocks", 0))
+            hits.add_metric([dev, eid], e["stats"].get("hit_blocks", 0))
+            for key, value in e["stats"].items():
+                if key.startswith("evictions_"):
+                    evictions.add_metric([dev, eid, key[len("evictions_"):]], value)
+        yield from (held, cached, limit, *slabs.values(), lookups, hits, evictions)

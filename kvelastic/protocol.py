@@ -1,0 +1,211 @@
+"""Every message between engines, workers, the CLI and the daemon.
+
+Transport: ZMQ (ROUTER in the daemon, DEALER in clients) over ``ipc://``,
+one msgpack-encoded tagged ``msgspec.Struct`` per frame. Every request carries
+``req_id``; the daemon answers each with a reply of the same ``req_id``
+(``Ok``, a specific reply, or ``Error``). The daemon also sends unsolicited
+commands (``Reclaim``/``ClearIndex`` to engines, ``MapSlab``/``UnmapSlab`` to
+workers) with request ids of its own; clients answer with ``ReclaimDone``,
+``Mapped`` and ``Unmapped``. ``Journal`` and ``Heartbeat`` are notifications:
+they are answered only with an ``Error``.
+
+Page descriptors never travel here: they go over the AF_UNIX channel of
+``kvelastic.vmm.fdchannel``, sent before the ``MapSlab`` that names them. A
+client opens that channel with a ``Hello`` (who it is); the daemon sends
+nothing else on it, and its closing tells the daemon the peer is gone.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20
+
+
+class Msg(msgspec.Struct, tag=True, kw_only=True, array_like=False):
+    req_id: int = 0
+
+
+# ----------------------------------------------------------- engine -> daemon
+class RegisterEngine(Msg):
+    version: int
+    engine_id: str
+    pid: int
+    namespace: str
+    page_size: int
+    pages_per_worker: int        # pages of one slab in one worker's arena
+    num_workers: int             # workers that map every slab (TP ranks); 0: none
+    blocks_per_slab: int
+    block_bytes: int
+    min_bytes: int = 0           # guaranteed: never reclaimed below this
+    max_bytes: int = 0           # 0: no cap beyond the budget
+    held: list[int] = []         # slab ids still held (re-register after a daemon restart)
+    occupancy: dict[int, tuple[int, int, int]] = {}
+
+
+class RegisterWorker(Msg):
+    version: int
+    engine_id: str
+    rank: int
+    pid: int
+    mapped: list[int] = []       # slab ids mapped (re-register after a daemon restart)
+
+
+class Grow(Msg):
+    engine_id: str
+    slabs: int                   # how many slabs wanted
+
+
+class Return(Msg):
+    engine_id: str
+    slabs: list[int]             # already taken back by the engine's pool
+
+
+class Journal(Msg):
+    engine_id: str
+    ops: list[tuple]
+    occupancy: dict[int, tuple[int, int, int]]
+    stats: dict[str, int] = {}   # cumulative pool counters (lookups, hits, evictions_*)
+
+
+class Heartbeat(Msg):
+    engine_id: str
+
+
+class Unregister(Msg):
+    engine_id: str
+
+
+# ------------------------------------------- client answers to daemon commands
+class ReclaimDone(Msg):
+    engine_id: str
+    given: list[int]
+    refused: list[int]
+
+
+class Mapped(Msg):
+    engine_id: str
+    rank: int
+    slab: int
+    error: str = ""              # non-empty: the worker could not map it
+
+
+class Unmapped(Msg):
+    engine_id: str
+    rank: int
+    slab: int
+
+
+# ----------------------------------------------------- operator (CLI) requests
+class Status(Msg):
+    pass
+
+
+class SetLimit(Msg):
+    engine_id: str
+    min_bytes: int
+    max_bytes: int
+
+
+class Invalidate(Msg):
+    target: str                  # a namespace or an engine id
+
+
+# ---------------------------------------------------------- daemon -> clients
+class Ok(Msg):
+    pass
+
+
+class Error(Msg):
+    reason: str                  # machine-readable, also the metric label
+    message: str
+
+
+class Registered(Msg):
+    engine_id: str
+    budget_bytes: int
+    page_size: int
+    max_slabs: int               # virtual capacity of the engine, in slabs
+    pages_per_worker: int = 1    # a worker's arena: page_size * max_slabs * pages_per_worker
+
+
+class Granted(Msg):
+    slabs: list[int]
+
+
+class Reclaim(Msg):
+    slabs: list[int]
+
+
+class ClearIndex(Msg):
+    pass
+
+
+class MapSlab(Msg):
+    slab: int
+    pages: list[tuple[int, int]]   # (page id, arena offset); fds arrive on the fd channel
+
+
+class UnmapSlab(Msg):
+    slab: int
+    offsets: list[int]
+
+
+class StatusReply(Msg):
+    status: dict
+
+
+Message = (
+    RegisterEngine | RegisterWorker | Grow | Return | Journal | Heartbeat | Unregister
+    | ReclaimDone | Mapped | Unmapped | Status | SetLimit | Invalidate
+    | Ok | Error | Registered | Granted | Reclaim | ClearIndex | MapSlab | UnmapSlab | StatusReply
+)
+
+def fd_socket_path(socket_path: str) -> str:
+    """The AF_UNIX page channel lives beside the ZMQ socket."""
+    return socket_path + ".fd"
+
+
+class Hello(msgspec.Struct):
+    version: int
+    engine_id: str
+    rank: int                    # worker rank, or -1 for the engine's lifeline
+
+
+def write_hello(sock, engine_id: str, rank: int) -> None:
+    data = msgspec.msgpack.encode(Hello(PROTOCOL_VERSION, engine_id, rank))
+    sock.sendall(len(data).to_bytes(4, "little") + data)
+
+
+def read_hello(sock) -> Hello:
+    size = int.from_bytes(_recv_exact(sock, 4), "little")
+    if size > 4096:
+        raise ValueError(f"hello of {size} bytes")
+    hello = msgspec.msgpack.decode(_recv_exact(sock, size), type=Hello)
+    if hello.version != PROTOCOL_VERSION:
+        raise ValueError(f"protocol version {hello.version}, expected {PROTOCOL_VERSION}")
+    return hello
+
+
+def _recv_exact(sock, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ValueError("peer closed during hello")
+        data += chunk
+    return data
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Msg:
+    """Raises ``msgspec.DecodeError``/``ValidationError`` on a malformed frame."""
+    return _decoder.decode(data)
