@@ -1,4 +1,5 @@
-"""The ``kvelastic`` command: ``daemon``, ``bench``, and (later) status/top/limit."""
+"""The ``kvelastic`` command: ``daemon``, ``config``, ``bench``, and the operator
+commands ``status``, ``top``, ``limit`` and ``invalidate`` (logic in ``kvelastic.ctl``)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,47 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    from kvelastic.config import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _max_size(text: str) -> int:
+    """Like ``_size``; ``0``, ``none`` or ``unlimited`` mean no cap (sent as 0)."""
+    from kvelastic.config import parse_optional_size
+
+    try:
+        return parse_optional_size(text) or 0
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _ops(args: argparse.Namespace) -> int:
+    from kvelastic import ctl
+
+    return ctl.run_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvelastic",
@@ -70,6 +112,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.add_argument("--quick", action="store_true", help="a shorter run (used by the test suite)")
     p.set_defaults(func=_cmd_bench)
+
+    socket_opt = argparse.ArgumentParser(add_help=False)
+    socket_opt.add_argument("--socket", metavar="PATH", help="daemon socket (default: KVELASTIC_SOCKET)")
+
+    p = sub.add_parser("status", parents=[socket_opt], help="engines, memory and cache of the running daemon")
+    p.add_argument("--json", action="store_true", help="print the daemon's status as JSON")
+    p.set_defaults(func=_ops)
+
+    p = sub.add_parser("top", parents=[socket_opt], help="a live view of the daemon's status")
+    p.add_argument("--interval", type=_positive_float, default=1.0, metavar="S",
+                   help="seconds between refreshes (default 1)")
+    p.add_argument("--iterations", type=_positive_int, default=None, metavar="N",
+                   help="exit after N refreshes (default: until Ctrl-C)")
+    p.set_defaults(func=_ops)
+
+    p = sub.add_parser("limit", parents=[socket_opt], help="set an engine's guaranteed and maximum memory")
+    p.add_argument("engine", metavar="ENGINE", help="engine id")
+    p.add_argument("min", metavar="MIN", type=_size, help="guaranteed memory, e.g. 1GiB or bytes")
+    p.add_argument("max", metavar="MAX", type=_max_size, help="maximum memory, e.g. 8GiB; 0 means no cap")
+    p.set_defaults(func=_ops)
+
+    p = sub.add_parser("invalidate", parents=[socket_opt],
+                       help="drop the prefix cache of a namespace or an engine")
+    p.add_argument("target", metavar="TARGET", help="a namespace or an engine id")
+    p.set_defaults(func=_ops)
     return parser
 
 

@@ -127,7 +127,8 @@ class Connection:
 
     def close(self) -> None:
         self._stop.set()
-        os.eventfd_write(self._wake, 1)
+        if self._thread.is_alive():
+            os.eventfd_write(self._wake, 1)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(5)
 

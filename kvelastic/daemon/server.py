@@ -80,6 +80,7 @@ class Daemon:
         self.reclaims: dict[int, tuple[str, list[int], GrowRequest | None, float]] = {}
         self.peers: dict[int, Peer] = {}
         self._next_req = 1 << 32
+        self._progressing = self._progress_again = False
         self.metrics = DaemonMetrics(self.status)
         self.socket_path = socket_path
         self.ctx = zmq.Context.instance()
@@ -155,7 +156,13 @@ class Daemon:
             handler = self._handlers.get(type(msg))
             if handler is None:
                 raise Rejected("unexpected", f"{type(msg).__name__} is not a request")
-            reply = handler(identity, msg)
+            try:
+                reply = handler(identity, msg)
+            except Rejected:
+                raise
+            except Exception as exc:  # a bug must not take the node's memory manager down
+                log.exception("internal error handling %s", type(msg).__name__)
+                raise Rejected("internal", f"internal error: {type(exc).__name__}: {exc}") from None
         except Rejected as exc:
             engine = getattr(msg, "engine_id", "-")
             log.warning("rejected %s from engine %s: %s (%s)", type(msg).__name__ if msg else "frame",
@@ -301,7 +308,24 @@ class Daemon:
         return None
 
     def _progress_grows(self) -> None:
+        """Advance every pending grow. Re-entrant calls (a grant completing inside
+        the loop) just ask the running pass to go round once more."""
+        if self._progressing:
+            self._progress_again = True
+            return
+        self._progressing = True
+        try:
+            self._progress_again = True
+            while self._progress_again:
+                self._progress_again = False
+                self._progress_pass()
+        finally:
+            self._progressing = False
+
+    def _progress_pass(self) -> None:
         for req in list(self.grows):
+            if req not in self.grows:
+                continue
             engine = self.engines.get(req.engine_id)
             if engine is None:
                 self.grows.remove(req)
@@ -583,7 +607,10 @@ class Daemon:
                 slab.waiting.discard(peer.rank)
                 if not slab.waiting:
                     self._unmapped(departing, slab)
-        if engine is not None:
+        # A worker that never finished registering (e.g. it came back before its
+        # engine after a daemon restart) takes nothing with it.
+        if engine is not None and (peer.rank < 0 or peer.rank in engine.workers) \
+                and self._peer_of(peer.engine_id, peer.rank) is None:
             who = "engine" if peer.rank < 0 else f"worker {peer.rank}"
             engine.workers.pop(peer.rank, None)
             self._drop_engine(engine, f"{who} disconnected")

@@ -1,0 +1,266 @@
+"""Operator commands: one-shot requests to the daemon and their rendering.
+
+``kvelastic status|top|limit|invalidate`` (see ``kvelastic.cli``) talk to the
+daemon over its ZMQ socket: a fresh DEALER per request, one frame out, one
+frame back. A ZMQ connect to a missing ``ipc://`` path does not fail, so the
+socket file is checked first (a stale file left by a killed daemon refuses a
+plain AF_UNIX connect at once) and every request has a timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import itertools
+import os
+import socket
+import sys
+import time
+from typing import TextIO
+
+import msgspec
+import zmq
+
+from kvelastic import protocol as p
+from kvelastic.client.connection import DaemonError, DaemonUnavailable
+from kvelastic.config import Config
+from kvelastic.errors import ConfigError
+
+DEFAULT_TIMEOUT = 3.0
+_HINT = "start it with 'make run' or 'kvelastic daemon'; KVELASTIC_SOCKET selects the socket"
+_req_ids = itertools.count(1)
+
+
+# ------------------------------------------------------------------ requests
+def _unavailable(socket_path: str, what: str = "no daemon is running on") -> DaemonUnavailable:
+    return DaemonUnavailable(f"{what} {socket_path} ({_HINT})")
+
+
+def _probe(socket_path: str) -> None:
+    """Fail fast when nobody listens: no socket file, or a stale one."""
+    if not os.path.exists(socket_path):
+        raise _unavailable(socket_path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(1.0)
+    try:
+        sock.connect(socket_path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        raise _unavailable(socket_path) from None
+    except PermissionError:
+        raise DaemonUnavailable(f"permission denied on the daemon socket {socket_path} "
+                                "(run as the daemon's user or a member of its group)") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOTSOCK, errno.ECONNREFUSED):
+            raise _unavailable(socket_path) from None
+        # Anything else (a slow accept queue...): let the request's timeout decide.
+    finally:
+        sock.close()
+
+
+def request(socket_path: str, msg: p.Msg, timeout: float = DEFAULT_TIMEOUT) -> p.Msg:
+    """Send one request and return the daemon's reply.
+
+    Raises ``DaemonUnavailable`` when no daemon answers within ``timeout``
+    seconds, ``DaemonError`` (with ``.reason`` and ``.message``) when it answers
+    with an ``Error``.
+    """
+    _probe(socket_path)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"ipc://{socket_path}")
+        msg.req_id = (os.getpid() << 20) + next(_req_ids)
+        sock.send(p.encode(msg))
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+                raise _unavailable(socket_path, f"no daemon answered within {timeout:g} s on")
+            try:
+                reply = p.decode(sock.recv())
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise _error("malformed", f"undecodable reply from the daemon: {exc}") from None
+            if reply.req_id == msg.req_id:
+                break
+    finally:
+        sock.close(0)
+    if isinstance(reply, p.Error):
+        raise _error(reply.reason, reply.message)
+    return reply
+
+
+def _error(reason: str, message: str) -> DaemonError:
+    err = DaemonError(reason, message)
+    err.message = message          # the operator's text, without the reason tag
+    return err
+
+
+def _expect(reply: p.Msg, kind: type) -> p.Msg:
+    if not isinstance(reply, kind):
+        raise _error("unexpected", f"expected {kind.__name__} from the daemon, got {type(reply).__name__}")
+    return reply
+
+
+def get_status(socket_path: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
+    return _expect(request(socket_path, p.Status(), timeout), p.StatusReply).status
+
+
+def set_limit(socket_path: str, engine_id: str, min_bytes: int, max_bytes: int,
+              timeout: float = DEFAULT_TIMEOUT) -> None:
+    _expect(request(socket_path, p.SetLimit(engine_id=engine_id, min_bytes=min_bytes,
+                                            max_bytes=max_bytes), timeout), p.Ok)
+
+
+def invalidate(socket_path: str, target: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    _expect(request(socket_path, p.Invalidate(target=target), timeout), p.Ok)
+
+
+# ----------------------------------------------------------------- rendering
+def fmt_bytes(n: int | float) -> str:
+    """``0 B``, ``512 KiB``, ``64.0 MiB``, ``1.50 GiB``."""
+    n = float(n)
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.2f} {unit}" if unit in ("GiB", "TiB") else f"{value:.1f} {unit}"
+    return f"{int(n)} B"  # pragma: no cover
+
+
+def _hit_rate(stats: dict) -> str:
+    lookups = stats.get("lookup_blocks", 0)
+    if not lookups:
+        return "-"
+    return f"{100.0 * stats.get('hit_blocks', 0) / lookups:.1f}%"
+
+
+def _bar(fraction: float, width: int = 30) -> str:
+    fraction = min(max(fraction, 0.0), 1.0)
+    filled = round(fraction * width)
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+_COLUMNS = ("ENGINE", "NAMESPACE", "PID", "WORKERS", "SLABS", "HELD", "CACHED", "MIN", "MAX",
+            "HIT", "GRANTS", "RETURNS", "RECLAIMS")
+_RIGHT = {"PID", "WORKERS", "SLABS", "HELD", "CACHED", "MIN", "MAX", "HIT", "GRANTS", "RETURNS", "RECLAIMS"}
+
+
+def _engine_row(e: dict) -> tuple[str, ...]:
+    return (str(e["engine_id"]), str(e["namespace"]), str(e.get("pid", "")), str(e.get("workers", 0)),
+            str(e["slabs"]), fmt_bytes(e["held_bytes"]), fmt_bytes(e["cached_bytes"]),
+            fmt_bytes(e["min_bytes"]), fmt_bytes(e["max_bytes"]) if e["max_bytes"] else "none",
+            _hit_rate(e.get("stats", {})), str(e.get("grants", 0)), str(e.get("returns", 0)),
+            str(e.get("reclaims", 0)))
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines = []
+    for row in (header, *rows):
+        cells = [cell.rjust(w) if name in _RIGHT else cell.ljust(w)
+                 for cell, w, name in zip(row, widths, header)]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def render_status(status: dict) -> str:
+    """The daemon's status dict as a human-readable report."""
+    budget = status.get("budget_bytes", 0)
+    mem = status.get("memory", {})
+    pages = status.get("pages", {})
+    held = mem.get("held", 0)
+    lines = [
+        f"device       {status.get('device', '?')} (backend {status.get('backend', '?')}, "
+        f"page {fmt_bytes(status.get('page_size', 0))})",
+        f"budget       {fmt_bytes(budget)}",
+        f"memory       held {fmt_bytes(held)} (cached {fmt_bytes(mem.get('cached', 0))}), "
+        f"free {fmt_bytes(mem.get('free', 0))}, unallocated {fmt_bytes(mem.get('unallocated', 0))}",
+        f"usage        {_bar(held / budget if budget else 0.0)} {100.0 * held / budget if budget else 0.0:.1f}% held",
+        f"pages        created {pages.get('created', 0)}, free {pages.get('free', 0)}, "
+        f"adopted {pages.get('adopted', 0)}",
+        "",
+    ]
+    engines = sorted(status.get("engines", []), key=lambda e: e["engine_id"])
+    if engines:
+        lines += _table(_COLUMNS, [_engine_row(e) for e in engines])
+    else:
+        lines.append("no engines registered")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------- top
+CLEAR = "\x1b[H\x1b[2J"
+HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
+
+
+def top(socket_path: str, interval: float = 1.0, iterations: int | None = None,
+        out: TextIO | None = None, timeout: float = DEFAULT_TIMEOUT) -> int:
+    """Redraw the status every ``interval`` seconds until Ctrl-C (exit 0) or
+    ``iterations`` refreshes. The first request failing raises
+    ``DaemonUnavailable``; later failures are shown and retried."""
+    out = out or sys.stdout
+    tty = out.isatty()
+    count = 0
+    try:
+        if tty:
+            out.write(HIDE_CURSOR)
+        while iterations is None or count < iterations:
+            try:
+                body = render_status(get_status(socket_path, timeout))
+            except (DaemonUnavailable, DaemonError) as exc:
+                if count == 0:
+                    raise
+                body = f"kvelastic: {getattr(exc, 'message', exc)}"
+            count += 1
+            header = (f"kvelastic top  {socket_path}  {time.strftime('%H:%M:%S')}  "
+                      f"every {interval:g} s (Ctrl-C quits)")
+            out.write((CLEAR if tty else ("\n" if count > 1 else "")) + header + "\n\n" + body + "\n")
+            out.flush()
+            if iterations is not None and count >= iterations:
+                break
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if tty:
+            out.write(SHOW_CURSOR)
+            out.flush()
+    return 0
+
+
+# ---------------------------------------------------------------- commands
+def run_command(args: argparse.Namespace) -> int:
+    """``kvelastic status|top|limit|invalidate``: 0 done, 1 no daemon or the
+    daemon refused, 2 bad configuration."""
+    try:
+        path = args.socket or Config.from_env().socket
+    except ConfigError as exc:
+        print(f"kvelastic: configuration error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.command == "status":
+            status = get_status(path)
+            print(json.dumps(status, sort_keys=True) if args.json else render_status(status))
+        elif args.command == "top":
+            return top(path, interval=args.interval, iterations=args.iterations)
+        elif args.command == "limit":
+            set_limit(path, args.engine, args.min, args.max)
+            cap = fmt_bytes(args.max) if args.max else "none"
+            print(f"engine {args.engine}: min {fmt_bytes(args.min)}, max {cap}")
+        elif args.command == "invalidate":
+            invalidate(path, args.target)
+            print(f"invalidated the prefix cache of {args.target}")
+        else:  # pragma: no cover - the parser only routes the commands above
+            raise ValueError(args.command)
+    except DaemonUnavailable as exc:
+        print(f"kvelastic: {exc}", file=sys.stderr)
+        return 1
+    except DaemonError as exc:
+        print(f"kvelastic {args.command}: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:          # e.g. `kvelastic status | head -1`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return 0

@@ -1,0 +1,39 @@
+"""Drive ``peer.py`` engine processes from a test."""
+
+import json
+import signal
+import subprocess
+import sys
+
+
+class EngineProcess:
+    def __init__(self, socket: str, engine_id: str, **cfg) -> None:
+        self.engine_id = engine_id
+        cfg.update(socket=socket, engine_id=engine_id)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.daemon.peer", json.dumps(cfg)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self.proc.stdout.readline()
+        assert ready and json.loads(ready)["ready"], f"engine {engine_id} did not start"
+
+    def do(self, op: str, **args) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"engine {self.engine_id} died"
+        return json.loads(line)
+
+    def state(self) -> dict:
+        return self.do("state")["state"]
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

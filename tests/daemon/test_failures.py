@@ -1,0 +1,142 @@
+"""Engine death, daemon death and bad input, with real processes."""
+
+import time
+
+import msgspec
+import pytest
+
+from kvelastic import protocol as p
+from tests.daemon.engines import EngineProcess
+from tests.daemon.test_flows import SLAB, engines, held  # noqa: F401  (fixture)
+from tests.daemon_proc import DaemonProcess, wait_for
+
+
+def test_kill_9_of_an_engine_returns_its_memory_within_2_s(daemon, engines):
+    a = engines(daemon, "a", grace=60)
+    b = engines(daemon, "b", grace=60)
+    assert a.do("ensure", n=12)["ok"] and b.do("ensure", n=8)["ok"]
+    assert b.do("write", value=9)["values"] == [9, 9]
+    a.kill()
+    start = time.monotonic()
+    wait_for(lambda: held(daemon, "a") is None and daemon.status()["memory"]["held"] == 2 * SLAB,
+             timeout=2.0, what="engine a's slabs back")
+    assert time.monotonic() - start < 2.0
+    assert daemon.status()["memory"]["free"] == 3 * SLAB
+    # the other engine is unaffected and can grow into the freed memory
+    assert b.do("read")["values"] == [9, 9]
+    assert b.do("ensure", n=20)["ok"] and held(daemon, "b") == 5 * SLAB
+
+
+def test_daemon_kill_9_and_restart(tmp_path, engines):
+    daemon = DaemonProcess(tmp_path).start()
+    try:
+        a = engines(daemon, "a", grace=60)
+        assert a.do("ensure", n=12)["ok"]
+        a.do("alloc", n=6)
+        a.do("cache", prefix="r")
+        assert a.do("write", value=5)["values"] == [5, 5, 5]
+        daemon.kill()
+        # the engine keeps serving from what it holds
+        assert a.do("read")["values"] == [5, 5, 5]
+        a.do("free")
+        assert a.do("lookup", prefix="r", n=6)["hits"] == 6
+        assert not a.do("ensure", n=40, timeout=1)["ok"]          # no daemon: no growth, no crash
+        daemon.stop()
+        daemon = DaemonProcess(tmp_path).start()
+        wait_for(lambda: held(daemon, "a") == 3 * SLAB, timeout=10, what="re-registration")
+        s = daemon.status()
+        assert s["pages"]["adopted"] == 3 and s["engines"][0]["cached_blocks"] == 6
+        assert a.state()["reconnects"] >= 1
+        assert a.do("read")["values"] == [5, 5, 5]
+        assert a.do("ensure", n=16)["ok"]                           # grows again on the new daemon
+        a.close()
+        wait_for(lambda: daemon.status()["memory"]["held"] == 0, what="everything back")
+        s = daemon.status()
+        assert s["pages"]["adopted"] == 0 and s["pages"]["created"] == s["pages"]["free"]
+    finally:
+        daemon.stop()
+
+
+def rejected(daemon) -> dict[str, float]:
+    out = {}
+    for line in daemon.metrics().splitlines():
+        if line.startswith("kvelastic_rejected_messages_total{"):
+            reason = line.split('reason="')[1].split('"')[0]
+            out[reason] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def quiet_status(daemon):
+    """The status once the engine's journal has settled (two equal reads)."""
+    first = daemon.status()
+    time.sleep(0.05)
+    return first if daemon.status() == first else None
+
+
+def good_engine(**kw):
+    fields = dict(version=p.PROTOCOL_VERSION, engine_id="x", pid=1, namespace="n", page_size=SLAB,
+                  pages_per_worker=1, num_workers=0, blocks_per_slab=4, block_bytes=SLAB // 4)
+    fields.update(kw)
+    return p.RegisterEngine(**fields)
+
+
+BAD_INPUTS = [
+    ("malformed", lambda d: d.send_raw([b"\x93garbage"])),
+    ("malformed", lambda d: d.send_raw([p.encode(p.Status()), b"extra"])),
+    ("oversize", lambda d: d.send_raw([b"\x00" * (p.MAX_MESSAGE_BYTES + 1)])),
+    ("version", lambda d: d.request(good_engine(version=99))),
+    ("geometry", lambda d: d.request(good_engine(page_size=4096))),
+    ("geometry", lambda d: d.request(good_engine(blocks_per_slab=0))),
+    ("unknown_engine", lambda d: d.request(p.Grow(engine_id="ghost", slabs=1))),
+    ("unknown_engine", lambda d: d.request(p.Journal(engine_id="ghost", ops=[], occupancy={}))),
+    ("bad_request", lambda d: d.request(p.Grow(engine_id="e1", slabs=0))),
+    ("not_held", lambda d: d.request(p.Return(engine_id="e1", slabs=[999]))),
+    ("not_held", lambda d: d.request(p.Return(engine_id="e1", slabs=[0, 0]))),
+    ("bad_journal", lambda d: d.request(p.Journal(engine_id="e1", ops=[(7, 1)], occupancy={}))),
+    ("bad_journal", lambda d: d.request(p.Journal(engine_id="e1", ops=[], occupancy={0: (9, 9, 9)}))),
+    ("unexpected", lambda d: d.request(p.Granted(slabs=[1]))),
+    ("unexpected_ack", lambda d: d.request(p.Mapped(engine_id="e1", rank=0, slab=0))),
+    ("unknown_target", lambda d: d.request(p.Invalidate(target="nothing"))),
+    ("limit", lambda d: d.request(p.SetLimit(engine_id="e1", min_bytes=8, max_bytes=4))),
+]
+
+
+@pytest.mark.parametrize("reason,send", BAD_INPUTS, ids=[f"{r}-{i}" for i, (r, _) in enumerate(BAD_INPUTS)])
+def test_bad_input_gets_a_typed_error_is_counted_and_changes_nothing(daemon, engines, reason, send):
+    e = engines(daemon, "e1", workers=0, grace=60)
+    assert e.do("ensure", n=4)["ok"]
+    before = wait_for(lambda: quiet_status(daemon), what="a quiet daemon")
+    counted = rejected(daemon).get(reason, 0)
+    reply = send(daemon)
+    assert isinstance(reply, p.Error) and reply.reason == reason, reply
+    assert daemon.status() == before
+    assert rejected(daemon)[reason] == counted + 1
+    assert "rejected" in daemon.log() and reason in daemon.log()
+    assert e.do("ensure", n=8)["ok"]                               # the daemon is still serving
+
+
+def test_slab_returned_twice_is_rejected(daemon, engines):
+    e = engines(daemon, "e1", workers=0, grace=60)
+    assert e.do("ensure", n=4)["ok"]
+    slab = e.state()["slabs"][0]
+    # the engine's own client returned nothing yet: a forged return by another client
+    ok = daemon.request(p.Return(engine_id="e1", slabs=[slab]))
+    assert isinstance(ok, p.Ok)
+    again = daemon.request(p.Return(engine_id="e1", slabs=[slab]))
+    assert isinstance(again, p.Error) and again.reason == "not_held"
+
+
+def test_garbage_on_the_page_channel_is_refused(daemon):
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(p.fd_socket_path(daemon.socket))
+    sock.sendall((10).to_bytes(4, "little") + b"not-msgpak")
+    wait_for(lambda: rejected(daemon).get("bad_hello") == 1, what="bad hello counted")
+    sock.close()
+    assert isinstance(daemon.request(p.Status()), p.StatusReply)
+
+
+def test_decode_rejects_unknown_tags():
+    with pytest.raises(msgspec.ValidationError):
+        p.decode(msgspec.msgpack.encode({"type": "Nope", "req_id": 1}))

@@ -1,0 +1,121 @@
+"""A real daemon in a subprocess, for tests that need one (host backend)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import zmq
+
+from kvelastic import protocol as p
+
+MiB = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DaemonProcess:
+    def __init__(self, tmp: pathlib.Path, memory: str = "64MiB", metrics: bool = True, **env: str) -> None:
+        self.socket = str(tmp / "kvelastic.sock")
+        self.metrics_port = free_port() if metrics else 0
+        self.log_path = tmp / "daemon.log"
+        self.env = dict(os.environ, KVELASTIC_SOCKET=self.socket, KVELASTIC_MEMORY=memory,
+                        KVELASTIC_BACKEND="host", KVELASTIC_METRICS_PORT=str(self.metrics_port),
+                        KVELASTIC_METRICS_ADDR="127.0.0.1", KVELASTIC_LOG_LEVEL="info", **env)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 15.0) -> DaemonProcess:
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "daemon"], env=self.env,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                self.request(p.Status(), timeout=0.5)
+                return self
+            except TimeoutError:
+                pass
+        raise RuntimeError(f"daemon did not come up:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def request(self, msg: p.Msg, timeout: float = 5.0) -> p.Msg:
+        """One request on a fresh DEALER (what the CLI does)."""
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(f"ipc://{self.socket}")
+            msg.req_id = 1
+            sock.send(p.encode(msg))
+            if not sock.poll(int(timeout * 1000)):
+                raise TimeoutError("no reply")
+            return p.decode(sock.recv())
+        finally:
+            sock.close(0)
+
+    def send_raw(self, frames: list[bytes], timeout: float = 5.0) -> p.Msg:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(f"ipc://{self.socket}")
+            sock.send_multipart(frames)
+            if not sock.poll(int(timeout * 1000)):
+                raise TimeoutError("no reply")
+            return p.decode(sock.recv())
+        finally:
+            sock.close(0)
+
+    def status(self) -> dict:
+        return self.request(p.Status()).status
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(10)
+
+    def stop(self) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def status_json(daemon: DaemonProcess) -> str:
+    return json.dumps(daemon.status(), sort_keys=True)
