@@ -11,6 +11,7 @@ from typing import Any
 BENCHMARKS: dict[str, str] = {
     "core": "kvelastic.bench.core",
     "vmm": "kvelastic.bench.vmm",
+    "grant": "kvelastic.bench.grant",
 }
 
 

@@ -81,6 +81,7 @@ class Daemon:
         self.peers: dict[int, Peer] = {}
         self._next_req = 1 << 32
         self._progressing = self._progress_again = False
+        self._return_waits: dict[tuple[bytes, int], int] = {}  # (client, Return req_id) -> slabs unmapping
         self.metrics = DaemonMetrics(self.status)
         self.socket_path = socket_path
         self.ctx = zmq.Context.instance()
@@ -454,11 +455,14 @@ class Daemon:
                 raise Rejected("not_held", f"engine {m.engine_id} does not hold slab {slab_id}")
         if len(set(m.slabs)) != len(m.slabs):
             raise Rejected("not_held", f"engine {m.engine_id} returned a slab twice in one message")
+        # The reply waits until every worker unmapped: then the memory is really back.
+        self._return_waits[(identity, m.req_id)] = len(m.slabs)
+        log.info("engine %s: returned %d slab(s)", engine.engine_id, len(m.slabs))
         for slab_id in m.slabs:
             engine.returns += 1
+            engine.slabs[slab_id].return_req = (identity, m.req_id)
             self._start_unmap(engine, engine.slabs[slab_id])
-        log.info("engine %s: returned %d slab(s)", engine.engine_id, len(m.slabs))
-        return p.Ok()
+        return None
 
     def _reclaim_for(self, req: GrowRequest, requester: EngineRecord, short: int) -> None:
         outstanding = {(eid, s) for eid, slabs, _r, _d in self.reclaims.values() for s in slabs}
@@ -520,6 +524,12 @@ class Daemon:
         """Every worker let go of the slab: its pages are free in the daemon."""
         del engine.slabs[slab.slab_id]
         engine.active.pop(slab.slab_id, None)
+        if slab.return_req in self._return_waits:
+            self._return_waits[slab.return_req] -= 1
+            if self._return_waits[slab.return_req] == 0:
+                identity, req_id = slab.return_req
+                del self._return_waits[slab.return_req]
+                self._send(identity, p.Ok(req_id=req_id))
         self.pool.put_back(slab.pages, owner_tag(engine))
         self.pool.adopted -= slab.adopted_pages
         if engine.engine_id in self.departing and not engine.slabs:
@@ -537,7 +547,9 @@ class Daemon:
             _eid, _slabs, req, _d = self.reclaims.pop(rid)
             if req is not None:
                 req.reclaims_out -= 1
-        log.warning("engine %s gone (%s): returning its %d slab(s)", engine.engine_id, why, len(engine.slabs))
+        level = logging.INFO if why == "unregistered" else logging.WARNING
+        log.log(level, "engine %s %s: returning its %d slab(s)", engine.engine_id,
+                why if why == "unregistered" else f"gone ({why})", len(engine.slabs))
         self.departing[engine.engine_id] = engine
         for slab in list(engine.slabs.values()):
             if slab.phase is not Phase.UNMAPPING:

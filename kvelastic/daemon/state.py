@@ -35,6 +35,7 @@ class SlabRecord:
     waiting: set[int]                  # worker ranks whose ack is still due
     adopted_pages: int = 0             # pages that exist only in the engine's workers
     failed: bool = False               # a worker could not map it: it goes straight back
+    return_req: tuple[bytes, int] | None = None  # (client, Return req_id) answered once unmapped
 
 
 @dataclasses.dataclass

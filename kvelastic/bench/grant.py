@@ -1,0 +1,119 @@
+"""``kvelastic bench grant``: slab grant and return latency through a real daemon.
+
+A daemon subprocess (host backend unless a GPU is usable) serves engines that
+each run an ``EngineClient`` and a ``WorkerClient`` (one rank, one 2 MiB page
+per slab). A grant is timed from the engine's ``Grow`` to the ``Granted``
+reply, which the daemon sends only after the worker mapped the page and
+acknowledged; a return from ``Return`` to its reply, sent once the worker
+unmapped. Runs with one engine and with 8 engine processes at once. The
+baseline, in the same run, is the raw cost of mapping and unmapping the same
+page size with bare system calls (``kvelastic bench vmm``'s raw path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from kvelastic import protocol as p
+
+PAGE = 2 << 20
+
+
+def _pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def engine_loop(socket_path: str, engine_id: str, rounds: int, backend: str) -> dict[str, list[float]]:
+    """One engine: grow by one slab, return it, ``rounds`` times (microseconds)."""
+    from kvelastic.client.engine import EngineClient
+    from kvelastic.client.worker import WorkerClient
+    from kvelastic.core.pool import SlabPool
+    from kvelastic.vmm import get_backend
+
+    pool = SlabPool(8)
+    engine = EngineClient(pool, socket_path=socket_path, engine_id=engine_id, namespace="bench",
+                          page_size=PAGE, pages_per_worker=1, num_workers=1, block_bytes=PAGE // 8,
+                          low_watermark=0, shrink_grace=3600).start()
+    worker = WorkerClient(get_backend(backend), socket_path=socket_path, engine_id=engine_id, rank=0).start()
+    grants, returns = [], []
+    try:
+        for i in range(rounds + 5):
+            t0 = time.perf_counter()
+            reply = engine.conn.request(p.Grow(engine_id=engine_id, slabs=1))
+            t1 = time.perf_counter()
+            assert isinstance(reply, p.Granted) and len(reply.slabs) == 1, reply
+            engine.conn.request(p.Return(engine_id=engine_id, slabs=reply.slabs))
+            t2 = time.perf_counter()
+            if i >= 5:  # warm-up: first pages are created, later ones reused
+                grants.append((t1 - t0) * 1e6)
+                returns.append((t2 - t1) * 1e6)
+    finally:
+        engine.close()
+        worker.close()
+    return {"grant": grants, "return": returns}
+
+
+def _start_daemon(tmp: str, backend: str) -> tuple[subprocess.Popen, str]:
+    sock = os.path.join(tmp, "kvelastic.sock")
+    env = dict(os.environ, KVELASTIC_SOCKET=sock, KVELASTIC_MEMORY="256MiB", KVELASTIC_BACKEND=backend,
+               KVELASTIC_METRICS_PORT="0", KVELASTIC_LOG_LEVEL="warning")
+    proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "daemon"], env=env)
+    deadline = time.monotonic() + 20
+    while not os.path.exists(p.fd_socket_path(sock)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the benchmark's daemon did not start")
+        time.sleep(0.02)
+    return proc, sock
+
+
+def _parallel(sock: str, engines: int, rounds: int, backend: str) -> dict[str, list[float]]:
+    procs = [subprocess.Popen([sys.executable, "-m", "kvelastic.bench.grant", sock, f"bench-{i}", str(rounds),
+                               backend], stdout=subprocess.PIPE, text=True) for i in range(engines)]
+    merged: dict[str, list[float]] = {"grant": [], "return": []}
+    for proc in procs:
+        out, _ = proc.communicate(timeout=600)
+        if proc.returncode:
+            raise RuntimeError(f"a benchmark engine failed ({proc.returncode})")
+        for key, values in json.loads(out.strip().splitlines()[-1]).items():
+            merged[key].extend(values)
+    return merged
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    from kvelastic.bench import vmm
+    from kvelastic.vmm import cuda_usable
+
+    backend = "cuda" if cuda_usable()[0] else "host"
+    rounds = 50 if quick else 400
+    raw = vmm.run(quick=quick, backend=backend)
+    with tempfile.TemporaryDirectory() as tmp:
+        daemon, sock = _start_daemon(tmp, backend)
+        try:
+            one = engine_loop(sock, "bench-solo", rounds, backend)
+            eight = _parallel(sock, 8, max(10, rounds // 4), backend)
+        finally:
+            daemon.terminate()
+            daemon.wait(10)
+    out: dict[str, Any] = {"benchmark": "grant", "backend": backend, "page_size": PAGE,
+                           "pages_per_slab": 1, "rounds": rounds,
+                           "raw_map_p50_us": raw["raw_map_p50_us"], "raw_unmap_p50_us": raw["raw_unmap_p50_us"]}
+    for label, data in (("1_engine", one), ("8_engines", eight)):
+        for kind in ("grant", "return"):
+            out[f"{kind}_p50_us_{label}"] = round(_pct(data[kind], 0.5), 1)
+            out[f"{kind}_p99_us_{label}"] = round(_pct(data[kind], 0.99), 1)
+    out["grant_over_raw_map_p50"] = round(out["grant_p50_us_1_engine"] / raw["raw_map_p50_us"], 1)
+    out["return_over_raw_unmap_p50"] = round(out["return_p50_us_1_engine"] / raw["raw_unmap_p50_us"], 1)
+    out["grant_over_raw_map_p50_8_engines"] = round(out["grant_p50_us_8_engines"] / raw["raw_map_p50_us"], 1)
+    return out
+
+
+if __name__ == "__main__":  # one engine process of the 8-engine run
+    socket_path, engine_id, rounds, backend = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    print(json.dumps(engine_loop(socket_path, engine_id, rounds, backend)))
