@@ -126,8 +126,9 @@ VARIABLES: tuple[Variable, ...] = (
              "Physical page size; a power of two and a multiple of the backend granularity (CUDA: 2MiB)."),
     Variable("KVELASTIC_SOCKET", "socket", "", str,
              "Daemon socket path. Default: `/run/kvelastic/kvelastic.sock` as root, else `$XDG_RUNTIME_DIR/kvelastic/kvelastic.sock` or `/tmp/kvelastic-$UID/kvelastic.sock`."),
-    Variable("KVELASTIC_METRICS_PORT", "metrics_port", "9477", parse_port,
-             "Prometheus `/metrics` HTTP port (0 disables the endpoint)."),
+    Variable("KVELASTIC_METRICS_PORT", "metrics_port", "18477", parse_port,
+             "Prometheus `/metrics` HTTP port (0 disables the endpoint). Outside Prometheus's exporter "
+             "range 9100-9999, which its default-port list has exhausted, and the 10000+ block it continues in."),
     Variable("KVELASTIC_METRICS_ADDR", "metrics_addr", "0.0.0.0", str,
              "Address the metrics endpoint binds."),
     Variable("KVELASTIC_PREFIX_CACHE_MAX_SIZE", "prefix_cache_max_size", "0", parse_optional_size,
