@@ -139,6 +139,14 @@ VARIABLES: tuple[Variable, ...] = (
              "Block hash for prefix caching: `sha256` or the faster `xxh3_128`."),
     Variable("KVELASTIC_VERIFY_TOKENS", "verify_tokens", "0", parse_bool,
              "Keep token ids of cached blocks and compare them on every hit, so a hash collision can never serve wrong KV."),
+    Variable("KVELASTIC_ENGINE_ID", "engine_id", "", str,
+             "vLLM plugin: this engine's name in the daemon, metrics and logs (default: host name and process id)."),
+    Variable("KVELASTIC_ENGINE_MIN_MEMORY", "engine_min_memory", "0", parse_size,
+             "vLLM plugin: memory this engine is guaranteed (never reclaimed below it)."),
+    Variable("KVELASTIC_ENGINE_MAX_MEMORY", "engine_max_memory", "0", parse_size,
+             "vLLM plugin: the most this engine may hold; `0` means up to the device budget."),
+    Variable("KVELASTIC_TENANT_SALT", "tenant_salt", "", str,
+             "vLLM plugin: a tenant's salt, part of the namespace, so blocks of different tenants never match."),
     Variable("KVELASTIC_LOG_LEVEL", "log_level", "info", parse_choice("debug", "info", "warning", "error"),
              "Log level of the daemon and the client."),
 )
@@ -157,6 +165,10 @@ class Config:
     prefix_cache_ttl: float
     hash: str
     verify_tokens: bool
+    engine_id: str
+    engine_min_memory: int
+    engine_max_memory: int
+    tenant_salt: str
     log_level: str
 
     @classmethod

@@ -104,6 +104,10 @@ class Connection:
         """Fire and forget: the daemon answers only if it rejects the message."""
         self._submit(msg, None)
 
+    def wake(self) -> None:
+        """Run the I/O thread's loop (and its periodic work) now."""
+        os.eventfd_write(self._wake, 1)
+
     def send_now(self, msg: p.Msg) -> None:
         """From the I/O thread only (handshakes and answers to commands)."""
         if msg.req_id == 0:
@@ -139,7 +143,8 @@ class Connection:
             return self._next_req
 
     def _submit(self, msg: p.Msg, pending: _Pending | None) -> _Pending | None:
-        msg.req_id = self._new_req_id()
+        if pending is not None or msg.req_id == 0:  # answers to daemon commands keep its id
+            msg.req_id = self._new_req_id()
         if pending is not None:
             self._pending[msg.req_id] = pending
         self._outbox.append((msg, pending))

@@ -13,6 +13,7 @@ cached block) beyond ``keep_idle_slabs`` for ``shrink_grace`` seconds go back.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -58,6 +59,7 @@ class EngineClient:
         self._grow_in_flight = False
         self._grow_done = threading.Condition(self.lock)
         self._idle_since: dict[int, float] = {}
+        self._inbox: collections.deque = collections.deque()
         self._last_heartbeat = 0.0
         self._now = 0.0
         self.conn = Connection(socket_path, engine_id, -1, handshake=self._register,
@@ -79,21 +81,27 @@ class EngineClient:
 
     def _register(self, conn: Connection) -> None:
         """Handshake (I/O thread): register, adopting whatever the pool holds."""
-        with self.lock:
+        if not self.lock.acquire(timeout=1.0):  # the scheduler is mid-request: retry soon
+            raise DaemonUnavailable("engine busy; registration retried")
+        try:
             held = self.pool.slab_ids()
             occupancy = self.pool.occupancies()
+        finally:
+            self.lock.release()
         reply = conn.call_now(p.RegisterEngine(
             version=p.PROTOCOL_VERSION, engine_id=self.engine_id, pid=os.getpid(),
             namespace=self.namespace, held=held, occupancy=occupancy, **self.geometry))
         self.max_slabs, self.budget_bytes = reply.max_slabs, reply.budget_bytes
         self._grow_in_flight = False
         if held:  # a restarted daemon has an empty mirror: send the whole index
-            with self.lock:
-                ops = [(STORE, wire_key(k), b) for k, b in self.pool.cached_keys()]
-                self.pool.take_journal()
-                occupancy = self.pool.occupancies()
-            conn.send_now(p.Journal(engine_id=self.engine_id, ops=ops, occupancy=occupancy))
+            self._locked(lambda: self._resend_index(conn))
             log.info("engine %s: re-registered with %d slab(s) held", self.engine_id, len(held))
+
+    def _resend_index(self, conn: Connection) -> None:
+        ops = [(STORE, wire_key(k), b) for k, b in self.pool.cached_keys()]
+        self.pool.take_journal()
+        occupancy = self.pool.occupancies()
+        conn.notify(p.Journal(engine_id=self.engine_id, ops=ops, occupancy=occupancy))
 
     # ---------------------------------------------------- scheduler thread
     def ensure(self, blocks: int, timeout: float = 5.0) -> bool:
@@ -101,6 +109,7 @@ class EngineClient:
         only if they are not already there. False: the device is full."""
         pool = self.pool
         with self.lock:
+            self._run_inbox()
             if pool.num_available >= blocks:
                 return True
             want = math.ceil((blocks - pool.num_available) / pool.blocks_per_slab)
@@ -109,71 +118,102 @@ class EngineClient:
         except (DaemonError, DaemonUnavailable) as exc:
             log.warning("engine %s: grow of %d slab(s) failed: %s", self.engine_id, want, exc)
             return False
-        self._apply_grant(reply)
         with self.lock:
+            self._apply_grant(reply)
             return pool.num_available >= blocks
+
+    def poll(self) -> None:
+        """From the thread that drives the pool, between its operations: apply
+        what the daemon sent and ship the journal even if the I/O thread never
+        finds the lock free (a scheduler that runs back to back)."""
+        with self.lock:
+            self._run_inbox()
+            if self.pool.journal.ops or self.pool.journal.dirty:
+                self._flush_journal(self.conn.notify)
 
     def wake(self) -> None:
         """Tell the I/O thread to look at the watermarks now (cheap)."""
-        os.eventfd_write(self.conn._wake, 1)
+        self.conn.wake()
 
     # --------------------------------------------------------- I/O thread
+    # The I/O thread never waits for ``lock``: the scheduler may hold it while it
+    # waits for a reply only the I/O thread can deliver. Work that needs the pool
+    # goes to ``_inbox`` and runs when the lock is free (here, or in ``poll``).
+    def _locked(self, work) -> None:
+        self._inbox.append(work)
+        if self.lock.acquire(blocking=False):
+            try:
+                self._run_inbox()
+            finally:
+                self.lock.release()
+
+    def _run_inbox(self) -> None:
+        while self._inbox:
+            self._inbox.popleft()()
+
     def _apply_grant(self, reply: p.Msg) -> None:
         if not isinstance(reply, p.Granted):
             return
-        with self.lock:
-            for slab_id in reply.slabs:
-                try:
-                    self.pool.add_slab(slab_id)
-                except PoolError as exc:
-                    log.error("engine %s: granted slab %d not usable: %s", self.engine_id, slab_id, exc)
+        for slab_id in reply.slabs:
+            try:
+                self.pool.add_slab(slab_id)
+            except PoolError as exc:
+                log.error("engine %s: granted slab %d not usable: %s", self.engine_id, slab_id, exc)
         if not reply.slabs:
             self.refused_until = self._now + 0.5
 
     def _on_grow_reply(self, reply: p.Msg) -> None:
-        self._grow_in_flight = False
-        self._apply_grant(reply)
+        def apply() -> None:
+            self._grow_in_flight = False
+            self._apply_grant(reply)
+
+        self._locked(apply)
 
     def _on_command(self, msg: p.Msg) -> None:
         if isinstance(msg, p.Reclaim):
-            given, refused = [], []
-            with self.lock:
-                for slab_id in msg.slabs:
-                    try:
-                        self.pool.take_slab_back(slab_id, reason="reclaim")
-                        given.append(slab_id)
-                    except PoolError:
-                        refused.append(slab_id)
-                self._flush_journal()
-            self.conn.send_now(p.ReclaimDone(req_id=msg.req_id, engine_id=self.engine_id,
-                                             given=given, refused=refused))
+            self._locked(lambda: self._reclaim(msg))
         elif isinstance(msg, p.ClearIndex):
-            with self.lock:
-                dropped = self.pool.clear_index()
-            log.info("engine %s: prefix cache invalidated by the daemon (%d cached blocks dropped)",
-                     self.engine_id, dropped)
+            self._locked(self._clear_index)
+
+    def _reclaim(self, msg: p.Reclaim) -> None:
+        given, refused = [], []
+        for slab_id in msg.slabs:
+            try:
+                self.pool.take_slab_back(slab_id, reason="reclaim")
+                given.append(slab_id)
+            except PoolError:
+                refused.append(slab_id)   # a block turned live meanwhile, or it is gone
+        self._flush_journal(self.conn.notify)
+        self.conn.notify(p.ReclaimDone(req_id=msg.req_id, engine_id=self.engine_id, given=given, refused=refused))
+
+    def _clear_index(self) -> None:
+        dropped = self.pool.clear_index()
+        log.info("engine %s: prefix cache invalidated by the daemon (%d cached blocks dropped)",
+                 self.engine_id, dropped)
 
     def _tick(self, now: float) -> None:
         self._now = now
-        pool = self.pool
-        with self.lock:
-            self._flush_journal()
+        if now - self._last_heartbeat >= HEARTBEAT_INTERVAL:
+            self._last_heartbeat = now
+            self.conn.send_now(p.Heartbeat(engine_id=self.engine_id))
+        if not self.lock.acquire(blocking=False):
+            return  # the scheduler is busy with the pool: next tick, or its poll()
+        try:
+            self._run_inbox()
+            pool = self.pool
             if not self._grow_in_flight and pool.num_free < self.low_watermark and now >= self.refused_until \
                     and len(pool.slab_ids()) < self.max_slabs:
                 want = max(1, math.ceil((self.low_watermark - pool.num_free) / pool.blocks_per_slab))
                 self._grow_in_flight = True
                 self.conn.request_async(p.Grow(engine_id=self.engine_id, slabs=want), self._on_grow_reply)
-            returned = self._shrink(now)
-            if returned:
-                self._flush_journal()
-        if returned:
-            self.conn.send_now(p.Return(engine_id=self.engine_id, slabs=returned))
-        if now - self._last_heartbeat >= HEARTBEAT_INTERVAL:
-            self._last_heartbeat = now
-            self.conn.send_now(p.Heartbeat(engine_id=self.engine_id))
-        if pool.ttl or pool.max_cached_blocks is not None:
-            with self.lock:
+            if pool.ttl or pool.max_cached_blocks is not None:
                 pool.expire()
+            returned = self._shrink(now)
+            self._flush_journal(self.conn.send_now)
+            if returned:
+                self.conn.send_now(p.Return(engine_id=self.engine_id, slabs=returned))
+        finally:
+            self.lock.release()
 
     def _shrink(self, now: float) -> list[int]:
         idle = self.pool.idle_slabs()
@@ -197,7 +237,9 @@ class EngineClient:
             returned.append(slab_id)
         return returned
 
-    def _flush_journal(self) -> None:
+    def _flush_journal(self, send) -> None:
+        """Ship the journal (``send``: ``conn.send_now`` on the I/O thread,
+        ``conn.notify`` elsewhere); call with ``lock`` held."""
         batch = self.pool.take_journal()
         if not batch:
             return
@@ -209,7 +251,7 @@ class EngineClient:
         for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):
             chunk = ops[start:start + JOURNAL_MAX_OPS]
             last = start + JOURNAL_MAX_OPS >= len(ops)
-            self.conn.send_now(p.Journal(engine_id=self.engine_id, ops=chunk,
+            send(p.Journal(engine_id=self.engine_id, ops=chunk,
                                          occupancy=batch.occupancy if last else {},
                                          stats=counters if last else {}))
 

@@ -69,8 +69,13 @@ class SlabPool:
         self.max_cached_blocks = None if max_cached_bytes is None else max_cached_bytes // block_bytes
         self.ttl = ttl
         self.verify_tokens = verify_tokens
-        self._factory = block_factory
+        # Settable until the first slab arrives (the vLLM adapter binds its blocks to itself).
+        self.block_factory = block_factory
         self._clock = clock
+        # Called with every key that leaves the index (vLLM's BlockRemoved events).
+        self.on_key_removed: Callable[[Hashable], None] | None = None
+        # Called when clear_index drops the whole index (vLLM's AllBlocksCleared).
+        self.on_cleared: Callable[[], None] | None = None
 
         self._slabs: dict[int, Slab] = {}
         # _by_free[k]: held slabs with exactly k free blocks. Invariant: no
@@ -139,7 +144,7 @@ class SlabPool:
         if slab_id in self._slabs:
             raise SlabAlreadyHeld(f"slab {slab_id} is already held")
         first = slab_id * self.blocks_per_slab
-        slab = Slab(slab_id, [self._factory(first + i) for i in range(self.blocks_per_slab)])
+        slab = Slab(slab_id, [self.block_factory(first + i) for i in range(self.blocks_per_slab)])
         self._slabs[slab_id] = slab
         self._by_free[self.blocks_per_slab][slab_id] = slab
         self.num_free += self.blocks_per_slab
@@ -288,6 +293,24 @@ class SlabPool:
             if self.verify_tokens and tokens is not None:
                 self._tokens[blk.block_id] = tuple(tokens[i])
 
+    def uncache(self, blocks: Sequence[Any], reason: str = "explicit") -> int:
+        """Drop the keys of these blocks (live ones stay live; cached ones turn
+        free). Blocks without a key are skipped. Returns the keys dropped."""
+        self._check_held(blocks)
+        dropped = 0
+        bps = self.blocks_per_slab
+        for blk in blocks:
+            if blk._block_hash is None:
+                continue
+            slab = self._slabs[blk.block_id // bps]
+            if blk.ref_cnt == 0:
+                self._evict_cached(blk, slab)
+            else:
+                self._drop_key(blk)
+            dropped += 1
+        self.stats.evictions[reason] += dropped
+        return dropped
+
     def get_cached_block(self, key: Hashable) -> Any | None:
         return self._index.get_one(key)
 
@@ -351,6 +374,8 @@ class SlabPool:
         self._tokens.clear()
         self.journal.ops.append((CLEAR,))
         self.stats.evictions["invalidate"] += dropped
+        if self.on_cleared is not None:
+            self.on_cleared()
         return dropped
 
     def reset(self) -> None:
@@ -388,6 +413,8 @@ class SlabPool:
         self._index.remove(key, blk)
         self.journal.ops.append((REMOVE, key, blk.block_id))
         blk._block_hash = None
+        if self.on_key_removed is not None:
+            self.on_key_removed(key)
         if self._tokens:
             self._tokens.pop(blk.block_id, None)
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvelastic.core.block import Block
 from kvelastic.core.journal import Mirror
 from kvelastic.core.pool import SlabPool
 from kvelastic.errors import (
@@ -331,3 +332,18 @@ def test_journal_replays_into_mirror():
     check_pool(pool, mirror)
     assert set(mirror.slabs) == {3}
     assert not pool.take_journal()          # nothing new since the last batch
+
+
+def test_uncache_drops_keys_and_frees_cached_blocks():
+    pool = make_pool(slabs=(0,), bps=4)
+    removed = []
+    pool.on_key_removed = removed.append
+    [a, b, c] = pool.allocate(3)
+    pool.cache([a, b], keys(0, 1))
+    pool.free([b])                          # b cached, a live with a key, c live without
+    assert pool.uncache([a, b, c]) == 2
+    assert a.ref_cnt == 1 and a.block_hash is None
+    assert pool.num_cached == 0 and pool.num_free == 2
+    assert removed == keys(0, 1)
+    assert_unchanged(pool, lambda: pool.uncache([Block(99)]), UnknownBlock)
+    check_pool(pool)

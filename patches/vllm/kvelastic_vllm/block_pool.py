@@ -1,0 +1,210 @@
+"""ElasticBlockPool: vLLM's ``BlockPool`` interface over kvelastic's ``SlabPool``.
+
+There is one record per block: the core pool creates vLLM's own
+``KVCacheBlock`` objects (``block_factory``), so refcounts and hashes live in
+one place and the scheduler's block tables hold the same objects the core
+pool counts. Block ids are positions in the engine's virtual KV range (slab
+``s`` holds blocks ``s * blocks_per_slab`` ...), and only blocks of slabs the
+daemon granted ever reach the scheduler.
+
+Capacity: ``get_num_free_blocks`` is a promise ``get_new_blocks`` keeps at
+once: free + evictable blocks of held slabs. When that falls under the low
+watermark the pool fetches more slabs synchronously, before answering, so
+memory the daemon can grant counts as capacity; when the device is full the
+answer is smaller and the scheduler waits or preempts, as with stock vLLM.
+
+The null block is block 0 of the first slab, allocated once and never freed
+(vLLM does not keep its refcount, so it never reaches the core pool again).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import (
+    KVCacheBlock,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+    resolve_block_hashes,
+)
+
+from kvelastic_vllm import engine as engine_side
+
+log = logging.getLogger("kvelastic.vllm")
+
+
+class ElasticBlockPool(BlockPool):
+    # BlockPool.__init__ is not called: it would build num_gpu_blocks records
+    # and a free queue over the whole virtual range. Records are made per slab.
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
+                 enable_kv_cache_events: bool = False, metrics_collector: Any = None,
+                 medium: str = MEDIUM_GPU) -> None:
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.metrics_collector = metrics_collector
+        self.medium = medium
+        self.kv_event_queue: list[KVCacheEvent] = []
+        self._reuse_watchers: dict = {}
+        self.link = engine_side.current()
+        self.core = self.link.pool
+        self.client = self.link.client
+        self.lock = self.client.lock
+        if num_gpu_blocks != self.link.num_blocks:
+            raise RuntimeError(f"kvelastic: vLLM built a pool of {num_gpu_blocks} blocks, "
+                               f"the engine registered {self.link.num_blocks}")
+        self.core.block_factory = lambda block_id: KVCacheBlock(block_id, pool=self)
+        if enable_kv_cache_events:
+            self.core.on_key_removed = self._key_removed
+        self.core.on_cleared = self._cleared
+        if not self.client.ensure(1, timeout=30.0):
+            raise RuntimeError("kvelastic: the daemon granted no memory to this engine; "
+                               "check KVELASTIC_MEMORY and `kvelastic status`")
+        with self.lock:
+            [null] = self.core.allocate(1)
+        null.is_null = True
+        self.null_block = null
+        self._refused_at = 0.0
+
+    # ------------------------------------------------------------ capacity
+    def get_num_free_blocks(self) -> int:
+        core = self.core
+        available = core.num_free + core.num_cached
+        if available < self.client.low_watermark:
+            now = time.monotonic()
+            if now - self._refused_at > 0.2:
+                if not self.client.ensure(self.client.low_watermark, timeout=2.0):
+                    self._refused_at = now
+                available = core.num_free + core.num_cached
+            else:
+                self.client.wake()
+        return available
+
+    def get_usage(self) -> float:
+        # The share of the engine's virtual range (the device budget) in live use.
+        return (self.core.num_live - 1) / max(1, self.num_gpu_blocks - 1)
+
+    # -------------------------------------------------------------- blocks
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        with self.lock:
+            if num_blocks > self.core.num_free + self.core.num_cached:
+                raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+            blocks = self.core.allocate(num_blocks)
+        if self.metrics_collector:
+            for block in blocks:
+                self.metrics_collector.on_block_allocated(block)
+        if self.core.num_free < self.client.low_watermark:
+            self.client.wake()
+        return blocks
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        real = [b for b in blocks if not b.is_null]
+        with self.lock:
+            self.core.touch(real)
+        if self.metrics_collector:
+            for block in real:
+                self.metrics_collector.on_block_accessed(block)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        mine, others = [], {}
+        for block in ordered_blocks:
+            if block.pool is not None and block.pool is not self:
+                others.setdefault(block.pool, []).append(block)
+            elif not block.is_null:
+                mine.append(block)
+        with self.lock:
+            self.core.free(mine)
+        for pool, blocks in others.items():
+            pool.free_blocks(blocks)
+
+    # ------------------------------------------------------- prefix cache
+    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[KVCacheBlock] | None:
+        cached = []
+        get = self.core.get_cached_block
+        for group_id in kv_cache_group_ids:
+            block = get(make_block_hash_with_group_id(block_hash, group_id))
+            if block is None:
+                return None
+            cached.append(block)
+        return cached
+
+    def cache_full_blocks(self, request: Any, blocks: list[KVCacheBlock], num_cached_blocks: int,
+                          num_full_blocks: int, block_size: int, kv_cache_group_id: int,
+                          block_mask: list[bool] | None = None) -> None:
+        if num_cached_blocks >= num_full_blocks:
+            return
+        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        to_cache, keys, stored = [], [], []
+        for i, block in enumerate(blocks[num_cached_blocks:num_full_blocks]):
+            if block.is_null or (block_mask is not None and not block_mask[i]):
+                continue
+            block_hash = hashes[num_cached_blocks + i]
+            to_cache.append(block)
+            keys.append(make_block_hash_with_group_id(block_hash, kv_cache_group_id))
+            stored.append(i)
+        with self.lock:
+            self.core.cache(to_cache, keys)
+        if self.enable_kv_cache_events and stored:
+            self._emit_stored(request, blocks, hashes, num_cached_blocks, num_full_blocks, block_size,
+                              kv_cache_group_id, stored)
+
+    def _emit_stored(self, request, blocks, hashes, first, last, block_size, group_id, stored) -> None:
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+        extra_keys, mm_idx = [], 0
+        for i in range(first, last):
+            keys, mm_idx = generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size, mm_idx)
+            if i - first in stored:
+                extra_keys.append(keys)
+        parent = maybe_convert_block_hash(hashes[first - 1]) if first else None
+        event = self._build_block_stored_event(
+            request, block_hashes=[maybe_convert_block_hash(hashes[first + i]) for i in stored],
+            parent_block_hash=parent, start_token_idx=first * block_size, end_token_idx=last * block_size,
+            block_size=block_size, kv_cache_group_id=group_id, extra_keys_list=extra_keys)
+        with self.lock:
+            self.kv_event_queue.append(event)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        with self.lock:
+            self.core.uncache([self.core.block(i) for i in block_ids])
+
+    def reset_prefix_cache(self) -> bool:
+        with self.lock:
+            if self.core.num_live != 1:  # the null block is always live
+                log.warning("kvelastic: cannot reset the prefix cache: %d block(s) still in use",
+                            self.core.num_live - 1)
+                return False
+            self.core.clear_index()
+        log.info("kvelastic: prefix cache reset")
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        if not self.enable_kv_cache_events:
+            return []
+        with self.lock:
+            events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+
+    # ------------------------------------------------- core pool callbacks
+    def _key_removed(self, key: bytes) -> None:
+        self.kv_event_queue.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
+                                                medium=self.medium, group_idx=get_group_id(key)))
+
+    def _cleared(self) -> None:
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+
+    # ------------------------------------------- features kvelastic leaves out
+    def _unsupported(self, *_args: Any, **_kwargs: Any) -> Any:
+        raise NotImplementedError("kvelastic supports attention-only models: partial-block caching, "
+                                  "hash moves and pinned host blocks (mamba, HiSparse) are not available")
+
+    cache_partial_block = move_block_hashes = unpin_blocks = _unsupported
