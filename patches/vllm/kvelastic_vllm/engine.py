@@ -1,0 +1,168 @@
+"""EngineCore side: register the engine with the daemon while vLLM sizes its KV cache.
+
+vLLM turns available memory into ``num_blocks`` in ``get_kv_cache_configs``.
+The wrapper lets vLLM lay the cache out once, reads the geometry (bytes per
+block per layer, layer-outer or block-outer), registers the engine, and asks
+vLLM again for exactly ``max_slabs * blocks_per_slab`` blocks: the engine's
+whole virtual capacity. Memory arrives underneath, slab by slab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+import os
+import socket
+from typing import Any
+
+from kvelastic.client.engine import EngineClient
+from kvelastic.config import Config
+from kvelastic.core.pool import SlabPool
+
+log = logging.getLogger("kvelastic.vllm")
+
+
+@dataclasses.dataclass
+class Geometry:
+    block_stride: int        # bytes of one block in one layer region (or all layers, block-outer)
+    regions: int             # pages of a slab in one worker: one per layer (layer-outer) or 1
+    blocks_per_slab: int
+    block_bytes: int         # one block across every layer and worker
+
+
+@dataclasses.dataclass
+class EngineLink:
+    pool: SlabPool
+    client: EngineClient
+    geometry: Geometry
+    num_blocks: int
+    low_watermark: int       # applied once ElasticBlockPool owns the block records
+
+
+_link: EngineLink | None = None
+
+
+def current() -> EngineLink:
+    if _link is None:
+        raise RuntimeError("kvelastic: this engine did not register with the daemon "
+                           "(the plugin's get_kv_cache_configs hook did not run)")
+    return _link
+
+
+def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int) -> Geometry:
+    """Check that vLLM's layout maps onto pages and derive the slab geometry."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    for group in kv_cache_config.kv_cache_groups:
+        if not isinstance(group.kv_cache_spec, AttentionSpec):
+            raise RuntimeError(f"kvelastic supports attention-only models; this one has a "
+                               f"{type(group.kv_cache_spec).__name__} cache group")
+    tensors = kv_cache_config.kv_cache_tensors
+    if len(tensors) != 1 or tensors[0].offset != 0:
+        raise RuntimeError(f"kvelastic expects one KV backing allocation at offset 0, got {len(tensors)}")
+    t = tensors[0]
+    if page_size % t.block_stride:
+        raise RuntimeError(f"a KV block takes {t.block_stride} bytes per region, which does not divide the "
+                           f"page size {page_size}; set KVELASTIC_PAGE_SIZE to a multiple of it")
+    layers = len(t.layers)
+    if t.layer_stride == kv_cache_config.num_blocks * t.block_stride:
+        regions = layers                      # layer-outer: one region per layer
+    elif t.layer_stride * layers <= t.block_stride:
+        regions = 1                           # block-outer: a block holds every layer
+    else:
+        raise RuntimeError(f"unsupported KV layout: layer stride {t.layer_stride}, block stride {t.block_stride}")
+    bps = page_size // t.block_stride
+    return Geometry(t.block_stride, regions, bps, page_size * regions * max(1, num_workers) // bps)
+
+
+def namespace_of(vllm_config: Any, geometry: Geometry, config: Config) -> str:
+    """What makes two engines' blocks interchangeable: model, dtype, KV geometry,
+    hash algorithm and tenant salt."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    ident = "|".join(str(x) for x in (model.model, model.dtype, cache.block_size, geometry.block_stride,
+                                       geometry.regions, getattr(cache, "prefix_caching_hash_algo", ""),
+                                       config.tenant_salt))
+    name = os.path.basename(str(model.model).rstrip("/")) or "model"
+    return f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+
+
+def register(vllm_config: Any, kv_cache_configs: list, config: Config) -> EngineLink:
+    num_workers = len(kv_cache_configs)
+    geometry = geometry_of(kv_cache_configs[0], config.page_size, num_workers)
+    engine_id = config.engine_id or os.environ.get("KVELASTIC_ENGINE_ID") or f"{socket.gethostname()}-{os.getpid()}"
+    sched = vllm_config.scheduler_config
+    # Keep one scheduling step's worth of blocks free ahead of need, plus a slab.
+    low = math.ceil(sched.max_num_batched_tokens / vllm_config.cache_config.block_size) + geometry.blocks_per_slab
+    pool = SlabPool(geometry.blocks_per_slab, block_size=vllm_config.cache_config.block_size,
+                    block_bytes=geometry.block_bytes, max_cached_bytes=config.prefix_cache_max_size,
+                    ttl=config.prefix_cache_ttl)
+    client = EngineClient(pool, socket_path=config.socket, engine_id=engine_id,
+                          namespace=namespace_of(vllm_config, geometry, config), page_size=config.page_size,
+                          pages_per_worker=geometry.regions, num_workers=num_workers,
+                          block_bytes=geometry.block_bytes, min_bytes=config.engine_min_memory,
+                          max_bytes=config.engine_max_memory, low_watermark=0)
+    client.start(timeout=30.0)
+    link = attach(client, geometry, low)
+    log.info("kvelastic: engine %s registered: %d blocks of virtual capacity (%d slabs of %d blocks), "
+             "namespace %s", engine_id, link.num_blocks, client.max_slabs, geometry.blocks_per_slab,
+             client.namespace)
+    return link
+
+
+def attach(client: EngineClient, geometry: Geometry, low_watermark: int) -> EngineLink:
+    """Make ``client`` (registered, started with no watermark: no prefetch
+    before the block pool exists, whose records the blocks must be) the
+    engine the next ElasticBlockPool serves."""
+    global _link
+    _link = EngineLink(client.pool, client, geometry, client.max_slabs * geometry.blocks_per_slab, low_watermark)
+    return _link
+
+
+def wrap_get_kv_cache_configs(original):
+    def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
+        first = original(vllm_config, kv_cache_specs, available_memory)
+        link = register(vllm_config, first, Config.from_env())
+        vllm_config.cache_config.num_gpu_blocks_override = link.num_blocks
+        configs = original(vllm_config, kv_cache_specs, available_memory)
+        t = configs[0].kv_cache_tensors[0]
+        if configs[0].num_blocks != link.num_blocks or t.block_stride != link.geometry.block_stride:
+            raise RuntimeError(f"kvelastic: vLLM laid out {configs[0].num_blocks} blocks of {t.block_stride} "
+                               f"bytes, expected {link.num_blocks} of {link.geometry.block_stride}")
+        return configs
+
+    return get_kv_cache_configs
+
+
+def wrap_schedule(original):
+    """One scheduling step is atomic for the pool: a reclaim cannot take a slab
+    between the lookup of a cached block and the touch that makes it live."""
+
+    def schedule(self, *args, **kwargs):
+        if _link is None:
+            return original(self, *args, **kwargs)
+        with _link.client.lock:
+            out = original(self, *args, **kwargs)
+        _link.client.poll()
+        return out
+
+    return schedule
+
+
+def wrap_get_computed_blocks(original):
+    """Count prefix-cache lookups and hits (in blocks) in the core pool's stats,
+    which the daemon exports per engine: vLLM looks blocks up one by one, so
+    the request-level figures are taken here, as vLLM's own counters are."""
+
+    def get_computed_blocks(self, request):
+        result = original(self, request)
+        if _link is not None and self.enable_caching:
+            stats, size = _link.pool.stats, _link.pool.block_size
+            stats.lookups += 1
+            stats.lookup_blocks += request.num_tokens // size
+            stats.hit_blocks += result[1] // size
+        return result
+
+    return get_computed_blocks

@@ -1,0 +1,82 @@
+"""Worker side: KV tensors are views over an arena the daemon's pages map into.
+
+``allocate_kv_cache`` reserves the engine's whole virtual capacity (no memory
+until slabs are mapped) and builds vLLM's per-layer views over it, exactly
+where vLLM would have put them in its single backing allocation. Each model
+step runs inside ``WorkerClient.step()``, so pages are unmapped only between
+steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from kvelastic.client.worker import WorkerClient
+from kvelastic.config import Config
+from kvelastic.vmm import get_backend
+
+log = logging.getLogger("kvelastic.vllm")
+
+_client: WorkerClient | None = None
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def worker_client(device: torch.device) -> WorkerClient:
+    global _client
+    if _client is None:
+        config = Config.from_env()
+        backend = get_backend("cuda" if device.type == "cuda" else "host", config.page_size,
+                              **({"device": device.index or 0} if device.type == "cuda" else {}))
+        engine_id = config.engine_id or os.environ["KVELASTIC_ENGINE_ID"]
+        _client = WorkerClient(backend, socket_path=config.socket, engine_id=engine_id, rank=_rank()).start(30.0)
+        log.info("kvelastic: worker %d of engine %s reserved %d MiB of virtual KV space",
+                 _client.rank, engine_id, _client.arena.size >> 20)
+    return _client
+
+
+def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
+                      kernel_block_sizes: list[int] | None = None) -> dict[str, torch.Tensor]:
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
+
+    if not kv_cache_config.kv_cache_tensors:
+        return {}
+    size = kv_cache_config.kv_cache_tensors[0].size
+    arena = worker_client(device).arena
+    if size > arena.size:
+        raise RuntimeError(f"kvelastic: vLLM wants {size} bytes of KV space, the arena has {arena.size}")
+    buf = arena.tensor(torch.int8, (size,))
+    kv_caches: dict[str, torch.Tensor] = {}
+    for tensor in kv_cache_config.kv_cache_tensors:
+        group_id, group = next((i, g) for i, g in enumerate(kv_cache_config.kv_cache_groups)
+                               if tensor.layers[0] in g.layer_names)
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = spec.kv_cache_specs[tensor.layers[0]]
+        if not spec.has_layer_views:
+            kv_caches.update((name, buf) for name in tensor.layers)
+            continue
+        kernel_block_size = kernel_block_sizes[group_id] if kernel_block_sizes and group_id < len(
+            kernel_block_sizes) else None
+        views = create_kv_cache_views(buf, spec, kv_cache_config.num_blocks_of(tensor), layout, tensor,
+                                      kernel_block_size=kernel_block_size)
+        kv_caches.update(zip(tensor.layers, views))
+    return kv_caches
+
+
+def wrap_execute_model(original):
+    def execute_model(self, *args, **kwargs):
+        if _client is None:
+            return original(self, *args, **kwargs)
+        with _client.step():
+            return original(self, *args, **kwargs)
+
+    return execute_model

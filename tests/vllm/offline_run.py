@@ -1,0 +1,48 @@
+"""Greedy generation with vLLM's offline ``LLM`` on the tiny model, as JSON.
+
+    python tests/vllm/offline_run.py MODEL_DIR
+
+Runs a batch with shared prefixes three times: cold (misses), warm (hits),
+and after ``reset_prefix_cache`` (misses again), and prints the token ids and
+vLLM's own prefix-cache counters for each phase. With ``KVELASTIC_ENABLE=1``
+in the environment the same run goes through kvelastic.
+"""
+
+import json
+import os
+import sys
+
+from kvelastic.bench.vllm_serve import VLLM_ENV
+
+PREFIXES = ["the cache block page memory token prefix " * 12, "alpha beta gamma delta epsilon zeta " * 14]
+PROMPTS = [p + f"question number {i} about slabs" for p in PREFIXES for i in range(3)]
+
+
+def main() -> None:
+    for key, value in VLLM_ENV.items():
+        os.environ.setdefault(key, value)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=1024, enforce_eager=True,
+              enable_prefix_caching=True, block_size=32, max_num_seqs=8, seed=0, disable_log_stats=False,
+              kv_cache_memory_bytes=64 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def counters():
+        m = {x.name: x.value for x in llm.get_metrics() if x.name.startswith("vllm:prefix_cache")}
+        return m["vllm:prefix_cache_queries"], m["vllm:prefix_cache_hits"]
+
+    result = {}
+    for phase in ("cold", "warm", "reset"):
+        if phase == "reset":
+            assert llm.reset_prefix_cache()
+        q0, h0 = counters()
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        q1, h1 = counters()
+        result[phase] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                         "queries": q1 - q0, "hits": h1 - h0}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
