@@ -89,6 +89,13 @@ def parse_port(text: str) -> int:
     return port
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def parse_power_of_two_size(text: str) -> int:
     size = parse_size(text)
     if size < 4096 or size & (size - 1):
@@ -131,6 +138,14 @@ VARIABLES: tuple[Variable, ...] = (
              "range 9100-9999, which its default-port list has exhausted, and the 10000+ block it continues in."),
     Variable("KVELASTIC_METRICS_ADDR", "metrics_addr", "0.0.0.0", str,
              "Address the metrics endpoint binds."),
+    Variable("KVELASTIC_KV_EVENTS_ENDPOINT", "kv_events_endpoint", "", str,
+             "ZMQ PUB endpoint of the node's KV events (vLLM's format), e.g. `tcp://*:5557`; default "
+             "`ipc://<socket>.kv-events`; `off` disables them."),
+    Variable("KVELASTIC_KV_EVENTS_REPLAY_ENDPOINT", "kv_events_replay_endpoint", "", str,
+             "ZMQ ROUTER endpoint for replays of missed KV event batches; default: the PUB endpoint "
+             "with `-replay` appended (ipc) or the next port (tcp)."),
+    Variable("KVELASTIC_KV_EVENTS_BUFFER", "kv_events_buffer", "10000", lambda t: _positive_int(t),
+             "KV event batches kept for replay."),
     Variable("KVELASTIC_PREFIX_CACHE_MAX_SIZE", "prefix_cache_max_size", "0", parse_optional_size,
              "Maximum size of cached (evictable) prefix blocks per engine; `0` means bounded only by memory."),
     Variable("KVELASTIC_PREFIX_CACHE_TTL", "prefix_cache_ttl", "0", parse_duration,
@@ -161,6 +176,9 @@ class Config:
     socket: str
     metrics_port: int
     metrics_addr: str
+    kv_events_endpoint: str
+    kv_events_replay_endpoint: str
+    kv_events_buffer: int
     prefix_cache_max_size: int | None
     prefix_cache_ttl: float
     hash: str
@@ -184,7 +202,21 @@ class Config:
                 raise ConfigError(f"{var.name}={raw!r}: {exc}") from None
         if not values["socket"]:
             values["socket"] = default_socket()
+        if not values["kv_events_endpoint"]:
+            values["kv_events_endpoint"] = f"ipc://{values['socket']}.kv-events"
+        if values["kv_events_endpoint"] == "off":
+            values["kv_events_endpoint"] = ""
+        if values["kv_events_endpoint"] and not values["kv_events_replay_endpoint"]:
+            values["kv_events_replay_endpoint"] = replay_endpoint_for(values["kv_events_endpoint"])
         return cls(**values)
+
+
+def replay_endpoint_for(endpoint: str) -> str:
+    """vLLM's convention: the replay socket sits beside the PUB socket."""
+    if endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1].isdigit():
+        host, port = endpoint.rsplit(":", 1)
+        return f"{host}:{int(port) + 1}"
+    return endpoint + "-replay"
 
 
 def markdown_table() -> str:

@@ -38,6 +38,8 @@ class RegisterEngine(Msg):
     num_workers: int             # workers that map every slab (TP ranks); 0: none
     blocks_per_slab: int
     block_bytes: int
+    block_tokens: int = 0        # tokens per block (for KV events)
+    key_group_suffix: bool = False  # keys are vLLM's hash + 4-byte group id
     min_bytes: int = 0           # guaranteed: never reclaimed below this
     max_bytes: int = 0           # 0: no cap beyond the budget
     held: list[int] = []         # slab ids still held (re-register after a daemon restart)
@@ -161,6 +163,46 @@ Message = (
     | ReclaimDone | Mapped | Unmapped | Status | SetLimit | Invalidate
     | Ok | Error | Registered | Granted | Reclaim | ClearIndex | MapSlab | UnmapSlab | StatusReply
 )
+
+# ------------------------------------------- KV events, in vLLM's wire format
+# Same names, fields and encoding as vllm.distributed.kv_events, so a router
+# decodes the daemon's stream with vLLM's own classes. Published on a ZMQ PUB
+# socket as (topic, 8-byte big-endian sequence number, msgpack KVEventBatch),
+# with vLLM's replay protocol on a ROUTER socket; topic ``kv@ENGINE@NAMESPACE``.
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    group_idx: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+def kv_events_topic(engine_id: str, namespace: str) -> bytes:
+    return f"kv@{engine_id}@{namespace}".encode()
+
 
 def fd_socket_path(socket_path: str) -> str:
     """The AF_UNIX page channel lives beside the ZMQ socket."""

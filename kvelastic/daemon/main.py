@@ -84,7 +84,9 @@ def main() -> int:
         backend = get_backend(config.backend, config.page_size)
         budget = budget_bytes(config, backend)
         prepare_socket_dir(config.socket)
-        daemon = Daemon(backend, budget, config.socket)
+        kv_events = ((config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_buffer)
+                     if config.kv_events_endpoint else None)
+        daemon = Daemon(backend, budget, config.socket, kv_events=kv_events)
     except KvelasticError as exc:
         print(f"kvelastic daemon: {exc}", file=sys.stderr)
         return 1
@@ -103,9 +105,10 @@ def main() -> int:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
-    log.info("kvelastic daemon ready: %s backend, budget %d MiB, pages of %d KiB, socket %s, metrics %s",
-             backend.name, budget >> 20, config.page_size >> 10, config.socket,
-             f"{config.metrics_addr}:{config.metrics_port}" if config.metrics_port else "off")
+    log.info("kvelastic daemon ready: %s backend, budget %d MiB, pages of %d KiB, socket %s, metrics %s, "
+             "KV events %s", backend.name, budget >> 20, config.page_size >> 10, config.socket,
+             f"{config.metrics_addr}:{config.metrics_port}" if config.metrics_port else "off",
+             config.kv_events_endpoint or "off")
     sd_notify("READY=1")
     try:
         daemon.serve(lambda: bool(stopping))

@@ -22,6 +22,7 @@ import zmq
 
 from kvelastic import protocol as p
 from kvelastic.core.journal import ADD_SLAB, CLEAR, REMOVE, REMOVE_SLAB, STORE, JournalBatch
+from kvelastic.daemon.events import KVEventPublisher, journal_events
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag, pick_victims
 from kvelastic.metrics import DaemonMetrics
 from kvelastic.vmm import fdchannel
@@ -67,7 +68,8 @@ class Peer:
 
 class Daemon:
     def __init__(self, backend: Backend, budget_bytes: int, socket_path: str, *,
-                 device: str = "0", clock: Callable[[], float] = time.monotonic) -> None:
+                 device: str = "0", clock: Callable[[], float] = time.monotonic,
+                 kv_events: tuple[str, str, int] | None = None) -> None:
         self.backend = backend
         self.page_size = backend.page_size
         self.device = device
@@ -95,6 +97,10 @@ class Daemon:
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.listener.fileno(), zmq.POLLIN)
+        self.events = KVEventPublisher(self.ctx, *kv_events) if kv_events else None
+        if self.events is not None:
+            self.poller.register(self.events.replay, zmq.POLLIN)
+        self._medium = "GPU" if backend.name == "cuda" else "CPU"
         self._handlers = {
             p.RegisterEngine: self._on_register_engine, p.RegisterWorker: self._on_register_worker,
             p.Grow: self._on_grow, p.Return: self._on_return, p.Journal: self._on_journal,
@@ -120,6 +126,8 @@ class Daemon:
                 self._accept()
             for fd in [fd for fd in events if fd in self.peers]:
                 self._on_peer_readable(fd)
+            if self.events is not None and self.events.replay in events:
+                self.events.serve_replay()
             now = self.clock()
             if now - last_tick >= 0.1:
                 last_tick = now
@@ -133,6 +141,8 @@ class Daemon:
         self.peers.clear()
         self.router.close(0)
         self.listener.close()
+        if self.events is not None:
+            self.events.close()
         for path in (self.socket_path, p.fd_socket_path(self.socket_path)):
             try:
                 os.unlink(path)
@@ -223,7 +233,8 @@ class Daemon:
         engine = EngineRecord(
             engine_id=m.engine_id, namespace=m.namespace, pid=m.pid, page_size=self.page_size,
             pages_per_worker=m.pages_per_worker, num_workers=m.num_workers,
-            blocks_per_slab=m.blocks_per_slab, block_bytes=m.block_bytes, min_bytes=m.min_bytes,
+            blocks_per_slab=m.blocks_per_slab, block_bytes=m.block_bytes, block_tokens=m.block_tokens,
+            key_group_suffix=m.key_group_suffix, min_bytes=m.min_bytes,
             max_bytes=m.max_bytes, max_slabs=max_slabs, identity=identity, last_seen=self.clock())
         for slab_id in m.held:       # re-register after a daemon restart: adopt what it holds
             engine.slabs[slab_id] = SlabRecord(slab_id, [], Phase.HELD, set(), engine.pages_per_slab)
@@ -297,6 +308,9 @@ class Daemon:
                                               f"{engine.blocks_per_slab} blocks")
         engine.apply_journal(JournalBatch(m.ops, m.occupancy), self.clock())
         engine.stats.update(m.stats)
+        if self.events is not None:
+            self.events.publish(p.kv_events_topic(engine.engine_id, engine.namespace),
+                                journal_events(m.ops, engine.block_tokens, engine.key_group_suffix, self._medium))
         engine.last_seen = self.clock()
 
     # -------------------------------------------------------------- grow
@@ -548,6 +562,8 @@ class Daemon:
             if req is not None:
                 req.reclaims_out -= 1
         level = logging.INFO if why == "unregistered" else logging.WARNING
+        if self.events is not None:  # its prefix cache is gone with it
+            self.events.publish(p.kv_events_topic(engine.engine_id, engine.namespace), [p.AllBlocksCleared()])
         log.log(level, "engine %s %s: returning its %d slab(s)", engine.engine_id,
                 why if why == "unregistered" else f"gone ({why})", len(engine.slabs))
         self.departing[engine.engine_id] = engine

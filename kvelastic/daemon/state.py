@@ -48,6 +48,8 @@ class EngineRecord:
     num_workers: int
     blocks_per_slab: int
     block_bytes: int
+    block_tokens: int
+    key_group_suffix: bool
     min_bytes: int
     max_bytes: int
     max_slabs: int

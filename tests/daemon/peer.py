@@ -2,6 +2,7 @@
 one WorkerClient (rank 0) mapping real host pages, driven by JSON lines on
 stdin, one JSON answer per line on stdout. Killing it kills engine and worker."""
 
+import hashlib
 import json
 import sys
 
@@ -25,10 +26,16 @@ def main() -> None:
         block_bytes=page_size * cfg.get("ppw", 1) // cfg.get("bps", 4),
         min_bytes=cfg.get("min_bytes", 0), max_bytes=cfg.get("max_bytes", 0),
         low_watermark=cfg.get("low_watermark", 0), keep_idle_slabs=cfg.get("keep_idle", 0),
-        shrink_grace=cfg.get("grace", 0.3)).start()
+        shrink_grace=cfg.get("grace", 0.3), key_group_suffix=cfg.get("vllm_keys", False)).start()
     worker = WorkerClient(get_backend("host"), socket_path=cfg["socket"], engine_id=cfg["engine_id"],
                           rank=0).start() if cfg.get("workers", 1) else None
     live: list = []
+
+    def key(prefix: str, i: int) -> bytes:
+        """vLLM-style keys (sha256 + 4-byte group id) or short readable ones."""
+        raw = f"{prefix}-{i}".encode()
+        return hashlib.sha256(raw).digest() + bytes(4) if cfg.get("vllm_keys") else raw
+
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -44,14 +51,17 @@ def main() -> None:
                     out["ok"], out["error"] = False, type(exc).__name__
         elif op == "cache":
             with engine.lock:
-                pool.cache(live, [f"{cmd['prefix']}-{i}".encode() for i in range(len(live))])
+                pool.cache(live, [key(cmd["prefix"], i) for i in range(len(live))])
         elif op == "free":
             with engine.lock:
                 pool.free(live[::-1])
             live.clear()
         elif op == "lookup":
             with engine.lock:
-                out["hits"] = len(pool.lookup([f"{cmd['prefix']}-{i}".encode() for i in range(cmd["n"])]))
+                out["hits"] = len(pool.lookup([key(cmd["prefix"], i) for i in range(cmd["n"])]))
+        elif op == "keys":
+            with engine.lock:
+                out["keys"] = sorted(k.hex() for k, _ in pool.cached_keys())
         elif op in ("write", "read"):
             with worker.step():
                 view = worker.arena.tensor(torch.uint8, (worker.arena.size,))

@@ -103,7 +103,7 @@ def register(vllm_config: Any, kv_cache_configs: list, config: Config) -> Engine
                           namespace=namespace_of(vllm_config, geometry, config), page_size=config.page_size,
                           pages_per_worker=geometry.regions, num_workers=num_workers,
                           block_bytes=geometry.block_bytes, min_bytes=config.engine_min_memory,
-                          max_bytes=config.engine_max_memory, low_watermark=0)
+                          max_bytes=config.engine_max_memory, low_watermark=0, key_group_suffix=True)
     client.start(timeout=30.0)
     link = attach(client, geometry, low)
     log.info("kvelastic: engine %s registered: %d blocks of virtual capacity (%d slabs of %d blocks), "

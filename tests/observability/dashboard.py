@@ -1,0 +1,103 @@
+"""The Grafana dashboard as data: its panels, queries and variables, and the
+metric names ``kvelastic/metrics.py`` exports. Shared by the structural test and
+the test against a real Prometheus."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+GRAFANA = ROOT / "grafana"
+DASHBOARD = GRAFANA / "dashboards" / "kvelastic.json"
+DATASOURCES = GRAFANA / "provisioning" / "datasources" / "kvelastic.yaml"
+PROVIDERS = GRAFANA / "provisioning" / "dashboards" / "kvelastic.yaml"
+
+# What a Grafana variable of each kind expands to for a query (a Prometheus regex).
+VARIABLES = ("instance", "engine")
+
+
+def load_dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panels(dash: dict) -> list[dict]:
+    """Every panel, those inside collapsed rows included."""
+    out = []
+    for p in dash["panels"]:
+        out.append(p)
+        out.extend(p.get("panels", []))
+    return [p for p in out if p.get("type") != "row"]
+
+
+def targets(dash: dict) -> list[tuple[str, str, str]]:
+    """(panel title, refId, expr) for every query of every panel."""
+    return [(p["title"], t["refId"], t.get("expr", "")) for p in panels(dash) for t in p.get("targets", [])]
+
+
+def variables(dash: dict) -> dict[str, dict]:
+    return {v["name"]: v for v in dash["templating"]["list"]}
+
+
+def variable_query(var: dict) -> str:
+    q = var["query"]
+    return q["query"] if isinstance(q, dict) else q
+
+
+def label_values(var: dict) -> tuple[str | None, str]:
+    """``label_values(selector, label)`` or ``label_values(label)`` -> (selector, label)."""
+    m = re.fullmatch(r"\s*label_values\(\s*(?:(.+?)\s*,\s*)?([a-zA-Z_][a-zA-Z0-9_]*)\s*\)\s*", variable_query(var))
+    assert m, f"variable {var['name']}: not a label_values() query: {variable_query(var)!r}"
+    return m.group(1), m.group(2)
+
+
+def grafana_regex_escape(value: str) -> str:
+    """What Grafana's Prometheus data source puts in a query for one value of a
+    multi-value variable (``prometheusSpecialRegexEscape``): regex metacharacters
+    escaped with a backslash that is itself escaped for the PromQL string."""
+    return re.sub(r"([\\$^*{}\[\]'+?.()|])", r"\\\\\1", value)
+
+
+def expand(expr: str, values: dict[str, list[str] | None], rate_interval: str) -> str:
+    """Substitute the template variables as Grafana does: ``None`` means All
+    (the variable's ``allValue``, ``.*``), a list of values becomes ``(a|b)``."""
+    for name in VARIABLES:
+        vals = values.get(name)
+        if vals is None:
+            sub = ".*"
+        elif len(vals) == 1:
+            sub = grafana_regex_escape(vals[0])
+        else:
+            sub = "(" + "|".join(grafana_regex_escape(v) for v in vals) + ")"
+        expr = expr.replace("${" + name + "}", sub)
+        expr = re.sub(r"\$" + name + r"\b", lambda _m, s=sub: s, expr)
+    expr = expr.replace("${__rate_interval}", rate_interval).replace("$__rate_interval", rate_interval)
+    assert "$" not in expr, f"unexpanded variable in {expr!r}"
+    return expr
+
+
+def metric_names_in(expr: str) -> set[str]:
+    """Metric names an expression reads: every ``kvelastic_*`` token and every
+    name in front of a selector's ``{``."""
+    names = set(re.findall(r"\bkvelastic_[a-zA-Z0-9_:]*", expr))
+    for m in re.finditer(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{", expr):
+        if m.group(1) not in ("by", "without", "on", "ignoring", "group_left", "group_right"):
+            names.add(m.group(1))
+    return names
+
+
+def exported_names() -> set[str]:
+    """Every sample name the daemon's registry can expose, read from
+    ``kvelastic/metrics.py`` itself (its families and their types), so a name
+    built with an f-string or a loop is found as reliably as a literal one."""
+    from kvelastic.metrics import DaemonMetrics
+
+    snapshot = {"device": "0", "budget_bytes": 0, "engines": [],
+                "memory": {"held": 0, "cached": 0, "free": 0, "unallocated": 0}}
+    suffixes = {"counter": ("_total", "_created"), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum", "_created"),
+                "summary": ("", "_count", "_sum", "_created"), "info": ("_info",), "untyped": ("",)}
+    names = set()
+    for family in DaemonMetrics(lambda: snapshot).registry.collect():
+        names.update(family.name + s for s in suffixes[family.type])
+    return names

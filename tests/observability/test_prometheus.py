@@ -1,0 +1,260 @@
+"""Every query of the Grafana dashboard, evaluated by a real Prometheus that
+scrapes a real daemon while real engines run a workload with known counts.
+
+The workload (as in tests/daemon/test_observe.py), 16 MiB budget = 8 slabs of 2 MiB:
+engine ``a`` grows to 4 slabs (one grow request), allocates 8 blocks (2 slabs) and
+gives the 2 idle slabs back after 0.2 s, caches and frees the 8 blocks; looks up 10 blocks of its prefix (8 hits);
+engine ``b`` grows to 8 slabs (one grow request), 2 of them reclaimed from ``a``
+(evicting a's 8 cached blocks); a message from an unknown engine is rejected once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import subprocess
+import time
+
+import pytest
+
+from kvelastic import protocol as p
+from tests.daemon.engines import EngineProcess
+from tests.daemon.test_failures import quiet_status
+from tests.daemon.test_observe import parse_metrics
+from tests.daemon_proc import MiB, DaemonProcess, wait_for
+from tests.observability.dashboard import (exported_names, expand, label_values, load_dashboard, panels,
+                                           variables)
+from tests.observability.prometheus_proc import PrometheusProcess, find
+
+PROMETHEUS, PROMTOOL = find("prometheus"), find("promtool")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus server is not installed "
+                       "(/usr/bin/prometheus, Debian package `prometheus`; `make setup` installs it)"),
+]
+
+SLAB = 2 * MiB
+PREFIX = "kv-prompt-You are a helpful assistant"      # a's block keys are sha256 of f"{PREFIX}-{i}"
+ALLOWED_LABELS = {"__name__", "instance", "job", "device", "engine", "namespace", "reason", "state", "bound", "le"}
+COUNTERS = ("grants", "returns", "reclaims")
+
+
+def wait_prom(prom: PrometheusProcess, expr: str, want: float, timeout: float = 10.0) -> None:
+    wait_for(lambda: prom.value(expr) == want, timeout=timeout, interval=0.2, what=f"Prometheus: {expr} == {want}")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Daemon, two engines and Prometheus; the workload; everything the tests need."""
+    tmp = tmp_path_factory.mktemp("observability")
+    daemon = DaemonProcess(tmp, memory="16MiB").start()
+    engines: list[EngineProcess] = []
+    prom = None
+    try:
+        a = EngineProcess(daemon.socket, "a", grace=0.2, namespace="llama", vllm_keys=True)
+        engines.append(a)
+        b = EngineProcess(daemon.socket, "b", grace=60, namespace="qwen")
+        engines.append(b)
+        target = f"127.0.0.1:{daemon.metrics_port}"
+        prom = PrometheusProcess(tmp, [target], PROMETHEUS).start()
+        # The target is up and a first scrape holds both engines with every counter at 0.
+        wait_prom(prom, f'up{{job="kvelastic", instance="{target}"}}', 1, timeout=15)
+        wait_prom(prom, "kvelastic_engines_connected", 2)
+
+        assert a.do("ensure", n=16)["ok"]                                 # 4 slabs, one grow request
+        assert a.do("alloc", n=8)["ok"]                                   # 2 slabs live, 2 idle
+        wait_for(lambda: daemon.status()["memory"]["held"] == 2 * SLAB, what="a's idle slabs returned")
+        # The grant-latency histogram's series is born with this grant: let
+        # Prometheus see it before the next one, so rate() can see that one.
+        wait_prom(prom, 'kvelastic_slab_grants_total{engine="a"}', 4)
+        wait_prom(prom, "kvelastic_grant_latency_seconds_count", 1)
+        a.do("cache", prefix=PREFIX)
+        a.do("free")                                                      # 2 slabs of cached blocks
+        assert a.do("lookup", prefix=PREFIX, n=10)["hits"] == 8
+        assert b.do("ensure", n=32)["ok"]                                 # 8 slabs, 2 reclaimed from a
+        daemon.request(p.Grow(engine_id="ghost", slabs=1))                # one rejected message
+        wait_for(lambda: {e["engine_id"]: e for e in daemon.status()["engines"]}["a"]["stats"]
+                 .get("lookup_blocks") == 10, what="a's journal")
+        status = wait_for(lambda: quiet_status(daemon), what="a quiet daemon")
+        by_id = {e["engine_id"]: e for e in status["engines"]}
+        assert [by_id["a"][c] for c in COUNTERS] == [4, 2, 2] and [by_id["b"][c] for c in COUNTERS] == [8, 0, 0]
+
+        # Prometheus has scraped the final state, then a few more times.
+        wait_prom(prom, 'kvelastic_slab_grants_total{engine="b"}', 8)
+        wait_prom(prom, 'kvelastic_prefix_cache_lookup_blocks_total{engine="a"}', 10)
+        wait_prom(prom, "kvelastic_rejected_messages_total", 1)
+        time.sleep(2.5)
+        assert quiet_status(daemon) == status, "the daemon moved after the workload"
+        at = time.time()
+        # $__rate_interval: a window reaching back past Prometheus's first scrape,
+        # so every counter's first sample in it is the baseline 0.
+        window = max(30, math.ceil(at - prom.started) + 10)
+        yield dict(daemon=daemon, prom=prom, target=target, status=status, by_id=by_id, at=at,
+                   rate_interval=f"{window}s", metrics_text=daemon.metrics(), keys_prefix=PREFIX)
+    except BaseException:
+        if prom is not None:
+            print("--- prometheus log ---\n" + prom.log())
+        print("--- daemon log ---\n" + daemon.log())
+        raise
+    finally:
+        for e in engines:
+            e.close()
+        if prom is not None:
+            prom.stop()
+        daemon.stop()
+
+
+def evaluate(run, values: dict) -> dict[tuple[str, str], list[dict]]:
+    """Every panel's every query, variables substituted, evaluated at the same instant."""
+    prom, out = run["prom"], {}
+    for panel in panels(load_dashboard()):
+        for t in panel["targets"]:
+            expr = expand(t["expr"], values, run["rate_interval"])
+            out[(panel["title"], t["refId"])] = prom.query(expr, at=run["at"])
+    return out
+
+
+def by(samples: list[dict], label: str) -> dict[str, float]:
+    out = {}
+    for s in samples:
+        key = s["metric"].get(label, "")
+        assert key not in out, (label, samples)
+        out[key] = s["value"]
+    return out
+
+
+def single(samples: list[dict]) -> float:
+    assert len(samples) == 1, samples
+    return samples[0]["value"]
+
+
+def test_every_panel_query_returns_data_that_agrees_with_the_workload(run):
+    status, by_id, target = run["status"], run["by_id"], run["target"]
+    results = evaluate(run, {"instance": [target], "engine": ["a", "b"]})
+    for (title, ref), samples in results.items():
+        assert samples, f"panel {title!r} query {ref} returned no data"
+        for s in samples:
+            assert math.isfinite(s["value"]), f"panel {title!r} query {ref}: {s}"
+            assert s["metric"].get("instance", target) == target, s
+
+    # Selecting "All" (the variables' allValue .*) shows the same thing here.
+    assert evaluate(run, {"instance": None, "engine": None}) == results
+
+    assert single(results[("Engines connected", "A")]) == 2 == len(status["engines"])
+    memory = {ref: single(results[("Device memory", ref)]) for ref in "ABCD"}
+    assert memory == {"A": 16 * MiB, "B": status["memory"]["held"], "C": status["memory"]["cached"],
+                      "D": status["memory"]["free"]}
+    assert memory["A"] == status["budget_bytes"] and memory["B"] == 8 * SLAB
+
+    held = by(results[("Memory per engine", "A")], "engine")
+    assert held == {e: by_id[e]["held_bytes"] for e in "ab"} == {"a": 0, "b": 8 * SLAB}
+    ns = {s["metric"]["engine"]: s["metric"]["namespace"] for s in results[("Memory per engine", "A")]}
+    assert ns == {"a": "llama", "b": "qwen"}
+    cached = by(results[("Cached prefix memory per engine", "A")], "engine")
+    assert cached == {e: by_id[e]["cached_bytes"] for e in "ab"}
+
+    # Rates: every counter's samples share timestamps and start at 0 in the window,
+    # so Prometheus's extrapolation scales them alike and their ratios are exact.
+    slabs = {(c, e): v for c, ref in zip(COUNTERS, "ABC")
+             for e, v in by(results[("Slab grants, returns and reclaims per second", ref)], "engine").items()}
+    unit = slabs[("grants", "a")] / by_id["a"]["grants"]
+    assert unit > 0
+    for (counter, engine), rate in slabs.items():
+        assert rate == pytest.approx(unit * by_id[engine][counter]), (counter, engine, slabs)
+    assert len(slabs) == 6
+
+    hit_rate = by(results[("Prefix-cache hit rate per engine", "A")], "engine")
+    assert hit_rate == {"a": pytest.approx(8 / 10)}           # b looked nothing up: no point, not NaN
+    assert by_id["a"]["stats"]["hit_blocks"] / by_id["a"]["stats"]["lookup_blocks"] == 8 / 10
+
+    evictions = by(results[("Prefix-cache evictions by reason", "A")], "reason")
+    want = {k[len("evictions_"):]: v for k, v in by_id["a"]["stats"].items() if k.startswith("evictions_")}
+    assert want["reclaim"] == 8
+    assert evictions == {r: pytest.approx(unit * n) for r, n in want.items()}
+
+    assert by(results[("Rejected messages", "A")], "reason") == {"unknown_engine": 1}
+
+    # Grant latency: both quantiles inside the span of the buckets the two grants fell in.
+    m = parse_metrics(run["metrics_text"])
+    buckets = sorted((float(dict(lbl)["le"]), v) for (name, lbl), v in m.items()
+                     if name == "kvelastic_grant_latency_seconds_bucket")
+    total = buckets[-1][1]
+    assert total == 2 == m[("kvelastic_grant_latency_seconds_count", frozenset({("device", "0")}))]
+    bounds = [0.0] + [le for le, _ in buckets]
+    lo = bounds[next(i for i, (_, v) in enumerate(buckets) if v > 0)]
+    hi = next(le for le, v in buckets if v == total)
+    p50, p99 = (single(results[("Grant latency", ref)]) for ref in "AB")
+    assert lo <= p50 <= p99 <= hi, (p50, p99, lo, hi)
+
+
+def test_engine_variable_filters_the_per_engine_panels(run):
+    results = evaluate(run, {"instance": [run["target"]], "engine": ["a"]})
+    for title in ("Memory per engine", "Cached prefix memory per engine",
+                  "Slab grants, returns and reclaims per second", "Prefix-cache hit rate per engine"):
+        for (t, ref), samples in results.items():
+            if t == title:
+                assert samples and {s["metric"]["engine"] for s in samples} == {"a"}, (title, ref, samples)
+    assert by(results[("Memory per engine", "A")], "engine") == {"a": 0}
+    nothing = evaluate(run, {"instance": ["127.0.0.1:1"], "engine": None})
+    assert all(not samples for samples in nothing.values()), "the instance variable does not filter"
+
+
+def test_raw_series_in_prometheus_equal_the_daemons_books(run):
+    prom, by_id, status = run["prom"], run["by_id"], run["status"]
+    for engine, e in by_id.items():
+        for counter in COUNTERS:
+            got = prom.value(f'kvelastic_slab_{counter}_total{{engine="{engine}"}}')
+            assert got == e[counter], (engine, counter, got)
+        assert prom.value(f'kvelastic_engine_held_bytes{{engine="{engine}"}}') == e["held_bytes"]
+    assert prom.value('kvelastic_prefix_cache_lookup_blocks_total{engine="a"}') == 10
+    assert prom.value('kvelastic_prefix_cache_hit_blocks_total{engine="a"}') == 8
+    assert prom.value('kvelastic_prefix_cache_evictions_total{engine="a", reason="reclaim"}') == 8
+    assert prom.value("kvelastic_budget_bytes") == 16 * MiB == status["budget_bytes"]
+    assert prom.value("kvelastic_engines_connected") == 2
+    assert prom.value('kvelastic_rejected_messages_total{reason="unknown_engine"}') == 1
+    assert prom.value("kvelastic_grant_latency_seconds_count") == 2
+
+
+def test_template_variable_queries(run):
+    """``label_values(selector, label)`` as Grafana asks Prometheus for it."""
+    prom, target = run["prom"], run["target"]
+    found = {}
+    for name, var in variables(load_dashboard()).items():
+        if var["type"] != "query":
+            continue
+        selector, label = label_values(var)
+        params = {"start": f"{prom.started - 60:.0f}", "end": f"{time.time():.0f}"}
+        if selector:
+            params["match[]"] = expand(selector, {"instance": [target]}, "1m")
+        found[name] = set(prom.api(f"label/{label}/values", **params))
+    assert found == {"instance": {target}, "engine": {"a", "b"}}
+
+
+def test_promtool_check_metrics_is_clean(run):
+    assert PROMTOOL, "promtool not installed next to prometheus"
+    text = run["daemon"].metrics()
+    out = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    report = (out.stdout + out.stderr).strip()
+    assert out.returncode == 0 and not report, f"promtool check metrics (exit {out.returncode}):\n{report}"
+
+
+def test_no_label_carries_a_hash_token_or_prompt(run):
+    prom = run["prom"]
+    series = prom.api("series", **{"match[]": '{__name__=~"kvelastic_.*"}',
+                                   "start": f"{prom.started - 60:.0f}", "end": f"{time.time() + 1:.0f}"})
+    assert len(series) > 20
+    names = {s["__name__"] for s in series}
+    assert names <= exported_names(), f"series not defined in kvelastic/metrics.py: {names - exported_names()}"
+    label_names = set().union(*series)
+    assert label_names <= ALLOWED_LABELS, f"unexpected labels: {label_names - ALLOWED_LABELS}"
+    # a's cached block keys: sha256 of the prefix's blocks (+ 4-byte group id, vLLM style)
+    secrets = [run["keys_prefix"], *(hashlib.sha256(f"{run['keys_prefix']}-{i}".encode()).hexdigest()
+                                     for i in range(10))]
+    secrets += [s[:16] for s in secrets[1:]]
+    for s in series:
+        for label, value in s.items():
+            assert not re.search(r"[0-9a-fA-F]{16,}", value), f"{label}={value!r} looks like a hash"
+            assert not any(secret in value for secret in secrets), f"{label}={value!r} carries a prompt or key"
+            assert not re.search(r"prompt|assistant", value, re.I), f"{label}={value!r}"

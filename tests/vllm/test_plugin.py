@@ -1,0 +1,76 @@
+"""The plugin's switch, version check, entry point and geometry checks."""
+
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm
+
+PROBE = """
+import vllm.v1.core.kv_cache_coordinator as c, vllm.v1.worker.gpu_model_runner as r
+import kvelastic_vllm
+kvelastic_vllm.register()
+print(c.BlockPool.__name__, r.allocate_kv_cache.__module__)
+"""
+
+
+def probe(code=PROBE, **env):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "KVELASTIC_ENABLE": "0", **env})
+
+
+def test_entry_point_is_registered():
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("kvelastic") == "kvelastic_vllm:register"
+
+
+def test_inert_unless_enabled():
+    out = probe()
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["BlockPool", "vllm.v1.worker.utils"]
+
+
+def test_enabled_patches_engine_and_worker():
+    out = probe(KVELASTIC_ENABLE="1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["ElasticBlockPool", "kvelastic_vllm.worker"]
+
+
+def test_unsupported_vllm_version_is_refused_clearly():
+    code = "import vllm; vllm.__version__ = '0.40.1'\n" + PROBE
+    out = probe(code, KVELASTIC_ENABLE="1")
+    assert out.returncode != 0
+    assert "kvelastic supports vLLM 0.32 and 0.33, this is vLLM 0.40.1" in out.stderr
+
+
+def test_bad_setting_names_the_variable():
+    out = probe(KVELASTIC_ENABLE="1", KVELASTIC_ENGINE_MAX_MEMORY="lots")
+    assert out.returncode != 0 and "KVELASTIC_ENGINE_MAX_MEMORY" in out.stderr
+
+
+def test_geometry_must_map_onto_pages():
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    from kvelastic_vllm.engine import geometry_of
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+
+    def config(block_stride, layer_stride=None):
+        layer_stride = layer_stride if layer_stride is not None else 100 * block_stride
+        tensor = KVCacheTensor(size=2 * layer_stride, layers=["l0", "l1"], layer_stride=layer_stride,
+                               block_stride=block_stride)
+        return KVCacheConfig(num_blocks=100, kv_cache_tensors=[tensor],
+                             kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)])
+
+    g = geometry_of(config(16384), 2 << 20, 1)          # layer-outer: a page per layer region
+    assert (g.regions, g.blocks_per_slab, g.block_bytes) == (2, 128, 2 * 16384)
+    g = geometry_of(config(32768, layer_stride=16384), 2 << 20, 1)   # block-outer
+    assert (g.regions, g.blocks_per_slab) == (1, 64)
+    with pytest.raises(RuntimeError, match="does not divide the page size"):
+        geometry_of(config(3000), 2 << 20, 1)
