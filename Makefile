@@ -26,6 +26,10 @@ $(STAMP): pyproject.toml patches/vllm/pyproject.toml $(VLLM_LOCK) Makefile
 	$(PIP) --no-deps -r $(VLLM_LOCK) 2>&1 | grep -v '^WARNING: Location' || true
 	$(PIP) -e '.[test]' -e patches/vllm 2>&1 | grep -v '^WARNING: Location' || true
 	$(PY) -c 'import kvelastic, kvelastic_vllm, vllm, torch, zmq, msgspec, prometheus_client, xxhash, pytest, hypothesis, yaml'
+	@# The observability tests scrape the daemon with a real Prometheus (Debian's package).
+	command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } || \
+		echo "note: install Debian's prometheus package (as root) for tests/observability"
 	touch $(STAMP)
 
 run: setup

@@ -43,20 +43,18 @@ class DaemonCollector(Collector):
 
     def collect(self):
         s = self._snapshot()
-        dev = s["device"]
-        g = GaugeMetricFamily(f"{PREFIX}_budget_bytes", "Device pool budget.", labels=["device"])
-        g.add_metric([dev], s["budget_bytes"])
-        yield g
-        g = GaugeMetricFamily(f"{PREFIX}_memory_bytes",
-                              "Device memory by state: held by engines, cached (inside held), "
-                              "free in the daemon (created, not held), unused budget.",
-                              labels=["device", "state"])
-        for state in ("held", "cached", "free", "unallocated"):
-            g.add_metric([dev, state], s["memory"][state])
-        yield g
-        g = GaugeMetricFamily(f"{PREFIX}_engines_connected", "Engines registered.", labels=["device"])
-        g.add_metric([dev], len(s["engines"]))
-        yield g
+        budget = GaugeMetricFamily(f"{PREFIX}_budget_bytes", "Device pool budget.", labels=["device"])
+        memory = GaugeMetricFamily(f"{PREFIX}_memory_bytes",
+                                   "Device memory by state: held by engines, cached (inside held), "
+                                   "free in the daemon (created, not held), unused budget.",
+                                   labels=["device", "state"])
+        engines = GaugeMetricFamily(f"{PREFIX}_engines_connected", "Engines registered.", labels=["device"])
+        for d in s["devices"]:
+            budget.add_metric([d["device"]], d["budget_bytes"])
+            for state in ("held", "cached", "free", "unallocated"):
+                memory.add_metric([d["device"], state], d["memory"][state])
+            engines.add_metric([d["device"]], sum(1 for e in s["engines"] if e["device"] == d["device"]))
+        yield from (budget, memory, engines)
 
         held = GaugeMetricFamily(f"{PREFIX}_engine_held_bytes", "Memory held by an engine.",
                                  labels=["device", "engine", "namespace"])
@@ -79,7 +77,7 @@ class DaemonCollector(Collector):
                                         "Cached blocks evicted, by reason.",
                                         labels=["device", "engine", "reason"])
         for e in s["engines"]:
-            eid, ns = e["engine_id"], e["namespace"]
+            eid, ns, dev = e["engine_id"], e["namespace"], e["device"]
             held.add_metric([dev, eid, ns], e["held_bytes"])
             cached.add_metric([dev, eid, ns], e["cached_bytes"])
             limit.add_metric([dev, eid, "min"], e["min_bytes"])

@@ -38,6 +38,7 @@ class RegisterEngine(Msg):
     num_workers: int             # workers that map every slab (TP ranks); 0: none
     blocks_per_slab: int
     block_bytes: int
+    device: str = ""             # the daemon's device name ("0", "1", ...); "": its first
     block_tokens: int = 0        # tokens per block (for KV events)
     key_group_suffix: bool = False  # keys are vLLM's hash + 4-byte group id
     min_bytes: int = 0           # guaranteed: never reclaimed below this
@@ -51,6 +52,7 @@ class RegisterWorker(Msg):
     engine_id: str
     rank: int
     pid: int
+    device: str = ""             # where this rank's pages live; "": the engine's device
     mapped: list[int] = []       # slab ids mapped (re-register after a daemon restart)
 
 

@@ -28,6 +28,8 @@ from kvelastic.vmm import fdchannel
 log = logging.getLogger("kvelastic.client")
 
 BACKOFF_MIN, BACKOFF_MAX = 0.05, 2.0
+# A registration refused for one of these will be refused again: fail at start.
+FATAL_REASONS = ("version", "geometry", "engine_exists", "limit", "unknown_device", "bad_rank")
 
 
 class DaemonUnavailable(KvelasticError):
@@ -68,6 +70,7 @@ class Connection:
         self._dealer: zmq.Socket | None = None
         self.lifeline: fdchannel.FdChannel | None = None
         self._early: list[p.Msg] = []
+        self._fatal: Exception | None = None
         self._outbox: collections.deque[tuple[p.Msg, _Pending | None]] = collections.deque()
         self._pending: dict[int, _Pending] = {}
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -82,7 +85,14 @@ class Connection:
     # --------------------------------------------------------- caller API
     def start(self, timeout: float = 10.0) -> None:
         self._thread.start()
-        if not self.connected.wait(timeout):
+        deadline = time.monotonic() + timeout
+        while not self.connected.wait(0.05):
+            if self._fatal is not None:
+                self.close()
+                raise self._fatal
+            if time.monotonic() > deadline:
+                break
+        if not self.connected.is_set():
             self.close()
             raise DaemonUnavailable(f"no kvelastic daemon answered on {self.socket_path} within {timeout:.0f} s "
                                     "(is it running? see KVELASTIC_SOCKET)")
@@ -177,7 +187,7 @@ class Connection:
             self._handshake(self)
         except (KvelasticError, zmq.ZMQError) as exc:
             log.warning("engine %s: handshake with the daemon failed: %s", self.engine_id, exc)
-            if isinstance(exc, DaemonError) and exc.reason in ("version", "geometry", "engine_exists", "limit"):
+            if isinstance(exc, DaemonError) and exc.reason in FATAL_REASONS:
                 self._fatal = exc
             self._disconnect()
             return False
@@ -219,7 +229,6 @@ class Connection:
                 log.exception("engine %s: handling %s failed", self.engine_id, type(msg).__name__)
 
     def _run(self) -> None:
-        self._fatal: Exception | None = None
         backoff = BACKOFF_MIN
         next_tick = 0.0
         while not self._stop.is_set():
@@ -235,6 +244,8 @@ class Connection:
                 else:
                     if self._fatal is not None:
                         log.error("engine %s: daemon refused us: %s", self.engine_id, self._fatal)
+                        if not self.reconnects:
+                            break  # never connected: start() reports it
                     self._drain_outbox_offline()
                     self._stop.wait(backoff)
                     backoff = min(backoff * 2, BACKOFF_MAX)

@@ -43,14 +43,14 @@ class EngineClient:
                  page_size: int, pages_per_worker: int, num_workers: int, block_bytes: int,
                  min_bytes: int = 0, max_bytes: int = 0, low_watermark: int | None = None,
                  keep_idle_slabs: int = 1, shrink_grace: float = 5.0, tick_interval: float = 0.01,
-                 key_group_suffix: bool = False) -> None:
+                 key_group_suffix: bool = False, device: str = "") -> None:
         self.pool = pool
         self.engine_id = engine_id
         self.namespace = namespace
         self.geometry = dict(page_size=page_size, pages_per_worker=pages_per_worker,
                              num_workers=num_workers, blocks_per_slab=pool.blocks_per_slab,
                              block_bytes=block_bytes, min_bytes=min_bytes, max_bytes=max_bytes,
-                             block_tokens=pool.block_size, key_group_suffix=key_group_suffix)
+                             block_tokens=pool.block_size, key_group_suffix=key_group_suffix, device=device)
         self.low_watermark = pool.blocks_per_slab if low_watermark is None else low_watermark
         self.keep_idle_slabs = keep_idle_slabs
         self.shrink_grace = shrink_grace

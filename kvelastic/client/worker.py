@@ -25,10 +25,11 @@ log = logging.getLogger("kvelastic.client")
 
 
 class WorkerClient:
-    def __init__(self, backend: Backend, *, socket_path: str, engine_id: str, rank: int) -> None:
+    def __init__(self, backend: Backend, *, socket_path: str, engine_id: str, rank: int, device: str = "") -> None:
         self.backend = backend
         self.engine_id = engine_id
         self.rank = rank
+        self.device = device
         self.arena: Arena | None = None
         self.max_slabs = 0
         self.slabs: dict[int, list[int]] = {}        # slab id -> offsets mapped here
@@ -49,7 +50,8 @@ class WorkerClient:
 
     def _register(self, conn: Connection) -> None:
         reply = conn.call_now(p.RegisterWorker(version=p.PROTOCOL_VERSION, engine_id=self.engine_id,
-                                               rank=self.rank, pid=os.getpid(), mapped=sorted(self.slabs)))
+                                               rank=self.rank, pid=os.getpid(), device=self.device,
+                                               mapped=sorted(self.slabs)))
         if self.arena is None:
             # The engine's whole virtual capacity: one region per page of a slab.
             self.max_slabs = reply.max_slabs

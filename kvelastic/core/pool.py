@@ -26,7 +26,7 @@ Cost: every operation is O(1) or O(blocks touched); ``clear_index`` and
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
@@ -217,47 +217,52 @@ class SlabPool:
 
     def touch(self, blocks: Sequence[Any]) -> None:
         """A cache hit: each block gains a reference; a cached block turns live."""
-        self._check_held(blocks)
+        bps, slabs = self.blocks_per_slab, self._slabs
         for blk in blocks:
+            slab = slabs.get(blk.block_id // bps)
+            if slab is None or slab.blocks[blk.block_id % bps] is not blk:
+                raise UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds")
             if blk.ref_cnt == 0 and blk._block_hash is None:
                 raise BlockNotCached(f"block {blk.block_id} is free, not cached: it cannot be touched")
-        bps = self.blocks_per_slab
+        lru, dirty = self._lru, self.journal.dirty
         for blk in blocks:
             if blk.ref_cnt == 0:
-                del self._lru[blk.block_id]
-                slab = self._slabs[blk.block_id // bps]
+                del lru[blk.block_id]
+                slab = slabs[blk.block_id // bps]
                 slab.cached -= 1
                 slab.live += 1
                 self.num_live += 1
-                self.journal.dirty.add(slab.slab_id)
+                dirty.add(slab.slab_id)
             blk.ref_cnt += 1
 
     def free(self, blocks: Iterable[Any]) -> None:
         """Drop one reference per block, in eviction order (first evicted
         first). A block reaching 0 becomes cached if it has a key, else free."""
         blocks = list(blocks)
-        self._check_held(blocks)
-        for blk in blocks:
-            if blk.ref_cnt <= 0:
-                raise BlockNotLive(f"block {blk.block_id} is not allocated (double free?)")
-        if len(blocks) > 1 and len({blk.block_id for blk in blocks}) != len(blocks):
-            counts = Counter(blk.block_id for blk in blocks)
-            for blk in blocks:
-                count = counts[blk.block_id]
-                if count > blk.ref_cnt:
-                    raise BlockNotLive(
-                        f"block {blk.block_id} freed {count} times with ref_cnt {blk.ref_cnt}")
-        bps, slabs, dirty, lru = self.blocks_per_slab, self._slabs, self.journal.dirty, self._lru
-        now = None
-        freed = 0
-        grown: dict[Slab, int] = {}     # slab -> its free count before: rebucketed once at the end
-        for blk in blocks:
+        bps, slabs = self.blocks_per_slab, self._slabs
+        # Pass 1 checks and counts down; a bad block undoes what came before it,
+        # so a failure changes nothing. Blocks reaching 0 move in pass 2.
+        released: list[Any] = []
+        for i, blk in enumerate(blocks):
+            slab = slabs.get(blk.block_id // bps)
+            bad = None
+            if slab is None or slab.blocks[blk.block_id % bps] is not blk:
+                bad = UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds")
+            elif blk.ref_cnt <= 0:
+                bad = BlockNotLive(f"block {blk.block_id} is not allocated (double free?)")
+            if bad is not None:
+                for done in blocks[:i]:
+                    done.ref_cnt += 1
+                raise bad
             blk.ref_cnt -= 1
-            if blk.ref_cnt:
-                continue
+            if not blk.ref_cnt:
+                released.append(blk)
+        dirty, lru = self.journal.dirty, self._lru
+        now = None
+        grown: dict[Slab, int] = {}     # slab -> its free count before: rebucketed once at the end
+        for blk in released:
             slab = slabs[blk.block_id // bps]
             slab.live -= 1
-            freed += 1
             if blk._block_hash is None:
                 if slab not in grown:
                     grown[slab] = len(slab.free)
@@ -268,7 +273,7 @@ class SlabPool:
                 slab.cached += 1
                 lru[blk.block_id] = now
             dirty.add(slab.slab_id)
-        self.num_live -= freed
+        self.num_live -= len(released)
         for slab, old in grown.items():
             self.num_free += len(slab.free) - old
             self._rebucket(slab, old)

@@ -9,20 +9,16 @@ import socket
 import sys
 
 from kvelastic.config import Config
+from kvelastic.daemon.devices import Device
 from kvelastic.daemon.server import Daemon, sd_notify
 from kvelastic.protocol import fd_socket_path
 from kvelastic.errors import ConfigError, KvelasticError
 from kvelastic.vmm import get_backend
-from kvelastic.vmm.base import Backend
 
 log = logging.getLogger("kvelastic.daemon")
 
 
-def device_memory_bytes(backend: Backend) -> int:
-    """Total memory of the device the backend serves (host: MemTotal)."""
-    total = getattr(backend, "total_memory", None)
-    if callable(total):
-        return int(total())
+def host_memory_bytes() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemTotal:"):
@@ -30,15 +26,25 @@ def device_memory_bytes(backend: Backend) -> int:
     raise KvelasticError("cannot read MemTotal from /proc/meminfo")
 
 
-def budget_bytes(config: Config, backend: Backend) -> int:
-    if isinstance(config.memory, float):
-        budget = int(device_memory_bytes(backend) * config.memory)
-    else:
-        budget = config.memory
+def budget_bytes(config: Config, total: int) -> int:
+    """``KVELASTIC_MEMORY`` for one device of ``total`` bytes, in whole pages."""
+    budget = int(total * config.memory) if isinstance(config.memory, float) else config.memory
     budget -= budget % config.page_size
     if budget < config.page_size:
         raise ConfigError(f"KVELASTIC_MEMORY={config.memory!r} is smaller than one page ({config.page_size} bytes)")
     return budget
+
+
+def open_devices(config: Config) -> list[Device]:
+    """One pool per GPU (each with the same budget rule), or one for host memory."""
+    first = get_backend(config.backend, config.page_size)
+    if first.name != "cuda":
+        return [Device("0", first, budget_bytes(config, host_memory_bytes()))]
+    devices = []
+    for index in range(first.device_count()):
+        backend = first if index == first.device else get_backend("cuda", config.page_size, device=index)
+        devices.append(Device(str(index), backend, budget_bytes(config, backend.total_memory())))
+    return devices
 
 
 def prepare_socket_dir(path: str) -> None:
@@ -81,12 +87,11 @@ def main() -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_fd_limit()
     try:
-        backend = get_backend(config.backend, config.page_size)
-        budget = budget_bytes(config, backend)
+        devices = open_devices(config)
         prepare_socket_dir(config.socket)
         kv_events = ((config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_buffer)
                      if config.kv_events_endpoint else None)
-        daemon = Daemon(backend, budget, config.socket, kv_events=kv_events)
+        daemon = Daemon(devices, config.socket, kv_events=kv_events)
     except KvelasticError as exc:
         print(f"kvelastic daemon: {exc}", file=sys.stderr)
         return 1
@@ -105,8 +110,10 @@ def main() -> int:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
-    log.info("kvelastic daemon ready: %s backend, budget %d MiB, pages of %d KiB, socket %s, metrics %s, "
-             "KV events %s", backend.name, budget >> 20, config.page_size >> 10, config.socket,
+    log.info("kvelastic daemon ready: %s backend, %s, pages of %d KiB, socket %s, metrics %s, "
+             "KV events %s", devices[0].backend.name,
+             ", ".join(f"device {d.name} budget {d.budget_bytes >> 20} MiB" for d in devices),
+             config.page_size >> 10, config.socket,
              f"{config.metrics_addr}:{config.metrics_port}" if config.metrics_port else "off",
              config.kv_events_endpoint or "off")
     sd_notify("READY=1")

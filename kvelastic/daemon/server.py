@@ -23,10 +23,10 @@ import zmq
 from kvelastic import protocol as p
 from kvelastic.core.journal import ADD_SLAB, CLEAR, REMOVE, REMOVE_SLAB, STORE, JournalBatch
 from kvelastic.daemon.events import KVEventPublisher, journal_events
-from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag, pick_victims
+from kvelastic.daemon.devices import Device
+from kvelastic.daemon.state import EngineRecord, Phase, SlabRecord, owner_tag, pick_victims
 from kvelastic.metrics import DaemonMetrics
 from kvelastic.vmm import fdchannel
-from kvelastic.vmm.base import Backend, Page
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -67,15 +67,13 @@ class Peer:
 
 
 class Daemon:
-    def __init__(self, backend: Backend, budget_bytes: int, socket_path: str, *,
-                 device: str = "0", clock: Callable[[], float] = time.monotonic,
+    def __init__(self, devices: list[Device], socket_path: str, *,
+                 clock: Callable[[], float] = time.monotonic,
                  kv_events: tuple[str, str, int] | None = None) -> None:
-        self.backend = backend
-        self.page_size = backend.page_size
-        self.device = device
+        self.devices = {d.name: d for d in devices}
+        self.default_device = devices[0].name
+        self.page_size = devices[0].page_size
         self.clock = clock
-        self.pool = PagePool(budget_bytes // self.page_size)
-        self.pages: dict[int, Page] = {}
         self.engines: dict[str, EngineRecord] = {}
         self.departing: dict[str, EngineRecord] = {}     # dead engines whose slabs are unmapping
         self.grows: list[GrowRequest] = []
@@ -100,7 +98,7 @@ class Daemon:
         self.events = KVEventPublisher(self.ctx, *kv_events) if kv_events else None
         if self.events is not None:
             self.poller.register(self.events.replay, zmq.POLLIN)
-        self._medium = "GPU" if backend.name == "cuda" else "CPU"
+        self._medium = "GPU" if devices[0].backend.name == "cuda" else "CPU"
         self._handlers = {
             p.RegisterEngine: self._on_register_engine, p.RegisterWorker: self._on_register_worker,
             p.Grow: self._on_grow, p.Return: self._on_return, p.Journal: self._on_journal,
@@ -148,9 +146,8 @@ class Daemon:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-        for page in self.pages.values():
-            self.backend.release_page(page)
-        self.pages.clear()
+        for device in self.devices.values():
+            device.release_all()
 
     def _dispatch(self, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -217,8 +214,11 @@ class Daemon:
         old = self.engines.get(m.engine_id)
         if old is not None and old.pid != m.pid:
             raise Rejected("engine_exists", f"engine {m.engine_id!r} is registered by pid {old.pid}")
+        device = m.device or self.default_device
+        if device not in self.devices:
+            raise Rejected("unknown_device", f"device {device!r}; this daemon has {', '.join(self.devices)}")
         slab_bytes = m.pages_per_worker * max(1, m.num_workers) * self.page_size
-        budget = self.pool.budget_pages * self.page_size
+        budget = self.devices[device].budget_bytes
         cap = min(budget, m.max_bytes) if m.max_bytes else budget
         if m.min_bytes > budget:
             raise Rejected("limit", f"min_bytes {m.min_bytes} exceeds the device budget {budget}")
@@ -235,10 +235,11 @@ class Daemon:
             pages_per_worker=m.pages_per_worker, num_workers=m.num_workers,
             blocks_per_slab=m.blocks_per_slab, block_bytes=m.block_bytes, block_tokens=m.block_tokens,
             key_group_suffix=m.key_group_suffix, min_bytes=m.min_bytes,
-            max_bytes=m.max_bytes, max_slabs=max_slabs, identity=identity, last_seen=self.clock())
+            max_bytes=m.max_bytes, max_slabs=max_slabs, device=device, identity=identity,
+            last_seen=self.clock())
         for slab_id in m.held:       # re-register after a daemon restart: adopt what it holds
-            engine.slabs[slab_id] = SlabRecord(slab_id, [], Phase.HELD, set(), engine.pages_per_slab)
-            self.pool.adopted += engine.pages_per_slab
+            engine.slabs[slab_id] = SlabRecord(slab_id, [], [], Phase.HELD, set(), engine.pages_per_slab)
+            self.devices[device].pool.adopted += engine.pages_per_slab
             engine.mirror.slabs[slab_id] = tuple(m.occupancy.get(slab_id, (0, 0, m.blocks_per_slab)))
         self.engines[m.engine_id] = engine
         log.info("engine %s registered: namespace %s, pid %d, %d worker(s), slab %d bytes, "
@@ -253,13 +254,17 @@ class Daemon:
         engine = self._engine(m.engine_id)
         if not 0 <= m.rank < engine.num_workers:
             raise Rejected("bad_rank", f"rank {m.rank} of engine {m.engine_id} with {engine.num_workers} workers")
+        device = m.device or engine.device
+        if device not in self.devices:
+            raise Rejected("unknown_device", f"device {device!r}; this daemon has {', '.join(self.devices)}")
         self._accept()  # its page channel was opened just before this message
         if self._peer_of(m.engine_id, m.rank) is None:
             raise Rejected("no_channel", f"worker {m.rank} of {m.engine_id} has not opened its page channel")
         engine.workers[m.rank] = identity
+        engine.worker_devices[m.rank] = device
         log.info("engine %s: worker %d registered (pid %d)", m.engine_id, m.rank, m.pid)
         self._progress_grows()
-        return p.Registered(engine_id=engine.engine_id, budget_bytes=self.pool.budget_pages * self.page_size,
+        return p.Registered(engine_id=engine.engine_id, budget_bytes=self.devices[device].budget_bytes,
                             page_size=self.page_size, max_slabs=engine.max_slabs,
                             pages_per_worker=engine.pages_per_worker)
 
@@ -276,7 +281,7 @@ class Daemon:
         engine = self._engine(m.engine_id)
         if m.min_bytes < 0 or m.max_bytes < 0 or (m.max_bytes and m.min_bytes > m.max_bytes):
             raise Rejected("limit", f"need 0 <= min <= max, got min {m.min_bytes} max {m.max_bytes}")
-        if m.min_bytes > self.pool.budget_pages * self.page_size:
+        if m.min_bytes > self.devices[engine.device].budget_bytes:
             raise Rejected("limit", f"min {m.min_bytes} exceeds the device budget")
         engine.min_bytes, engine.max_bytes = m.min_bytes, m.max_bytes
         log.info("engine %s: limits set to min %d max %d bytes", engine.engine_id, m.min_bytes, m.max_bytes)
@@ -351,10 +356,10 @@ class Daemon:
                 engine.max_slabs, engine.max_bytes // engine.slab_bytes)
             while len(req.slabs) + len(req.mapping) < req.wanted and engine.owned_slabs() < cap:
                 slab_id = engine.free_slab_id()
-                pages = None if slab_id is None else self._take_pages(engine)
-                if pages is None:
+                taken = None if slab_id is None else self._take_pages(engine)
+                if taken is None:
                     break
-                self._start_map(engine, slab_id, pages, req)
+                self._start_map(engine, slab_id, *taken, req)
             short = req.wanted - len(req.slabs) - len(req.mapping)
             if short > 0 and engine.owned_slabs() < cap and req.reclaims_out == 0 \
                     and req.reclaim_rounds < 3 and not self._unmapping():
@@ -364,7 +369,7 @@ class Daemon:
                 continue
             self.grows.remove(req)
             latency = self.clock() - req.started
-            self.metrics.grant_latency.labels(self.device).observe(latency)
+            self.metrics.grant_latency.labels(engine.device).observe(latency)
             self._send(req.identity, p.Granted(req_id=req.req_id, slabs=req.slabs))
             if req.slabs:
                 log.info("engine %s: granted %d slab(s) in %.1f ms (asked %d)", engine.engine_id,
@@ -377,39 +382,33 @@ class Daemon:
         return any(s.phase is Phase.UNMAPPING for e in (*self.engines.values(), *self.departing.values())
                    for s in e.slabs.values())
 
-    def _take_pages(self, engine: EngineRecord) -> list[int] | None:
-        """Pages for one slab of ``engine`` (all or none): reused, scrubbed or created."""
+    def _take_pages(self, engine: EngineRecord) -> tuple[list[int], list[str]] | None:
+        """Pages for one slab of ``engine``, rank by rank from each worker's
+        device (all or none): reused, scrubbed or created."""
         owner = owner_tag(engine)
-        taken = self.pool.take(engine.pages_per_slab, owner)
-        if taken is None:
-            return None
-        same, dirty, create = taken
-        created: list[int] = []
-        try:
-            for page_id in dirty:
-                self.backend.zero(self.pages[page_id])  # it moves to another engine or namespace
-            for page_id in self.pool.new_ids(create):
-                created.append(page_id)
-                self.pages[page_id] = self.backend.create_page()
-        except Exception as exc:
-            log.error("engine %s: page creation failed: %s", engine.engine_id, exc)
-            ok = [pid for pid in created if pid in self.pages]
-            for pid in ok:
-                self.backend.release_page(self.pages.pop(pid))
-            self.pool.created -= len(created)
-            self.pool.put_back(same, owner)
-            self.pool.put_back(dirty, "")
-            return None
-        return same + dirty + created
+        ranks = [(engine.worker_devices.get(r, engine.device), engine.pages_per_worker)
+                 for r in range(engine.num_workers)] or [(engine.device, engine.pages_per_worker)]
+        pages: list[int] = []
+        devices: list[str] = []
+        for device, n in ranks:
+            got = self.devices[device].take(n, owner)
+            if got is None:
+                for page_id, dev in zip(pages, devices):
+                    self.devices[dev].give_back([page_id], owner)
+                return None
+            pages += got
+            devices += [device] * n
+        return pages, devices
 
-    def _start_map(self, engine: EngineRecord, slab_id: int, pages: list[int], req: GrowRequest | None) -> None:
-        slab = SlabRecord(slab_id, pages, Phase.MAPPING, set(range(engine.num_workers)))
+    def _start_map(self, engine: EngineRecord, slab_id: int, pages: list[int], page_devices: list[str],
+                   req: GrowRequest | None) -> None:
+        slab = SlabRecord(slab_id, pages, page_devices, Phase.MAPPING, set(range(engine.num_workers)))
         engine.slabs[slab_id] = slab
         if req is not None:
             req.mapping.add(slab_id)
         for rank in range(engine.num_workers):
             mine = pages[rank * engine.pages_per_worker:(rank + 1) * engine.pages_per_worker]
-            if not self._send_pages(engine, rank, mine):
+            if not self._send_pages(engine, rank, mine, engine.worker_devices[rank]):
                 slab.waiting.discard(rank)
                 continue
             offsets = engine.worker_offsets(slab_id, rank)
@@ -417,11 +416,11 @@ class Daemon:
         if not slab.waiting:
             self._mapped(engine, slab)
 
-    def _send_pages(self, engine: EngineRecord, rank: int, page_ids: list[int]) -> bool:
+    def _send_pages(self, engine: EngineRecord, rank: int, page_ids: list[int], device: str) -> bool:
         peer = self._peer_of(engine.engine_id, rank)
         if peer is None:
             return False
-        fds = [self.backend.export(self.pages[pid]) for pid in page_ids]
+        fds = [self.devices[device].export(pid) for pid in page_ids]
         try:
             peer.channel.send(list(zip(page_ids, fds)))
             return True
@@ -544,8 +543,10 @@ class Daemon:
                 identity, req_id = slab.return_req
                 del self._return_waits[slab.return_req]
                 self._send(identity, p.Ok(req_id=req_id))
-        self.pool.put_back(slab.pages, owner_tag(engine))
-        self.pool.adopted -= slab.adopted_pages
+        owner = owner_tag(engine)
+        for page_id, device in zip(slab.pages, slab.page_devices):
+            self.devices[device].give_back([page_id], owner)
+        self.devices[engine.device].pool.adopted -= slab.adopted_pages
         if engine.engine_id in self.departing and not engine.slabs:
             del self.departing[engine.engine_id]
             log.info("engine %s: all memory back in the pool", engine.engine_id)
@@ -590,12 +591,8 @@ class Daemon:
         self._scrub_one()
 
     def _scrub_one(self) -> None:
-        """Idle work: zero one page another engine left behind (host: its memory
-        goes back to the kernel), so grants rarely wait for a scrub."""
-        for page_id, owner in self.pool.free.items():
-            if owner:
-                self.backend.zero(self.pages[page_id])
-                self.pool.free[page_id] = ""
+        for device in self.devices.values():
+            if device.scrub_one():
                 return
 
     # --------------------------------------------------------------- peers
@@ -646,13 +643,18 @@ class Daemon:
     # -------------------------------------------------------------- status
     def status(self) -> dict:
         engines = []
-        held = cached = 0
+        held = dict.fromkeys(self.devices, 0)
+        cached = dict.fromkeys(self.devices, 0)
+        for e in (*self.engines.values(), *self.departing.values()):
+            per_page = e.page_size
+            for slab in e.slabs.values():
+                for device in slab.page_devices or [e.device] * slab.adopted_pages:
+                    held[device] += per_page
         for e in self.engines.values():
             e_cached = e.cached_bytes()
-            held += e.held_bytes()
-            cached += e_cached
+            cached[e.device] += e_cached
             engines.append({
-                "engine_id": e.engine_id, "namespace": e.namespace, "pid": e.pid,
+                "engine_id": e.engine_id, "namespace": e.namespace, "pid": e.pid, "device": e.device,
                 "workers": len(e.workers), "slabs": len(e.slabs), "slab_bytes": e.slab_bytes,
                 "held_bytes": e.held_bytes(), "cached_bytes": e_cached,
                 "live_blocks": sum(o[0] for o in e.mirror.slabs.values()),
@@ -661,31 +663,27 @@ class Daemon:
                 "grants": e.grants, "returns": e.returns, "reclaims": e.reclaims,
                 "stats": dict(e.stats),
             })
-        for e in self.departing.values():
-            held += e.held_bytes()
-        budget = self.pool.budget_pages * self.page_size
+        devices = [d.status(held[name], cached[name]) for name, d in self.devices.items()]
+        first = devices[0]
+        total = {key: sum(d["memory"][key] for d in devices) for key in first["memory"]}
+        pages = {key: sum(d["pages"][key] for d in devices) for key in first["pages"]}
         return {
-            "device": self.device, "backend": self.backend.name, "page_size": self.page_size,
-            "budget_bytes": budget,
-            "memory": {"held": held, "cached": cached, "free": len(self.pool.free) * self.page_size,
-                       "unallocated": max(0, budget - self.pool.in_use * self.page_size)},
-            "pages": {"created": self.pool.created, "free": len(self.pool.free), "adopted": self.pool.adopted},
-            "engines": engines,
+            "device": first["device"], "backend": first["backend"], "page_size": self.page_size,
+            "budget_bytes": sum(d["budget_bytes"] for d in devices), "memory": total, "pages": pages,
+            "devices": devices, "engines": engines,
         }
 
     def check(self) -> None:
-        """Invariants 1 and 2 (used by the tests; cheap enough for a debug build)."""
-        in_slabs: list[int] = []
-        adopted = 0
+        """Invariants 1 and 2 on every device (used by the tests)."""
+        in_slabs: dict[str, list[int]] = {name: [] for name in self.devices}
+        adopted = dict.fromkeys(self.devices, 0)
         for e in (*self.engines.values(), *self.departing.values()):
             for s in e.slabs.values():
-                in_slabs.extend(s.pages)
-                adopted += s.adopted_pages
-        assert len(in_slabs) == len(set(in_slabs)), "a page is in two slabs"
-        assert not set(in_slabs) & set(self.pool.free), "a page is both free and held"
-        assert len(in_slabs) + len(self.pool.free) == self.pool.created == len(self.pages)
-        assert adopted == self.pool.adopted
-        assert self.pool.created <= self.pool.budget_pages
+                for page_id, device in zip(s.pages, s.page_devices):
+                    in_slabs[device].append(page_id)
+                adopted[e.device] += s.adopted_pages
+        for name, device in self.devices.items():
+            device.check(in_slabs[name], adopted[name])
 
 
 def sd_notify(state: str) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
+from collections.abc import Callable
 
 from kvelastic.core.journal import JournalBatch, Mirror
 
@@ -30,7 +32,8 @@ class Phase(enum.Enum):
 @dataclasses.dataclass
 class SlabRecord:
     slab_id: int
-    pages: list[int]                   # empty for an adopted slab (see EngineRecord.adopt)
+    pages: list[int]                   # empty for an adopted slab
+    page_devices: list[str]            # the device of each page
     phase: Phase
     waiting: set[int]                  # worker ranks whose ack is still due
     adopted_pages: int = 0             # pages that exist only in the engine's workers
@@ -53,7 +56,9 @@ class EngineRecord:
     min_bytes: int
     max_bytes: int
     max_slabs: int
+    device: str = ""                                        # where rank-less pages live
     identity: bytes = b""                                   # ZMQ routing id
+    worker_devices: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> device
     workers: dict[int, bytes] = dataclasses.field(default_factory=dict)  # rank -> routing id
     slabs: dict[int, SlabRecord] = dataclasses.field(default_factory=dict)
     mirror: Mirror = dataclasses.field(default_factory=Mirror)
@@ -110,12 +115,12 @@ class EngineRecord:
 class PagePool:
     """The device pool: free pages and the budget they are created under."""
 
-    def __init__(self, budget_pages: int) -> None:
+    def __init__(self, budget_pages: int, id_source: Callable[[], int] | None = None) -> None:
         self.budget_pages = budget_pages
         self.created = 0                     # pages that exist in the daemon
         self.adopted = 0                     # pages that exist only in engines (after a restart)
         self.free: dict[int, str] = {}       # page id -> last owner ("" when clean)
-        self._next_id = 0
+        self._id_source = id_source or itertools.count().__next__
 
     @property
     def in_use(self) -> int:
@@ -142,10 +147,8 @@ class PagePool:
         return same, dirty, create
 
     def new_ids(self, n: int) -> list[int]:
-        ids = list(range(self._next_id, self._next_id + n))
-        self._next_id += n
         self.created += n
-        return ids
+        return [self._id_source() for _ in range(n)]
 
     def put_back(self, pages: list[int], owner: str) -> None:
         for page in pages:
@@ -167,13 +170,13 @@ def pick_victims(engines: list[EngineRecord], requester: EngineRecord, slabs_nee
     """Slabs to reclaim so that ``bytes_needed`` bytes come free.
 
     Candidates hold no live block by the daemon's mirror (the owner may still
-    refuse one that turned live meanwhile). Empty slabs first, then fully
+    refuse one that turned live meanwhile) and live on the requester's device. Empty slabs first, then fully
     cached ones, least recently active first; no engine goes below its
     guaranteed minimum.
     """
     candidates = []
     for engine in engines:
-        if engine is requester:
+        if engine is requester or engine.device != requester.device:
             continue
         for slab_id, slab in engine.slabs.items():
             if slab.phase is not Phase.HELD:

@@ -240,6 +240,9 @@ class Backend(ABC):
     def reserve(self, nbytes: int) -> Arena:
         """An arena of ``nbytes`` rounded up to a whole number of pages."""
 
+    def make_current(self) -> None:
+        """Make this backend's device current for the calling thread (CUDA); a no-op elsewhere."""
+
     def close(self) -> None:
         """Release backend-wide resources (scratch mappings). Pages and arenas stay valid."""
 

@@ -254,6 +254,13 @@ class CudaBackend(Backend):
     def make_current(self) -> None:
         check("cuCtxSetCurrent", self._driver.cuCtxSetCurrent(self._ctx))
 
+    def device_count(self) -> int:
+        return int(check("cuDeviceGetCount", self._driver.cuDeviceGetCount()))
+
+    def total_memory(self) -> int:
+        dev = check("cuDeviceGet", self._driver.cuDeviceGet(self.device))
+        return int(check("cuDeviceTotalMem", self._driver.cuDeviceTotalMem(dev)))
+
     def create_page(self) -> CudaPage:
         handle = check("cuMemCreate", self._driver.cuMemCreate(self.page_size, self._prop, 0))
         return CudaPage(int(handle), self.page_size, self.device)

@@ -35,6 +35,7 @@ from vllm.v1.core.kv_cache_utils import (
     resolve_block_hashes,
 )
 
+from kvelastic.errors import OutOfBlocks
 from kvelastic_vllm import engine as engine_side
 
 log = logging.getLogger("kvelastic.vllm")
@@ -99,10 +100,11 @@ class ElasticBlockPool(BlockPool):
 
     # -------------------------------------------------------------- blocks
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        with self.lock:
-            if num_blocks > self.core.num_free + self.core.num_cached:
-                raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-            blocks = self.core.allocate(num_blocks)
+        try:
+            with self.lock:
+                blocks = self.core.allocate(num_blocks)
+        except OutOfBlocks as exc:  # vLLM's contract: ValueError
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool: {exc}") from None
         if self.metrics_collector:
             for block in blocks:
                 self.metrics_collector.on_block_allocated(block)
