@@ -17,14 +17,21 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvelastic.core.stats import EVICTION_REASONS
+
 PREFIX = "kvelastic"
+# Every reason the daemon rejects a message for (kvelastic.daemon.server.Rejected),
+# so each counter exists from start-up and rate() sees the first rejection.
+REJECT_REASONS = ("malformed", "oversize", "unexpected", "internal", "unknown_engine", "unknown_device",
+                  "version", "geometry", "engine_exists", "limit", "bad_rank", "no_channel", "unknown_target",
+                  "bad_journal", "bad_request", "unexpected_ack", "not_held", "bad_hello")
 GRANT_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 class DaemonMetrics:
     """The daemon's own instruments plus the collector over its books."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], devices: list[str]) -> None:
         self.registry = CollectorRegistry()
         self.grant_latency = Histogram(
             f"{PREFIX}_grant_latency_seconds",
@@ -34,6 +41,10 @@ class DaemonMetrics:
             f"{PREFIX}_rejected_messages",
             "Messages the daemon refused (malformed, wrong version, unknown engine, ...).",
             ["reason"], registry=self.registry)
+        for device in devices:
+            self.grant_latency.labels(device)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
         self.registry.register(DaemonCollector(snapshot))
 
 
@@ -86,7 +97,6 @@ class DaemonCollector(Collector):
                 slabs[name].add_metric([dev, eid], e[name])
             lookups.add_metric([dev, eid], e["stats"].get("lookup_blocks", 0))
             hits.add_metric([dev, eid], e["stats"].get("hit_blocks", 0))
-            for key, value in e["stats"].items():
-                if key.startswith("evictions_"):
-                    evictions.add_metric([dev, eid, key[len("evictions_"):]], value)
+            for reason in EVICTION_REASONS:  # every series from registration on
+                evictions.add_metric([dev, eid, reason], e["stats"].get(f"evictions_{reason}", 0))
         yield from (held, cached, limit, *slabs.values(), lookups, hits, evictions)

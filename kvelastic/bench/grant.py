@@ -13,7 +13,6 @@ page size with bare system calls (``kvelastic bench vmm``'s raw path).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import time
 from typing import Any
 
 from kvelastic import protocol as p
+from kvelastic.bench.daemon import running_daemon
 
 PAGE = 2 << 20
 
@@ -60,19 +60,6 @@ def engine_loop(socket_path: str, engine_id: str, rounds: int, backend: str) -> 
     return {"grant": grants, "return": returns}
 
 
-def _start_daemon(tmp: str, backend: str) -> tuple[subprocess.Popen, str]:
-    sock = os.path.join(tmp, "kvelastic.sock")
-    env = dict(os.environ, KVELASTIC_SOCKET=sock, KVELASTIC_MEMORY="256MiB", KVELASTIC_BACKEND=backend,
-               KVELASTIC_METRICS_PORT="0", KVELASTIC_LOG_LEVEL="warning")
-    proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "daemon"], env=env)
-    deadline = time.monotonic() + 20
-    while not os.path.exists(p.fd_socket_path(sock)):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the benchmark's daemon did not start")
-        time.sleep(0.02)
-    return proc, sock
-
-
 def _parallel(sock: str, engines: int, rounds: int, backend: str) -> dict[str, list[float]]:
     procs = [subprocess.Popen([sys.executable, "-m", "kvelastic.bench.grant", sock, f"bench-{i}", str(rounds),
                                backend], stdout=subprocess.PIPE, text=True) for i in range(engines)]
@@ -93,14 +80,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     backend = "cuda" if cuda_usable()[0] else "host"
     rounds = 50 if quick else 400
     raw = vmm.run(quick=quick, backend=backend)
-    with tempfile.TemporaryDirectory() as tmp:
-        daemon, sock = _start_daemon(tmp, backend)
-        try:
-            one = engine_loop(sock, "bench-solo", rounds, backend)
-            eight = _parallel(sock, 8, max(10, rounds // 4), backend)
-        finally:
-            daemon.terminate()
-            daemon.wait(10)
+    with tempfile.TemporaryDirectory() as tmp, running_daemon(tmp, "256MiB", backend) as sock:
+        one = engine_loop(sock, "bench-solo", rounds, backend)
+        eight = _parallel(sock, 8, max(10, rounds // 4), backend)
     out: dict[str, Any] = {"benchmark": "grant", "backend": backend, "page_size": PAGE,
                            "pages_per_slab": 1, "rounds": rounds,
                            "raw_map_p50_us": raw["raw_map_p50_us"], "raw_unmap_p50_us": raw["raw_unmap_p50_us"]}

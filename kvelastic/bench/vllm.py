@@ -13,9 +13,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import os
 import pathlib
 import random
 import tempfile
@@ -23,6 +21,7 @@ import time
 from typing import Any
 
 from kvelastic.bench import vllm_serve
+from kvelastic.bench.daemon import running_daemon
 
 BS = 16
 
@@ -166,36 +165,13 @@ def serve_run(model: pathlib.Path, tmp: pathlib.Path, label: str, env: dict[str,
     return out
 
 
-@contextlib.contextmanager
-def daemon(tmp: pathlib.Path, memory: str):
-    import subprocess
-    import sys
-
-    from kvelastic import protocol as p
-
-    sock = str(tmp / "kvelastic.sock")
-    env = dict(os.environ, KVELASTIC_SOCKET=sock, KVELASTIC_MEMORY=memory, KVELASTIC_BACKEND="host",
-               KVELASTIC_METRICS_PORT="0", KVELASTIC_LOG_LEVEL="warning")
-    proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "daemon"], env=env)
-    deadline = time.monotonic() + 20
-    while not os.path.exists(p.fd_socket_path(sock)):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the benchmark's daemon did not start")
-        time.sleep(0.05)
-    try:
-        yield sock
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
 def run(quick: bool = False) -> dict[str, Any]:
     from kvelastic.bench.tinymodel import build_tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = pathlib.Path(tmp_dir)
         model = build_tiny_llama(pathlib.Path(tempfile.gettempdir()) / "kvelastic-tiny-llama")
-        with daemon(tmp, "64MiB") as sock:                  # stock vLLM preallocates 64 MiB
+        with running_daemon(tmp_dir, "64MiB") as sock:     # stock vLLM preallocates 64 MiB
             hot = hot_path(quick, sock, num_blocks=32 * 64)  # 32 pages of 64 blocks
             stock = serve_run(model, tmp, "stock", {}, quick)
             mine = serve_run(model, tmp, "elastic", {"KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": sock,

@@ -82,7 +82,7 @@ class Daemon:
         self._next_req = 1 << 32
         self._progressing = self._progress_again = False
         self._return_waits: dict[tuple[bytes, int], int] = {}  # (client, Return req_id) -> slabs unmapping
-        self.metrics = DaemonMetrics(self.status)
+        self.metrics = DaemonMetrics(self.status, list(self.devices))
         self.socket_path = socket_path
         self.ctx = zmq.Context.instance()
         self.router = self.ctx.socket(zmq.ROUTER)

@@ -6,8 +6,7 @@ import msgspec
 import pytest
 
 from kvelastic import protocol as p
-from tests.daemon.engines import EngineProcess
-from tests.daemon.test_flows import SLAB, engines, held  # noqa: F401  (fixture)
+from tests.daemon.test_flows import SLAB, held
 from tests.daemon_proc import DaemonProcess, wait_for
 
 

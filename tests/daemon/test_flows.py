@@ -2,26 +2,10 @@
 
 import threading
 
-import pytest
 
-from tests.daemon.engines import EngineProcess
 from tests.daemon_proc import MiB, wait_for
 
 SLAB = 2 * MiB  # peer.py default: one worker, one 2 MiB page per slab, 4 blocks per slab
-
-
-@pytest.fixture
-def engines():
-    started = []
-
-    def make(daemon, engine_id, **cfg):
-        proc = EngineProcess(daemon.socket, engine_id, **cfg)
-        started.append(proc)
-        return proc
-
-    yield make
-    for proc in started:
-        proc.close()
 
 
 class BudgetSampler:
@@ -127,3 +111,15 @@ def test_limits_are_respected(daemon_factory, engines):
     assert held(daemon, "a") == 4 * MiB                            # reclaimed down to its minimum
     assert held(daemon, "b") == 12 * MiB
     sampler.stop()
+
+
+def test_pages_are_zeroed_before_they_move_to_another_engine(daemon_factory, engines):
+    daemon = daemon_factory(memory="8MiB")                         # 4 pages
+    a = engines(daemon, "a", grace=60)
+    assert a.do("ensure", n=16)["ok"]
+    assert a.do("write", value=42)["values"] == [42] * 4
+    a.kill()                                                       # its pages go back, dirty
+    b = engines(daemon, "b", grace=60, namespace="other")
+    assert b.do("ensure", n=16)["ok"]                              # the same 4 pages, now b's
+    assert daemon.status()["pages"]["created"] == 4
+    assert b.do("read")["values"] == [0, 0, 0, 0]                  # nothing of a's KV is visible

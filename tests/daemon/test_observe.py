@@ -7,7 +7,7 @@ import sys
 
 from kvelastic import protocol as p
 from tests.daemon.test_failures import quiet_status
-from tests.daemon.test_flows import SLAB, engines, held  # noqa: F401  (fixture)
+from tests.daemon.test_flows import SLAB, held
 from tests.daemon_proc import wait_for
 
 ALLOWED_LABELS = {"device", "engine", "namespace", "reason", "state", "bound", "le"}

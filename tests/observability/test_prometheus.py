@@ -1,11 +1,14 @@
 """Every query of the Grafana dashboard, evaluated by a real Prometheus that
 scrapes a real daemon while real engines run a workload with known counts.
 
-The workload (as in tests/daemon/test_observe.py), 16 MiB budget = 8 slabs of 2 MiB:
-engine ``a`` grows to 4 slabs (one grow request), allocates 8 blocks (2 slabs) and
-gives the 2 idle slabs back after 0.2 s, caches and frees the 8 blocks; looks up 10 blocks of its prefix (8 hits);
-engine ``b`` grows to 8 slabs (one grow request), 2 of them reclaimed from ``a``
-(evicting a's 8 cached blocks); a message from an unknown engine is rejected once.
+The workload (after tests/daemon/test_observe.py), 16 MiB budget = 8 slabs of 2 MiB
+of 4 blocks: engine ``a`` grows to 4 slabs (one grow request), allocates 8 blocks
+(2 slabs) and gives the 2 idle slabs back after 1 s, caches and frees the 8
+blocks, looks up 10 blocks of its prefix (8 hits); engine ``b`` grows by 7 slabs
+(one grow request: the 2 free, 4 new, 1 reclaimed from ``a``, which evicts 4
+cached blocks), allocates 20 blocks (5 slabs) and gives 2 idle slabs back; a
+message from an unknown engine is rejected once. At the end every memory figure
+differs: budget 8 slabs, held 6 (a 1, b 5), cached 1 (a's), free 2.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from tests.daemon.engines import EngineProcess
 from tests.daemon.test_failures import quiet_status
 from tests.daemon.test_observe import parse_metrics
 from tests.daemon_proc import MiB, DaemonProcess, wait_for
-from tests.observability.dashboard import (exported_names, expand, label_values, load_dashboard, panels,
-                                           variables)
+from tests.observability.dashboard import (expand, is_defined, label_values, load_dashboard, metric_definitions,
+                                           panels, variables)
 from tests.observability.prometheus_proc import PrometheusProcess, find
 
 PROMETHEUS, PROMTOOL = find("prometheus"), find("promtool")
@@ -45,6 +48,10 @@ def wait_prom(prom: PrometheusProcess, expr: str, want: float, timeout: float = 
     wait_for(lambda: prom.value(expr) == want, timeout=timeout, interval=0.2, what=f"Prometheus: {expr} == {want}")
 
 
+def engine(daemon: DaemonProcess, engine_id: str) -> dict:
+    return {e["engine_id"]: e for e in daemon.status()["engines"]}[engine_id]
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Daemon, two engines and Prometheus; the workload; everything the tests need."""
@@ -53,9 +60,9 @@ def run(tmp_path_factory):
     engines: list[EngineProcess] = []
     prom = None
     try:
-        a = EngineProcess(daemon.socket, "a", grace=0.2, namespace="llama", vllm_keys=True)
+        a = EngineProcess(daemon.socket, "a", grace=1.0, namespace="llama", vllm_keys=True)
         engines.append(a)
-        b = EngineProcess(daemon.socket, "b", grace=60, namespace="qwen")
+        b = EngineProcess(daemon.socket, "b", grace=1.0, namespace="qwen")
         engines.append(b)
         target = f"127.0.0.1:{daemon.metrics_port}"
         prom = PrometheusProcess(tmp, [target], PROMETHEUS).start()
@@ -72,19 +79,23 @@ def run(tmp_path_factory):
         wait_prom(prom, "kvelastic_grant_latency_seconds_count", 1)
         a.do("cache", prefix=PREFIX)
         a.do("free")                                                      # 2 slabs of cached blocks
+        wait_for(lambda: engine(daemon, "a")["cached_blocks"] == 8 and engine(daemon, "a")["live_blocks"] == 0,
+                 what="a's journal: 8 cached blocks, none live")
         assert a.do("lookup", prefix=PREFIX, n=10)["hits"] == 8
-        assert b.do("ensure", n=32)["ok"]                                 # 8 slabs, 2 reclaimed from a
+        assert b.do("ensure", n=28)["ok"]                                 # 7 slabs, 1 reclaimed from a
+        assert b.do("alloc", n=20)["ok"]                                  # 5 slabs live, 2 idle
+        wait_for(lambda: engine(daemon, "b")["held_bytes"] == 5 * SLAB, what="b's idle slabs returned")
         daemon.request(p.Grow(engine_id="ghost", slabs=1))                # one rejected message
-        wait_for(lambda: {e["engine_id"]: e for e in daemon.status()["engines"]}["a"]["stats"]
-                 .get("lookup_blocks") == 10, what="a's journal")
+        wait_for(lambda: engine(daemon, "a")["stats"].get("lookup_blocks") == 10, what="a's journal")
         status = wait_for(lambda: quiet_status(daemon), what="a quiet daemon")
         by_id = {e["engine_id"]: e for e in status["engines"]}
-        assert [by_id["a"][c] for c in COUNTERS] == [4, 2, 2] and [by_id["b"][c] for c in COUNTERS] == [8, 0, 0]
+        assert [by_id["a"][c] for c in COUNTERS] == [4, 2, 1] and [by_id["b"][c] for c in COUNTERS] == [7, 2, 0]
+        assert status["memory"] == {"held": 6 * SLAB, "cached": SLAB, "free": 2 * SLAB, "unallocated": 0}
 
         # Prometheus has scraped the final state, then a few more times.
-        wait_prom(prom, 'kvelastic_slab_grants_total{engine="b"}', 8)
+        wait_prom(prom, 'kvelastic_slab_returns_total{engine="b"}', 2)
         wait_prom(prom, 'kvelastic_prefix_cache_lookup_blocks_total{engine="a"}', 10)
-        wait_prom(prom, "kvelastic_rejected_messages_total", 1)
+        wait_prom(prom, 'kvelastic_rejected_messages_total{reason="unknown_engine"}', 1)
         time.sleep(2.5)
         assert quiet_status(daemon) == status, "the daemon moved after the workload"
         at = time.time()
@@ -146,14 +157,14 @@ def test_every_panel_query_returns_data_that_agrees_with_the_workload(run):
     memory = {ref: single(results[("Device memory", ref)]) for ref in "ABCD"}
     assert memory == {"A": 16 * MiB, "B": status["memory"]["held"], "C": status["memory"]["cached"],
                       "D": status["memory"]["free"]}
-    assert memory["A"] == status["budget_bytes"] and memory["B"] == 8 * SLAB
+    assert memory == {"A": 8 * SLAB, "B": 6 * SLAB, "C": SLAB, "D": 2 * SLAB}
 
     held = by(results[("Memory per engine", "A")], "engine")
-    assert held == {e: by_id[e]["held_bytes"] for e in "ab"} == {"a": 0, "b": 8 * SLAB}
+    assert held == {e: by_id[e]["held_bytes"] for e in "ab"} == {"a": SLAB, "b": 5 * SLAB}
     ns = {s["metric"]["engine"]: s["metric"]["namespace"] for s in results[("Memory per engine", "A")]}
     assert ns == {"a": "llama", "b": "qwen"}
     cached = by(results[("Cached prefix memory per engine", "A")], "engine")
-    assert cached == {e: by_id[e]["cached_bytes"] for e in "ab"}
+    assert cached == {e: by_id[e]["cached_bytes"] for e in "ab"} == {"a": SLAB, "b": 0}
 
     # Rates: every counter's samples share timestamps and start at 0 in the window,
     # so Prometheus's extrapolation scales them alike and their ratios are exact.
@@ -171,10 +182,14 @@ def test_every_panel_query_returns_data_that_agrees_with_the_workload(run):
 
     evictions = by(results[("Prefix-cache evictions by reason", "A")], "reason")
     want = {k[len("evictions_"):]: v for k, v in by_id["a"]["stats"].items() if k.startswith("evictions_")}
-    assert want["reclaim"] == 8
-    assert evictions == {r: pytest.approx(unit * n) for r, n in want.items()}
+    assert want["reclaim"] == 4 and set(evictions) == set(want)
+    # Close, not exact: the eviction series appear with a's first journal (the
+    # daemon has no eviction counts for an engine before it), not at the baseline
+    # scrape, so their samples span a shorter time and extrapolate a little more.
+    assert evictions == {r: pytest.approx(unit * n, rel=0.25) for r, n in want.items()}
 
-    assert by(results[("Rejected messages", "A")], "reason") == {"unknown_engine": 1}
+    rejected = by(results[("Rejected messages", "A")], "reason")
+    assert {r: v for r, v in rejected.items() if v} == {"unknown_engine": 1}   # every reason has a series
 
     # Grant latency: both quantiles inside the span of the buckets the two grants fell in.
     m = parse_metrics(run["metrics_text"])
@@ -196,7 +211,7 @@ def test_engine_variable_filters_the_per_engine_panels(run):
         for (t, ref), samples in results.items():
             if t == title:
                 assert samples and {s["metric"]["engine"] for s in samples} == {"a"}, (title, ref, samples)
-    assert by(results[("Memory per engine", "A")], "engine") == {"a": 0}
+    assert by(results[("Memory per engine", "A")], "engine") == {"a": SLAB}
     nothing = evaluate(run, {"instance": ["127.0.0.1:1"], "engine": None})
     assert all(not samples for samples in nothing.values()), "the instance variable does not filter"
 
@@ -210,7 +225,7 @@ def test_raw_series_in_prometheus_equal_the_daemons_books(run):
         assert prom.value(f'kvelastic_engine_held_bytes{{engine="{engine}"}}') == e["held_bytes"]
     assert prom.value('kvelastic_prefix_cache_lookup_blocks_total{engine="a"}') == 10
     assert prom.value('kvelastic_prefix_cache_hit_blocks_total{engine="a"}') == 8
-    assert prom.value('kvelastic_prefix_cache_evictions_total{engine="a", reason="reclaim"}') == 8
+    assert prom.value('kvelastic_prefix_cache_evictions_total{engine="a", reason="reclaim"}') == 4
     assert prom.value("kvelastic_budget_bytes") == 16 * MiB == status["budget_bytes"]
     assert prom.value("kvelastic_engines_connected") == 2
     assert prom.value('kvelastic_rejected_messages_total{reason="unknown_engine"}') == 1
@@ -246,7 +261,9 @@ def test_no_label_carries_a_hash_token_or_prompt(run):
                                    "start": f"{prom.started - 60:.0f}", "end": f"{time.time() + 1:.0f}"})
     assert len(series) > 20
     names = {s["__name__"] for s in series}
-    assert names <= exported_names(), f"series not defined in kvelastic/metrics.py: {names - exported_names()}"
+    defined = metric_definitions()
+    unknown = {n for n in names if not is_defined(n, defined)}
+    assert not unknown, f"series not defined in kvelastic/metrics.py: {sorted(unknown)}"
     label_names = set().union(*series)
     assert label_names <= ALLOWED_LABELS, f"unexpected labels: {label_names - ALLOWED_LABELS}"
     # a's cached block keys: sha256 of the prefix's blocks (+ 4-byte group id, vLLM style)

@@ -6,11 +6,7 @@ equality tests between stock vLLM and kvelastic would prove nothing.
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 

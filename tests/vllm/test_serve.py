@@ -19,7 +19,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvelastic.bench.tinymodel import build_tiny_llama  # noqa: E402
-from kvelastic.bench.vllm_serve import RANDOM, VllmServer, counter  # noqa: E402
+from kvelastic.bench.vllm_serve import VllmServer, counter  # noqa: E402
+from tests.daemon.test_flows import held  # noqa: E402
 from tests.daemon_proc import DaemonProcess, MiB, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -28,13 +29,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
-
-
-def held(daemon, engine_id):
-    for e in daemon.status()["engines"]:
-        if e["engine_id"] == engine_id:
-            return e["held_bytes"]
-    return None
 
 
 def test_two_vllm_instances_share_one_daemon(tmp_path, tiny_model):
