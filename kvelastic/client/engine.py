@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import threading
+import time
 
 import msgspec
 
@@ -30,6 +31,9 @@ from kvelastic.errors import PoolError
 log = logging.getLogger("kvelastic.client")
 
 HEARTBEAT_INTERVAL = 0.5
+# The journal goes out in batches this far apart: big enough that shipping it
+# costs the engine little, small enough for reclaim decisions and KV events.
+JOURNAL_INTERVAL = 0.05
 JOURNAL_MAX_OPS = 20000
 
 
@@ -52,6 +56,7 @@ class EngineClient:
                              block_bytes=block_bytes, min_bytes=min_bytes, max_bytes=max_bytes,
                              block_tokens=pool.block_size, key_group_suffix=key_group_suffix, device=device)
         self.low_watermark = pool.blocks_per_slab if low_watermark is None else low_watermark
+        self.bytes_keys = key_group_suffix  # vLLM's keys are bytes already: no conversion
         self.keep_idle_slabs = keep_idle_slabs
         self.shrink_grace = shrink_grace
         self.lock = threading.RLock()
@@ -64,6 +69,9 @@ class EngineClient:
         self._inbox: collections.deque = collections.deque()
         self._last_heartbeat = 0.0
         self._now = 0.0
+        self._closing = False
+        self._last_flush = 0.0
+        self.journal_interval = JOURNAL_INTERVAL
         self.conn = Connection(socket_path, engine_id, -1, handshake=self._register,
                                on_command=self._on_command, on_tick=self._tick,
                                tick_interval=tick_interval, name=f"kvelastic-engine-{engine_id}")
@@ -74,6 +82,7 @@ class EngineClient:
         return self
 
     def close(self, unregister: bool = True) -> None:
+        self._closing = True  # no journal after the daemon forgot us
         if unregister and self.conn.connected.is_set():
             try:
                 self.conn.request(p.Unregister(engine_id=self.engine_id), timeout=2.0)
@@ -130,7 +139,9 @@ class EngineClient:
         finds the lock free (a scheduler that runs back to back)."""
         with self.lock:
             self._run_inbox()
-            if self.pool.journal.ops or self.pool.journal.dirty:
+            now = time.monotonic()
+            if now - self._last_flush >= self.journal_interval and (self.pool.journal.ops or self.pool.journal.dirty):
+                self._last_flush = now
                 self._flush_journal(self.conn.notify)
 
     def wake(self) -> None:
@@ -195,6 +206,8 @@ class EngineClient:
 
     def _tick(self, now: float) -> None:
         self._now = now
+        if self._closing:
+            return
         if now - self._last_heartbeat >= HEARTBEAT_INTERVAL:
             self._last_heartbeat = now
             self.conn.send_now(p.Heartbeat(engine_id=self.engine_id))
@@ -211,7 +224,9 @@ class EngineClient:
             if pool.ttl or pool.max_cached_blocks is not None:
                 pool.expire()
             returned = self._shrink(now)
-            self._flush_journal(self.conn.send_now)
+            if returned or now - self._last_flush >= self.journal_interval:
+                self._last_flush = now
+                self._flush_journal(self.conn.send_now)
             if returned:
                 self.conn.send_now(p.Return(engine_id=self.engine_id, slabs=returned))
         finally:
@@ -249,7 +264,8 @@ class EngineClient:
         counters = {"lookups": stats.lookups, "lookup_blocks": stats.lookup_blocks,
                     "hit_blocks": stats.hit_blocks, "token_mismatches": stats.token_mismatches}
         counters.update({f"evictions_{k}": v for k, v in stats.evictions.items()})
-        ops = [(op[0], wire_key(op[1]), op[2]) if op[0] in (STORE, REMOVE) else op for op in batch.ops]
+        ops = batch.ops if self.bytes_keys else [
+            (op[0], wire_key(op[1]), op[2]) if op[0] in (STORE, REMOVE) else op for op in batch.ops]
         for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):
             chunk = ops[start:start + JOURNAL_MAX_OPS]
             last = start + JOURNAL_MAX_OPS >= len(ops)

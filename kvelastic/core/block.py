@@ -1,9 +1,10 @@
 """The per-block record and the slab that groups blocks.
 
-There is exactly one record per block. The pool reads and writes three
-attributes on it: ``block_id``, ``ref_cnt`` and ``_block_hash``; they carry the
-same names as vLLM's ``KVCacheBlock`` so the vLLM adapter passes its own block
-class as the pool's ``block_factory`` and no second copy of the state exists.
+There is exactly one record per block. The pool reads and writes four
+attributes on it: ``block_id``, ``ref_cnt`` and ``_block_hash`` carry the same
+names as vLLM's ``KVCacheBlock``, so the vLLM adapter passes a subclass of its
+own block class (adding ``slab``) as the pool's ``block_factory`` and no second
+copy of the state exists; ``slab`` points at the block's ``Slab``.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ class Block:
     ``ref_cnt == 0`` and it has a key; *free* otherwise.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "_block_hash", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "_block_hash", "is_null", "slab")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self._block_hash: Hashable | None = None
         self.is_null = False
+        self.slab: Slab | None = None
 
     @property
     def block_hash(self) -> Hashable | None:
@@ -43,11 +45,14 @@ class Slab:
     freed block is reused first while it is still warm in the cache).
     """
 
-    __slots__ = ("slab_id", "blocks", "free", "live", "cached")
+    __slots__ = ("slab_id", "blocks", "free", "live", "cached", "owner")
 
-    def __init__(self, slab_id: int, blocks: list[Any]) -> None:
+    def __init__(self, slab_id: int, blocks: list[Any], owner: Any) -> None:
         self.slab_id = slab_id
         self.blocks = blocks
+        self.owner = owner  # the pool holding it; None once given back (its blocks are stale)
+        for blk in blocks:
+            blk.slab = self
         self.free: list[Any] = blocks[::-1]  # pop() hands out the lowest id first
         self.live = 0
         self.cached = 0

@@ -82,9 +82,12 @@ class SlabPool:
         # bucket in [1, _min_hint) is non-empty, so best fit scans from there.
         self._by_free: list[dict[int, Slab]] = [{} for _ in range(blocks_per_slab + 1)]
         self._min_hint = 1
-        # Cached blocks in eviction order: block_id -> time it became cached.
-        self._lru: OrderedDict[int, float] = OrderedDict()
+        # Cached blocks in eviction order (block_id -> block), and with a TTL
+        # the time each became cached.
+        self._lru: OrderedDict[int, Any] = OrderedDict()
+        self._cached_at: dict[int, float] = {}
         self._index = HashIndex()
+        self.get_cached_block = self._index.get_one  # type: ignore[method-assign]
         self._tokens: dict[int, tuple[int, ...]] = {}
         self.num_free = 0
         self.num_live = 0
@@ -144,7 +147,7 @@ class SlabPool:
         if slab_id in self._slabs:
             raise SlabAlreadyHeld(f"slab {slab_id} is already held")
         first = slab_id * self.blocks_per_slab
-        slab = Slab(slab_id, [self.block_factory(first + i) for i in range(self.blocks_per_slab)])
+        slab = Slab(slab_id, [self.block_factory(first + i) for i in range(self.blocks_per_slab)], self)
         self._slabs[slab_id] = slab
         self._by_free[self.blocks_per_slab][slab_id] = slab
         self.num_free += self.blocks_per_slab
@@ -165,11 +168,13 @@ class SlabPool:
         for blk in slab.blocks:
             if blk._block_hash is not None:
                 del self._lru[blk.block_id]
+                self._cached_at.pop(blk.block_id, None)
                 self._drop_key(blk)
                 evicted += 1
         if evicted:
             self.stats.evictions[reason] += evicted
         self.num_free -= len(slab.free)
+        slab.owner = None
         del self._slabs[slab_id]
         self.journal.ops.append((REMOVE_SLAB, slab_id))
         return evicted
@@ -190,10 +195,11 @@ class SlabPool:
             free = slab.free
             old = len(free)
             take = min(n - len(out), old)
-            for _ in range(take):
-                blk = free.pop()
+            chunk = free[old - take:]
+            del free[old - take:]
+            for blk in chunk:
                 blk.ref_cnt = 1
-                out.append(blk)
+            out += chunk
             slab.live += take
             self.num_free -= take
             self.num_live += take
@@ -201,11 +207,13 @@ class SlabPool:
             dirty.add(slab.slab_id)
         if len(out) < n:
             reused = n - len(out)
+            popitem, drop, cached_at = self._lru.popitem, self._drop_key, self._cached_at
             for _ in range(reused):
-                block_id, _t = self._lru.popitem(last=False)
-                slab = self._slabs[block_id // self.blocks_per_slab]
-                blk = slab.blocks[block_id % self.blocks_per_slab]
-                self._drop_key(blk)
+                block_id, blk = popitem(last=False)
+                if cached_at:
+                    del cached_at[block_id]
+                slab = blk.slab
+                drop(blk)
                 blk.ref_cnt = 1
                 slab.cached -= 1
                 slab.live += 1
@@ -217,18 +225,19 @@ class SlabPool:
 
     def touch(self, blocks: Sequence[Any]) -> None:
         """A cache hit: each block gains a reference; a cached block turns live."""
-        bps, slabs = self.blocks_per_slab, self._slabs
         for blk in blocks:
-            slab = slabs.get(blk.block_id // bps)
-            if slab is None or slab.blocks[blk.block_id % bps] is not blk:
+            slab = getattr(blk, "slab", None)
+            if slab is None or slab.owner is not self:
                 raise UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds")
             if blk.ref_cnt == 0 and blk._block_hash is None:
                 raise BlockNotCached(f"block {blk.block_id} is free, not cached: it cannot be touched")
-        lru, dirty = self._lru, self.journal.dirty
+        lru, dirty, cached_at = self._lru, self.journal.dirty, self._cached_at
         for blk in blocks:
             if blk.ref_cnt == 0:
                 del lru[blk.block_id]
-                slab = slabs[blk.block_id // bps]
+                if cached_at:
+                    del cached_at[blk.block_id]
+                slab = blk.slab
                 slab.cached -= 1
                 slab.live += 1
                 self.num_live += 1
@@ -238,47 +247,59 @@ class SlabPool:
     def free(self, blocks: Iterable[Any]) -> None:
         """Drop one reference per block, in eviction order (first evicted
         first). A block reaching 0 becomes cached if it has a key, else free."""
-        blocks = list(blocks)
-        bps, slabs = self.blocks_per_slab, self._slabs
-        # Pass 1 checks and counts down; a bad block undoes what came before it,
-        # so a failure changes nothing. Blocks reaching 0 move in pass 2.
-        released: list[Any] = []
-        for i, blk in enumerate(blocks):
-            slab = slabs.get(blk.block_id // bps)
-            bad = None
-            if slab is None or slab.blocks[blk.block_id % bps] is not blk:
-                bad = UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds")
-            elif blk.ref_cnt <= 0:
-                bad = BlockNotLive(f"block {blk.block_id} is not allocated (double free?)")
-            if bad is not None:
-                for done in blocks[:i]:
-                    done.ref_cnt += 1
-                raise bad
-            blk.ref_cnt -= 1
-            if not blk.ref_cnt:
-                released.append(blk)
         dirty, lru = self.journal.dirty, self._lru
-        now = None
+        done: list[Any] = []
+        released = 0
+        ttl = self.ttl
+        now = self._clock()
+        last = None
         grown: dict[Slab, int] = {}     # slab -> its free count before: rebucketed once at the end
-        for blk in released:
-            slab = slabs[blk.block_id // bps]
+        for blk in blocks:
+            slab = getattr(blk, "slab", None)
+            if slab is None or slab.owner is not self or blk.ref_cnt <= 0:
+                self._undo_free(done, blk)
+            blk.ref_cnt -= 1
+            done.append(blk)
+            if blk.ref_cnt:
+                continue
+            released += 1
             slab.live -= 1
             if blk._block_hash is None:
                 if slab not in grown:
                     grown[slab] = len(slab.free)
                 slab.free.append(blk)
             else:
-                if now is None:
-                    now = self._clock()
                 slab.cached += 1
-                lru[blk.block_id] = now
-            dirty.add(slab.slab_id)
-        self.num_live -= len(released)
+                lru[blk.block_id] = blk
+                if ttl:
+                    self._cached_at[blk.block_id] = now
+            if slab is not last:  # a request's blocks mostly share slabs (best fit)
+                dirty.add(slab.slab_id)
+                last = slab
         for slab, old in grown.items():
             self.num_free += len(slab.free) - old
             self._rebucket(slab, old)
-        if now is not None:
+        self.num_live -= released
+        if self.ttl or self.max_cached_blocks is not None:
             self._enforce_limits(now)
+
+    def _undo_free(self, done: list[Any], bad: Any) -> None:
+        """A bad block: undo, newest first, what ``free`` did before it, then raise."""
+        for blk in reversed(done):
+            if not blk.ref_cnt:
+                slab = blk.slab
+                slab.live += 1
+                if blk._block_hash is None:
+                    slab.free.pop()          # stack order: it is on top again
+                else:
+                    slab.cached -= 1
+                    del self._lru[blk.block_id]
+                    self._cached_at.pop(blk.block_id, None)
+            blk.ref_cnt += 1
+        slab = getattr(bad, "slab", None)
+        if slab is None or slab.owner is not self:
+            raise UnknownBlock(f"block {bad.block_id} does not belong to a slab this pool holds")
+        raise BlockNotLive(f"block {bad.block_id} is not allocated (double free?)")
 
     def cache(self, blocks: Sequence[Any], keys: Sequence[Hashable],
               tokens: Sequence[Sequence[int]] | None = None) -> None:
@@ -286,8 +307,10 @@ class SlabPool:
         if len(blocks) != len(keys) or (tokens is not None and len(tokens) != len(keys)):
             raise PoolError(f"cache: {len(blocks)} blocks, {len(keys)} keys"
                             + ("" if tokens is None else f", {len(tokens)} token lists"))
-        self._check_held(blocks)
         for blk in blocks:
+            slab = getattr(blk, "slab", None)
+            if slab is None or slab.owner is not self:
+                raise UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds")
             if blk.ref_cnt <= 0:
                 raise BlockNotLive(f"block {blk.block_id} is not allocated: only live blocks are cached")
         ops = self.journal.ops
@@ -308,11 +331,10 @@ class SlabPool:
         free). Blocks without a key are skipped. Returns the keys dropped."""
         self._check_held(blocks)
         dropped = 0
-        bps = self.blocks_per_slab
         for blk in blocks:
             if blk._block_hash is None:
                 continue
-            slab = self._slabs[blk.block_id // bps]
+            slab = blk.slab
             if blk.ref_cnt == 0:
                 self._evict_cached(blk, slab)
             else:
@@ -322,6 +344,8 @@ class SlabPool:
         return dropped
 
     def get_cached_block(self, key: Hashable) -> Any | None:
+        """Any block holding ``key`` (not touched). Rebound to the index's own
+        lookup in ``__init__``: this is the scheduler's most frequent call."""
         return self._index.get_one(key)
 
     def lookup(self, keys: Sequence[Hashable],
@@ -381,6 +405,7 @@ class SlabPool:
             self.journal.dirty.add(slab.slab_id)
         self._index.clear()
         self._lru.clear()
+        self._cached_at.clear()
         self._tokens.clear()
         self.journal.ops.append((CLEAR,))
         self.stats.evictions["invalidate"] += dropped
@@ -397,10 +422,9 @@ class SlabPool:
 
     # ------------------------------------------------------------ internals
     def _check_held(self, blocks: Sequence[Any]) -> None:
-        get, bps = self._slabs.get, self.blocks_per_slab
         for blk in blocks:
-            slab = get(blk.block_id // bps)
-            if slab is None or slab.blocks[blk.block_id % bps] is not blk:
+            slab = getattr(blk, "slab", None)
+            if slab is None or slab.owner is not self:
                 raise UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds")
 
     def _fullest_with_free(self) -> Slab:
@@ -430,6 +454,7 @@ class SlabPool:
 
     def _evict_cached(self, blk: Any, slab: Slab) -> None:
         del self._lru[blk.block_id]
+        self._cached_at.pop(blk.block_id, None)
         self._drop_key(blk)
         old = len(slab.free)
         slab.cached -= 1
@@ -440,13 +465,13 @@ class SlabPool:
 
     def _evict_oldest(self, n: int, reason: str, whole_slabs: bool,
                       older_than: float | None = None) -> int:
-        bps, evicted = self.blocks_per_slab, 0
+        evicted = 0
         while evicted < n and self._lru:
-            block_id, cached_at = next(iter(self._lru.items()))
-            if older_than is not None and cached_at > older_than:
+            block_id, blk = next(iter(self._lru.items()))
+            if older_than is not None and self._cached_at.get(block_id, 0.0) > older_than:
                 break
-            slab = self._slabs[block_id // bps]
-            self._evict_cached(slab.blocks[block_id % bps], slab)
+            slab = blk.slab
+            self._evict_cached(blk, slab)
             evicted += 1
             if whole_slabs and slab.live == 0 and slab.cached:
                 for blk in slab.blocks:

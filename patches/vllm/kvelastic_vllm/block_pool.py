@@ -1,8 +1,8 @@
 """ElasticBlockPool: vLLM's ``BlockPool`` interface over kvelastic's ``SlabPool``.
 
 There is one record per block: the core pool creates vLLM's own
-``KVCacheBlock`` objects (``block_factory``), so refcounts and hashes live in
-one place and the scheduler's block tables hold the same objects the core
+``KVCacheBlock`` objects (a subclass that adds the slab they live in), so
+refcounts and hashes live in one place and the scheduler's block tables hold the same objects the core
 pool counts. Block ids are positions in the engine's virtual KV range (slab
 ``s`` holds blocks ``s * blocks_per_slab`` ...), and only blocks of slabs the
 daemon granted ever reach the scheduler.
@@ -14,7 +14,7 @@ memory the daemon can grant counts as capacity; when the device is full the
 answer is smaller and the scheduler waits or preempts, as with stock vLLM.
 
 The null block is block 0 of the first slab, allocated once and never freed
-(vLLM does not keep its refcount, so it never reaches the core pool again).
+(vLLM does not keep its refcount, so it is pinned far from 0).
 """
 
 from __future__ import annotations
@@ -40,6 +40,13 @@ from kvelastic_vllm import engine as engine_side
 
 log = logging.getLogger("kvelastic.vllm")
 _GROUP_SUFFIX: dict[int, bytes] = {}
+NULL_PINNED = 1 << 40
+
+
+class ElasticBlock(KVCacheBlock):
+    """vLLM's block record plus the slab it lives in (the core pool's one extra field)."""
+
+    __slots__ = ("slab",)
 
 
 class ElasticBlockPool(BlockPool):
@@ -66,7 +73,7 @@ class ElasticBlockPool(BlockPool):
         with self.lock:
             if self.core.slab_ids():
                 raise RuntimeError("kvelastic: the engine's pool already holds slabs of another block pool")
-            self.core.block_factory = lambda block_id: KVCacheBlock(block_id, pool=self)
+            self.core.block_factory = lambda block_id: ElasticBlock(block_id, pool=self)
             if enable_kv_cache_events:
                 self.core.on_key_removed = self._key_removed
             self.core.on_cleared = self._cleared
@@ -77,6 +84,9 @@ class ElasticBlockPool(BlockPool):
         with self.lock:
             [null] = self.core.allocate(1)
         null.is_null = True
+        # vLLM does not keep the null block's refcount (it frees it without
+        # touching it first): pinned high, it never reaches 0 in the core pool.
+        null.ref_cnt = NULL_PINNED
         self.null_block = null
         self._refused_at = 0.0
 
@@ -113,24 +123,18 @@ class ElasticBlockPool(BlockPool):
         return blocks
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        real = [b for b in blocks if not b.is_null]
         with self.lock:
-            self.core.touch(real)
+            self.core.touch(blocks)
         if self.metrics_collector:
-            for block in real:
+            for block in blocks:
                 self.metrics_collector.on_block_accessed(block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        mine, others = [], {}
-        for block in ordered_blocks:
-            if block.pool is not None and block.pool is not self:
-                others.setdefault(block.pool, []).append(block)
-            elif not block.is_null:
-                mine.append(block)
+        # The null block rides along safely (its refcount is pinned high). Blocks
+        # of another pool (HiSparse's deferred frees) are refused as unknown:
+        # kvelastic serves attention-only models, which never have any.
         with self.lock:
-            self.core.free(mine)
-        for pool, blocks in others.items():
-            pool.free_blocks(blocks)
+            self.core.free(ordered_blocks)
 
     # ------------------------------------------------------- prefix cache
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[KVCacheBlock] | None:
