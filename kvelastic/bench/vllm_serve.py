@@ -99,13 +99,14 @@ class VllmServer:
         text = self.metrics()
         return counter(text, "vllm:prefix_cache_queries_total"), counter(text, "vllm:prefix_cache_hits_total")
 
-    def bench(self, dataset: list[str], num_prompts: int, concurrency: int = 4, timeout: float = 600) -> dict:
+    def bench(self, dataset: list[str], num_prompts: int, concurrency: int = 4, timeout: float = 600,
+              seed: int = 0) -> dict:
         """``vllm bench serve`` against this server; its saved JSON result."""
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [*VLLM, "bench", "serve", "--backend", "vllm", "--base-url", self.base, "--model", "tiny",
                    "--tokenizer", str(self.model), *dataset, "--num-prompts", str(num_prompts),
                    "--max-concurrency", str(concurrency), "--request-rate", "inf", "--temperature", "0",
-                   "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,tpot,e2el",
+                   "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,e2el",
                    "--metric-percentiles", "50,99", "--save-result", "--result-dir", tmp,
                    "--result-filename", "result.json"]
             out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)

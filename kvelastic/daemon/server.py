@@ -1,11 +1,12 @@
 """The daemon: one loop over typed messages.
 
-One thread owns everything: a ZMQ ROUTER for requests, an AF_UNIX listener
-whose connections carry page descriptors to workers and tell the daemon, by
-closing, that a peer died. ``state.py`` keeps the books; this module talks to
-peers and the backend. A handler validates its whole message before it
-changes anything; a bad message gets an ``Error`` reply, a log line with the
-engine id and a count in ``kvelastic_rejected_messages_total``.
+One thread owns everything: a ZMQ ROUTER for requests, the AF_UNIX peers
+(``peers.py``: page channels, and lifelines whose closing says a peer died),
+the device pools (``devices.py``) and the KV event stream (``events.py``);
+``state.py`` keeps the books. This module is the loop and the flows. A handler
+validates its whole message before it changes anything; a bad message gets an
+``Error`` reply, a log line with the engine id and a count in
+``kvelastic_rejected_messages_total``.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import zmq
 
 from kvelastic import protocol as p
 from kvelastic.core.journal import ADD_SLAB, CLEAR, REMOVE, REMOVE_SLAB, STORE, JournalBatch
-from kvelastic.daemon.events import KVEventPublisher, journal_events
 from kvelastic.daemon.devices import Device
+from kvelastic.daemon.events import KVEventPublisher, journal_events
+from kvelastic.daemon.peers import PeerTable
 from kvelastic.daemon.state import EngineRecord, Phase, SlabRecord, owner_tag, pick_victims
 from kvelastic.metrics import DaemonMetrics
-from kvelastic.vmm import fdchannel
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -57,15 +58,6 @@ class GrowRequest:
     reclaim_rounds: int = 0
 
 
-@dataclasses.dataclass
-class Peer:
-    """An AF_UNIX connection: a worker's page channel or an engine's lifeline."""
-
-    channel: fdchannel.FdChannel
-    engine_id: str
-    rank: int           # -1: the engine itself
-
-
 class Daemon:
     def __init__(self, devices: list[Device], socket_path: str, *,
                  clock: Callable[[], float] = time.monotonic,
@@ -78,7 +70,6 @@ class Daemon:
         self.departing: dict[str, EngineRecord] = {}     # dead engines whose slabs are unmapping
         self.grows: list[GrowRequest] = []
         self.reclaims: dict[int, tuple[str, list[int], GrowRequest | None, float]] = {}
-        self.peers: dict[int, Peer] = {}
         self._next_req = 1 << 32
         self._progressing = self._progress_again = False
         self._return_waits: dict[tuple[bytes, int], int] = {}  # (client, Return req_id) -> slabs unmapping
@@ -90,11 +81,10 @@ class Daemon:
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, 16 * p.MAX_MESSAGE_BYTES)
         self.router.bind(f"ipc://{socket_path}")
-        self.listener = fdchannel.listen(p.fd_socket_path(socket_path))
-        self.listener.setblocking(False)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
-        self.poller.register(self.listener.fileno(), zmq.POLLIN)
+        self.peers = PeerTable(p.fd_socket_path(socket_path), self.poller,
+                               lambda: self.metrics.rejected.labels("bad_hello").inc())
         self.events = KVEventPublisher(self.ctx, *kv_events) if kv_events else None
         if self.events is not None:
             self.poller.register(self.events.replay, zmq.POLLIN)
@@ -120,10 +110,10 @@ class Daemon:
                     except zmq.Again:
                         break
                     self._dispatch(frames)
-            if self.listener.fileno() in events:
-                self._accept()
-            for fd in [fd for fd in events if fd in self.peers]:
-                self._on_peer_readable(fd)
+            if self.peers.listener.fileno() in events:
+                self.peers.accept()
+            for fd in [fd for fd in events if fd in self.peers.by_fd]:
+                self._on_peer_closed(fd)
             if self.events is not None and self.events.replay in events:
                 self.events.serve_replay()
             now = self.clock()
@@ -134,11 +124,8 @@ class Daemon:
     def close(self) -> None:
         for engine in list(self.engines.values()):
             self._drop_engine(engine, "daemon stopping")
-        for peer in self.peers.values():
-            peer.channel.close()
-        self.peers.clear()
+        self.peers.close()
         self.router.close(0)
-        self.listener.close()
         if self.events is not None:
             self.events.close()
         for path in (self.socket_path, p.fd_socket_path(self.socket_path)):
@@ -257,8 +244,8 @@ class Daemon:
         device = m.device or engine.device
         if device not in self.devices:
             raise Rejected("unknown_device", f"device {device!r}; this daemon has {', '.join(self.devices)}")
-        self._accept()  # its page channel was opened just before this message
-        if self._peer_of(m.engine_id, m.rank) is None:
+        self.peers.accept()  # its page channel was opened just before this message
+        if self.peers.find(m.engine_id, m.rank) is None:
             raise Rejected("no_channel", f"worker {m.rank} of {m.engine_id} has not opened its page channel")
         engine.workers[m.rank] = identity
         engine.worker_devices[m.rank] = device
@@ -417,7 +404,7 @@ class Daemon:
             self._mapped(engine, slab)
 
     def _send_pages(self, engine: EngineRecord, rank: int, page_ids: list[int], device: str) -> bool:
-        peer = self._peer_of(engine.engine_id, rank)
+        peer = self.peers.find(engine.engine_id, rank)
         if peer is None:
             return False
         fds = [self.devices[device].export(pid) for pid in page_ids]
@@ -516,7 +503,7 @@ class Daemon:
     def _start_unmap(self, engine: EngineRecord, slab: SlabRecord) -> None:
         slab.phase = Phase.UNMAPPING
         slab.waiting = {rank for rank in range(engine.num_workers)
-                        if rank in engine.workers and self._peer_of(engine.engine_id, rank) is not None}
+                        if rank in engine.workers and self.peers.find(engine.engine_id, rank) is not None}
         engine.mirror.slabs.pop(slab.slab_id, None)
         for rank in slab.waiting:
             self._command(engine.workers[rank],
@@ -596,35 +583,8 @@ class Daemon:
                 return
 
     # --------------------------------------------------------------- peers
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            try:
-                conn.settimeout(1.0)
-                hello = p.read_hello(conn)
-            except (OSError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("page channel: bad hello (%s)", exc)
-                self.metrics.rejected.labels("bad_hello").inc()
-                conn.close()
-                continue
-            channel = fdchannel.FdChannel(conn)
-            self.peers[conn.fileno()] = Peer(channel, hello.engine_id, hello.rank)
-            self.poller.register(conn.fileno(), zmq.POLLIN)
-
-    def _peer_of(self, engine_id: str, rank: int) -> Peer | None:
-        for peer in self.peers.values():
-            if peer.engine_id == engine_id and peer.rank == rank:
-                return peer
-        return None
-
-    def _on_peer_readable(self, fd: int) -> None:
-        """Peers never send after their hello: readable means closed (or misbehaving)."""
-        peer = self.peers.pop(fd)
-        self.poller.unregister(fd)
-        peer.channel.close()
+    def _on_peer_closed(self, fd: int) -> None:
+        peer = self.peers.drop(fd)
         engine = self.engines.get(peer.engine_id)
         departing = self.departing.get(peer.engine_id)
         if departing is not None:          # a dead engine's worker is gone: nothing maps its pages now
@@ -635,7 +595,7 @@ class Daemon:
         # A worker that never finished registering (e.g. it came back before its
         # engine after a daemon restart) takes nothing with it.
         if engine is not None and (peer.rank < 0 or peer.rank in engine.workers) \
-                and self._peer_of(peer.engine_id, peer.rank) is None:
+                and self.peers.find(peer.engine_id, peer.rank) is None:
             who = "engine" if peer.rank < 0 else f"worker {peer.rank}"
             engine.workers.pop(peer.rank, None)
             self._drop_engine(engine, f"{who} disconnected")
