@@ -195,11 +195,16 @@ class SlabPool:
             free = slab.free
             old = len(free)
             take = min(n - len(out), old)
-            chunk = free[old - take:]
-            del free[old - take:]
-            for blk in chunk:
+            if take == 1:               # a decode step: the common case
+                blk = free.pop()
                 blk.ref_cnt = 1
-            out += chunk
+                out.append(blk)
+            else:
+                chunk = free[old - take:]
+                del free[old - take:]
+                for blk in chunk:
+                    blk.ref_cnt = 1
+                out += chunk
             slab.live += take
             self.num_free -= take
             self.num_live += take
