@@ -28,6 +28,7 @@ from kvelastic.vmm import fdchannel
 log = logging.getLogger("kvelastic.client")
 
 BACKOFF_MIN, BACKOFF_MAX = 0.05, 2.0
+NO_SOCKET_GRACE = 3.0
 # A registration refused for one of these will be refused again: fail at start.
 FATAL_REASONS = ("version", "geometry", "engine_exists", "limit", "unknown_device", "bad_rank")
 
@@ -85,17 +86,21 @@ class Connection:
     # --------------------------------------------------------- caller API
     def start(self, timeout: float = 10.0) -> None:
         self._thread.start()
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
         while not self.connected.wait(0.05):
             if self._fatal is not None:
                 self.close()
                 raise self._fatal
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - start
+            # A daemon that is starting shows its socket within seconds; without
+            # one there is nothing to wait for.
+            if waited > timeout or (waited > NO_SOCKET_GRACE and not os.path.exists(
+                    p.fd_socket_path(self.socket_path))):
                 break
         if not self.connected.is_set():
             self.close()
-            raise DaemonUnavailable(f"no kvelastic daemon answered on {self.socket_path} within {timeout:.0f} s "
-                                    "(is it running? see KVELASTIC_SOCKET)")
+            raise DaemonUnavailable(f"no kvelastic daemon answered on {self.socket_path} (is it running? start it "
+                                    "with 'make run' or 'kvelastic daemon'; KVELASTIC_SOCKET selects the socket)")
 
     def request(self, msg: p.Msg, timeout: float = 10.0) -> p.Msg:
         """Send and wait for the reply (never from the I/O thread)."""

@@ -34,7 +34,7 @@ class WorkerClient:
         self.max_slabs = 0
         self.slabs: dict[int, list[int]] = {}        # slab id -> offsets mapped here
         self._mu = threading.Lock()
-        self._in_step = False
+        self._steps = 0            # model steps (or their sampling) in flight
         self._deferred: list[p.UnmapSlab] = []
         self.conn = Connection(socket_path, engine_id, rank, handshake=self._register,
                                on_command=self._on_command, name=f"kvelastic-worker-{engine_id}-{rank}")
@@ -60,15 +60,17 @@ class WorkerClient:
     # -------------------------------------------------------- safe points
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """Bracket a model step: no page is unmapped while it runs."""
+        """Bracket a model step (or its sampling): no page is unmapped while one runs."""
         with self._mu:
-            self._in_step = True
+            self._steps += 1
         try:
             yield
         finally:
             with self._mu:
-                self._in_step = False
-                deferred, self._deferred = self._deferred, []
+                self._steps -= 1
+                deferred = [] if self._steps else self._deferred
+                if not self._steps:
+                    self._deferred = []
             for msg in deferred:
                 self._unmap(msg)
 
@@ -78,7 +80,7 @@ class WorkerClient:
             self._map(msg)
         elif isinstance(msg, p.UnmapSlab):
             with self._mu:
-                if self._in_step:
+                if self._steps:
                     self._deferred.append(msg)
                     return
             self._unmap(msg)
@@ -113,6 +115,7 @@ class WorkerClient:
     def _unmap(self, msg: p.UnmapSlab) -> None:
         with self._mu:
             offsets = self.slabs.pop(msg.slab, msg.offsets)
+            self.backend.synchronize()  # kernels launched by the last step may still read the pages
             for offset in offsets:
                 if self.arena.is_mapped(offset):
                     self.arena.unmap(offset)

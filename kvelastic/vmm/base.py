@@ -243,6 +243,9 @@ class Backend(ABC):
     def make_current(self) -> None:
         """Make this backend's device current for the calling thread (CUDA); a no-op elsewhere."""
 
+    def synchronize(self) -> None:
+        """Wait for work the device may still do on mapped pages (CUDA); a no-op elsewhere."""
+
     def close(self) -> None:
         """Release backend-wide resources (scratch mappings). Pages and arenas stay valid."""
 

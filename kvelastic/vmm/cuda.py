@@ -254,6 +254,10 @@ class CudaBackend(Backend):
     def make_current(self) -> None:
         check("cuCtxSetCurrent", self._driver.cuCtxSetCurrent(self._ctx))
 
+    def synchronize(self) -> None:
+        self.make_current()
+        check("cuCtxSynchronize", self._driver.cuCtxSynchronize())
+
     def device_count(self) -> int:
         return int(check("cuDeviceGetCount", self._driver.cuDeviceGetCount()))
 

@@ -48,3 +48,12 @@ def test_greedy_outputs_and_hits_match_stock_vllm(daemon_factory, tiny_model):
     engines = {e["engine_id"]: e for e in daemon.status()["engines"]}
     assert "offline" not in engines                                          # the engine left, memory back
     assert daemon.status()["memory"]["held"] == 0
+
+
+def test_no_daemon_stops_vllm_with_a_clear_message(tmp_path, tiny_model):
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVELASTIC_ENABLE": "1",
+           "KVELASTIC_SOCKET": str(tmp_path / "nobody-home.sock")}
+    out = subprocess.run([sys.executable, str(HERE / "offline_run.py"), str(tiny_model)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert f"no kvelastic daemon answered on {tmp_path / 'nobody-home.sock'}" in out.stderr

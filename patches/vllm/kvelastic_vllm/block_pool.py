@@ -54,7 +54,9 @@ class ElasticBlockPool(BlockPool):
     # and a free queue over the whole virtual range. Records are made per slab.
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, metrics_collector: Any = None,
-                 medium: str = MEDIUM_GPU) -> None:
+                 num_hash_lookahead_tokens: int = 0, medium: str = MEDIUM_GPU) -> None:
+        # num_hash_lookahead_tokens: vLLM 0.33 (always by keyword); 0 in 0.32.
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
@@ -179,10 +181,14 @@ class ElasticBlockPool(BlockPool):
             if i - first in stored:
                 extra_keys.append(keys)
         parent = maybe_convert_block_hash(hashes[first - 1]) if first else None
+        extra: dict[str, Any] = {}
+        if self.num_hash_lookahead_tokens:  # vLLM 0.33's lookahead hashing
+            extra["lookahead_token_ids"] = [self._lookahead_token_ids(request, (first + i + 1) * block_size)
+                                            for i in stored]
         event = self._build_block_stored_event(
             request, block_hashes=[maybe_convert_block_hash(hashes[first + i]) for i in stored],
             parent_block_hash=parent, start_token_idx=first * block_size, end_token_idx=last * block_size,
-            block_size=block_size, kv_cache_group_id=group_id, extra_keys_list=extra_keys)
+            block_size=block_size, kv_cache_group_id=group_id, extra_keys_list=extra_keys, **extra)
         with self.lock:
             self.kv_event_queue.append(event)
 

@@ -122,11 +122,12 @@ def attach(client: EngineClient, geometry: Geometry, low_watermark: int) -> Engi
 
 
 def wrap_get_kv_cache_configs(original):
-    def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
-        first = original(vllm_config, kv_cache_specs, available_memory)
+    def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory, *rest):
+        # *rest: vLLM 0.33 passes the global KV cache groups as well.
+        first = original(vllm_config, kv_cache_specs, available_memory, *rest)
         link = register(vllm_config, first, Config.from_env())
         vllm_config.cache_config.num_gpu_blocks_override = link.num_blocks
-        configs = original(vllm_config, kv_cache_specs, available_memory)
+        configs = original(vllm_config, kv_cache_specs, available_memory, *rest)
         t = configs[0].kv_cache_tensors[0]
         if configs[0].num_blocks != link.num_blocks or t.block_stride != link.geometry.block_stride:
             raise RuntimeError(f"kvelastic: vLLM laid out {configs[0].num_blocks} blocks of {t.block_stride} "
@@ -156,8 +157,8 @@ def wrap_get_computed_blocks(original):
     which the daemon exports per engine: vLLM looks blocks up one by one, so
     the request-level figures are taken here, as vLLM's own counters are."""
 
-    def get_computed_blocks(self, request):
-        result = original(self, request)
+    def get_computed_blocks(self, request, *args, **kwargs):
+        result = original(self, request, *args, **kwargs)
         if _link is not None and self.enable_caching:
             stats, size = _link.pool.stats, _link.pool.block_size
             stats.lookups += 1

@@ -72,11 +72,14 @@ def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
     return kv_caches
 
 
-def wrap_execute_model(original):
-    def execute_model(self, *args, **kwargs):
+def wrap_step(original):
+    """``execute_model`` and ``sample_tokens`` (drafters read the KV cache there
+    too) run inside ``WorkerClient.step()``: no unmap while they run."""
+
+    def step(self, *args, **kwargs):
         if _client is None:
             return original(self, *args, **kwargs)
         with _client.step():
             return original(self, *args, **kwargs)
 
-    return execute_model
+    return step
