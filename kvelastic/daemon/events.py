@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 
 import msgspec
@@ -67,9 +68,17 @@ class KVEventPublisher:
                     self.replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
             self.replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
+    def ipc_paths(self) -> list[str]:
+        return [e[len("ipc://"):] for e in self.endpoints if e.startswith("ipc://")]
+
     def close(self) -> None:
         self.pub.close(0)
         self.replay.close(0)
+        for path in self.ipc_paths():  # ZMQ leaves ipc socket files behind
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
 
 def journal_events(ops: list[tuple], block_tokens: int, group_suffix: bool, medium: str) -> list[p.KVCacheEvent]:

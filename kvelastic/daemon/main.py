@@ -95,7 +95,8 @@ def main() -> int:
     except KvelasticError as exc:
         print(f"kvelastic daemon: {exc}", file=sys.stderr)
         return 1
-    for path in (config.socket, fd_socket_path(config.socket)):
+    events = daemon.events.ipc_paths() if daemon.events else []
+    for path in (config.socket, fd_socket_path(config.socket), *events):
         os.chmod(path, 0o660)   # owner and the kvelastic group only
     if config.metrics_port:
         from prometheus_client import start_http_server

@@ -426,3 +426,21 @@ def test_restart_after_a_crash_replaces_stale_sockets(paths):
         second.send_signal(signal.SIGTERM)
         assert second.wait(10) == 0
         stop(second)
+
+
+def test_kv_event_sockets_are_private_and_removed_on_stop(tmp_path):
+    sock = tmp_path / "run" / "k.sock"
+    env = {**os.environ, "KVELASTIC_SOCKET": str(sock), "KVELASTIC_MEMORY": "64MiB", "KVELASTIC_BACKEND": "host",
+           "KVELASTIC_METRICS_PORT": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "daemon"], env=env)
+    events = [pathlib.Path(f"{sock}.kv-events"), pathlib.Path(f"{sock}.kv-events-replay")]
+    try:
+        deadline = time.monotonic() + 15
+        while not all(p.exists() for p in events) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert all(stat.S_IMODE(p.stat().st_mode) == 0o660 for p in events)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    assert not any(p.exists() for p in events)
