@@ -64,7 +64,6 @@ class EngineClient:
         self.budget_bytes = 0
         self.refused_until = 0.0           # after a refused grow, no prefetch for a while
         self._grow_in_flight = False
-        self._grow_done = threading.Condition(self.lock)
         self._idle_since: dict[int, float] = {}
         self._inbox: collections.deque = collections.deque()
         self._last_heartbeat = 0.0

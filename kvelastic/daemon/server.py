@@ -466,7 +466,7 @@ class Daemon:
 
     def _reclaim_for(self, req: GrowRequest, requester: EngineRecord, short: int) -> None:
         outstanding = {(eid, s) for eid, slabs, _r, _d in self.reclaims.values() for s in slabs}
-        victims = [(e, s) for e, s in pick_victims(list(self.engines.values()), requester, short,
+        victims = [(e, s) for e, s in pick_victims(list(self.engines.values()), requester,
                                                    short * requester.slab_bytes)
                    if (e.engine_id, s) not in outstanding]
         by_engine: dict[str, list[int]] = {}

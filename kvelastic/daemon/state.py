@@ -154,18 +154,12 @@ class PagePool:
         for page in pages:
             self.free[page] = owner
 
-    def forget(self, pages: list[int]) -> None:
-        """Pages released to the backend (their memory is gone)."""
-        for page in pages:
-            del self.free[page]
-        self.created -= len(pages)
-
 
 def owner_tag(engine: EngineRecord) -> str:
     return f"{engine.engine_id}\0{engine.namespace}"
 
 
-def pick_victims(engines: list[EngineRecord], requester: EngineRecord, slabs_needed: int,
+def pick_victims(engines: list[EngineRecord], requester: EngineRecord,
                  bytes_needed: int) -> list[tuple[EngineRecord, int]]:
     """Slabs to reclaim so that ``bytes_needed`` bytes come free.
 
