@@ -59,6 +59,10 @@ class RegisterWorker(Msg):
 class Grow(Msg):
     engine_id: str
     slabs: int                   # how many slabs wanted
+    # Demand: the scheduler cannot admit or continue a request without these
+    # slabs; only demand may reclaim from other engines. Otherwise a reserve
+    # refill (watermark prefetch), served from free memory and budget only.
+    demand: bool = False
 
 
 class Return(Msg):

@@ -18,6 +18,7 @@ hide a wrong KV block.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -25,17 +26,29 @@ import random
 
 # Bump when anything below changes the files written: a cached model with
 # another version is rebuilt.
-RECIPE_VERSION = 3
+RECIPE_VERSION = 4
 
 VOCAB_SIZE = 512
-HIDDEN = 128
-INTERMEDIATE = 256
-LAYERS = 2
-HEADS = 4
-KV_HEADS = 2
-HEAD_DIM = HIDDEN // HEADS  # 32: vLLM's CPU attention supports head sizes 32, 64, 80, ... (not 16)
-MAX_POS = 2048
 INIT_STD = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    hidden: int = 128
+    intermediate: int = 256
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32      # vLLM's CPU attention supports head sizes 32, 64, 80, ... (not 16)
+    max_pos: int = 2048
+    dtype: str = "float32"
+
+
+TINY = Shape()
+# KV as wide as a small real model's (8 KV heads of 64, bf16: 2 KiB per token
+# and layer), so that one 2 MiB slab holds about 1,000 tokens and a long
+# prompt spans several slabs; positions for 8K-token prompts.
+WIDE = Shape(hidden=512, intermediate=512, heads=8, kv_heads=8, head_dim=64, max_pos=8192, dtype="bfloat16")
 SEED = 1234
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
@@ -63,7 +76,7 @@ def _corpus(n_lines: int = 2000) -> list[str]:
     return lines
 
 
-def _build_tokenizer(path: pathlib.Path) -> None:
+def _build_tokenizer(path: pathlib.Path, shape: Shape) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -86,32 +99,32 @@ def _build_tokenizer(path: pathlib.Path) -> None:
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        model_max_length=MAX_POS,
+        model_max_length=shape.max_pos,
     )
     fast.save_pretrained(str(path))
 
 
-def _build_model(path: pathlib.Path) -> None:
+def _build_model(path: pathlib.Path, shape: Shape) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(str(path))
     config = LlamaConfig(
         vocab_size=len(tok),
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=MAX_POS,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_pos,
         initializer_range=INIT_STD,
         tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         rms_norm_eps=1e-5,
-        torch_dtype="float32",
+        torch_dtype=shape.dtype,
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.float32)
@@ -130,28 +143,29 @@ def _build_model(path: pathlib.Path) -> None:
         for tid in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id):
             model.lm_head.weight[tid].zero_()
     model.generation_config.do_sample = False
-    model.save_pretrained(str(path), safe_serialization=True)
+    model.to(getattr(torch, shape.dtype)).save_pretrained(str(path), safe_serialization=True)
 
 
-def build_tiny_llama(path: pathlib.Path) -> pathlib.Path:
-    """Write the tiny model to ``path`` (a directory) unless already there.
+def build_tiny_llama(path: pathlib.Path, shape: Shape = TINY) -> pathlib.Path:
+    """Write the tiny model of ``shape`` to ``path`` (a directory) unless already there.
 
     Idempotent: a complete build leaves a stamp file; a partial one (a killed
     run) is redone. Returns ``path``.
     """
     path = pathlib.Path(path)
     stamp = path / _STAMP
+    recipe = {"version": RECIPE_VERSION, "shape": dataclasses.asdict(shape)}
     try:
-        if json.loads(stamp.read_text()).get("version") == RECIPE_VERSION:
+        if json.loads(stamp.read_text()) == recipe:
             return path
     except (OSError, ValueError):
         pass
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     path.mkdir(parents=True, exist_ok=True)
-    _build_tokenizer(path)
-    _build_model(path)
-    stamp.write_text(json.dumps({"version": RECIPE_VERSION}))
+    _build_tokenizer(path, shape)
+    _build_model(path, shape)
+    stamp.write_text(json.dumps(recipe))
     return path
 
 

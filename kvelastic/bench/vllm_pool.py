@@ -21,7 +21,7 @@ def kv_config(num_blocks: int, block_size: int, groups: int = 1):
                          kv_cache_groups=[KVCacheGroupSpec([f"layer{g}"], spec) for g in range(groups)])
 
 
-def manager(num_blocks: int, block_size: int = 16, groups: int = 1, events: bool = False):
+def manager(num_blocks: int, block_size: int = 16, groups: int = 1, events: bool = False, metrics_collector=None):
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import init_none_hash
@@ -29,16 +29,15 @@ def manager(num_blocks: int, block_size: int = 16, groups: int = 1, events: bool
     init_none_hash(sha256)
     return KVCacheManager(kv_config(num_blocks, block_size, groups), max_model_len=8192,
                           scheduler_block_size=block_size, hash_block_size=block_size, enable_caching=True,
-                          log_stats=True, enable_kv_cache_events=events)
+                          log_stats=True, enable_kv_cache_events=events, metrics_collector=metrics_collector)
 
 
 @contextlib.contextmanager
 def elastic(socket_path: str, blocks_per_slab: int = 8, engine_id: str = "test-engine", **client_kw):
-    """Inside: KVCacheManagers built here use ElasticBlockPool on a registered engine."""
-    import vllm.v1.core.kv_cache_coordinator as coordinator
-
+    """Inside: KVCacheManagers and Schedulers built here run with the plugin's
+    scheduler-side patches (ElasticBlockPool, ...) on a registered engine."""
+    import kvelastic_vllm
     from kvelastic_vllm import engine
-    from kvelastic_vllm.block_pool import ElasticBlockPool
 
     pool = SlabPool(blocks_per_slab)
     low = client_kw.pop("low_watermark", 0)
@@ -47,12 +46,11 @@ def elastic(socket_path: str, blocks_per_slab: int = 8, engine_id: str = "test-e
                           block_bytes=PAGE // blocks_per_slab, low_watermark=0, **client_kw).start()
     link = engine.attach(client, engine.Geometry(PAGE // blocks_per_slab, 1, blocks_per_slab,
                                                  PAGE // blocks_per_slab), low)
-    original = coordinator.BlockPool
-    coordinator.BlockPool = ElasticBlockPool
+    replaced = kvelastic_vllm.install_scheduler_patches()
     try:
         yield link
     finally:
-        coordinator.BlockPool = original
+        kvelastic_vllm.restore(replaced)
         engine._link = None
         client.close()
 

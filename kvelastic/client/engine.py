@@ -5,10 +5,18 @@ applies grants, answers reclaims, flushes the journal, returns idle slabs and
 sends heartbeats. ``lock`` guards the pool between the two: the scheduler
 holds it around each pool operation (uncontended: ~100 ns).
 
-Watermarks keep the hot path off the daemon: when free blocks fall under
-``low_watermark`` the I/O thread asks for more slabs ahead of need; only a
-starved allocation waits (``ensure``). Slabs that stay idle (no live, no
-cached block) beyond ``keep_idle_slabs`` for ``shrink_grace`` seconds go back.
+Two kinds of grow: a *reserve* refill (the I/O thread, when free blocks fall
+under ``low_watermark``: ahead of need, from the daemon's free memory only)
+and *demand* (``ensure``: the scheduler needs N blocks for a request now; the
+daemon may reclaim from other engines for it, and the caller waits, bounded).
+Slabs that stay idle (no live, no cached block) beyond ``keep_idle_slabs``
+for ``shrink_grace`` seconds go back.
+
+Grants have one path (``_grants``, drained by ``apply_grants``): adding a
+slab is safe at any point of a scheduling step, so a slab that arrived is
+usable in the step it arrived in. Everything else the daemon asks for
+(reclaim, clear index) waits in ``_inbox`` for a step boundary, because it
+may take cached blocks the scheduler has looked up but not yet touched.
 """
 
 from __future__ import annotations
@@ -63,7 +71,9 @@ class EngineClient:
         self.max_slabs = 0
         self.budget_bytes = 0
         self.refused_until = 0.0           # after a refused grow, no prefetch for a while
-        self._grow_in_flight = False
+        self._grow_in_flight = False       # a reserve grow awaits its answer
+        self._grow_answered = threading.Event()
+        self._grants: collections.deque[p.Msg] = collections.deque()
         self._idle_since: dict[int, float] = {}
         self._inbox: collections.deque = collections.deque()
         self._last_heartbeat = 0.0
@@ -103,6 +113,7 @@ class EngineClient:
             namespace=self.namespace, held=held, occupancy=occupancy, **self.geometry))
         self.max_slabs, self.budget_bytes = reply.max_slabs, reply.budget_bytes
         self._grow_in_flight = False
+        self._grow_answered.set()
         if held:  # a restarted daemon has an empty mirror: send the whole index
             self._locked(lambda: self._resend_index(conn))
             log.info("engine %s: re-registered with %d slab(s) held", self.engine_id, len(held))
@@ -114,29 +125,59 @@ class EngineClient:
         conn.notify(p.Journal(engine_id=self.engine_id, ops=ops, occupancy=occupancy))
 
     # ---------------------------------------------------- scheduler thread
-    def ensure(self, blocks: int, timeout: float = 5.0) -> bool:
-        """Make ``blocks`` allocatable (free + evictable), waiting for the daemon
-        only if they are not already there. False: the device is full."""
+    def ensure(self, blocks: int, timeout: float = 5.0, *, keep_cache: bool = False) -> bool:
+        """Demand: make ``blocks`` allocatable, asking the daemon for the
+        missing slabs (it may reclaim them from other engines) and waiting at
+        most ``timeout``. With ``keep_cache`` cached blocks do not count, so
+        allocating them evicts nothing while the daemon can supply memory.
+        A reserve grow already on its way is waited for, not asked twice.
+        False: the daemon could not supply them (device full, engine at its cap)."""
         pool = self.pool
+        deadline = time.monotonic() + timeout
+
+        def missing() -> int:
+            self.apply_grants()
+            return blocks - pool.num_free - (0 if keep_cache else pool.num_cached)
+
         with self.lock:
-            self._run_inbox()
-            if pool.num_available >= blocks:
+            if missing() <= 0:
                 return True
-            want = math.ceil((blocks - pool.num_available) / pool.blocks_per_slab)
+        if self._grow_in_flight:
+            self._grow_answered.wait(timeout)
+        with self.lock:
+            short = missing()
+            if short <= 0:
+                return True
+            want = min(math.ceil(short / pool.blocks_per_slab), self.max_slabs - pool.num_slabs)
+        if want <= 0:
+            return False  # the engine's whole virtual range is held
         try:
-            reply = self.conn.request(p.Grow(engine_id=self.engine_id, slabs=want), timeout)
+            reply = self.conn.request(p.Grow(engine_id=self.engine_id, slabs=want, demand=True),
+                                      max(0.01, deadline - time.monotonic()))
         except (DaemonError, DaemonUnavailable) as exc:
             log.warning("engine %s: grow of %d slab(s) failed: %s", self.engine_id, want, exc)
             return False
         with self.lock:
             self._apply_grant(reply)
-            return pool.num_available >= blocks
+            return missing() <= 0
+
+    def can_grow(self) -> bool:
+        """False once the engine holds its whole virtual range (its cap)."""
+        return self.pool.num_slabs < self.max_slabs
+
+    def apply_grants(self) -> None:
+        """Add the slabs granted so far to the pool (any thread; safe mid-step)."""
+        if self._grants:
+            with self.lock:
+                while self._grants:
+                    self._apply_grant(self._grants.popleft())
 
     def poll(self) -> None:
         """From the thread that drives the pool, between its operations: apply
         what the daemon sent and ship the journal even if the I/O thread never
         finds the lock free (a scheduler that runs back to back)."""
         with self.lock:
+            self.apply_grants()
             self._run_inbox()
             now = time.monotonic()
             if now - self._last_flush >= self.journal_interval and (self.pool.journal.ops or self.pool.journal.dirty):
@@ -175,11 +216,16 @@ class EngineClient:
             self.refused_until = self._now + 0.5
 
     def _on_grow_reply(self, reply: p.Msg) -> None:
-        def apply() -> None:
-            self._grow_in_flight = False
-            self._apply_grant(reply)
-
-        self._locked(apply)
+        """I/O thread: a reserve grow was answered. The grant is applied at
+        once if the pool is free, else by the scheduler's next capacity check."""
+        self._grants.append(reply)
+        self._grow_in_flight = False
+        self._grow_answered.set()
+        if self.lock.acquire(blocking=False):
+            try:
+                self.apply_grants()
+            finally:
+                self.lock.release()
 
     def _on_command(self, msg: p.Msg) -> None:
         if isinstance(msg, p.Reclaim):
@@ -213,12 +259,14 @@ class EngineClient:
         if not self.lock.acquire(blocking=False):
             return  # the scheduler is busy with the pool: next tick, or its poll()
         try:
+            self.apply_grants()
             self._run_inbox()
             pool = self.pool
             if not self._grow_in_flight and pool.num_free < self.low_watermark and now >= self.refused_until \
                     and len(pool.slab_ids()) < self.max_slabs:
                 want = max(1, math.ceil((self.low_watermark - pool.num_free) / pool.blocks_per_slab))
                 self._grow_in_flight = True
+                self._grow_answered.clear()
                 self.conn.request_async(p.Grow(engine_id=self.engine_id, slabs=want), self._on_grow_reply)
             if pool.ttl or pool.max_cached_blocks is not None:
                 pool.expire()

@@ -1,10 +1,11 @@
 """The per-block record and the slab that groups blocks.
 
-There is exactly one record per block. The pool reads and writes four
-attributes on it: ``block_id``, ``ref_cnt`` and ``_block_hash`` carry the same
-names as vLLM's ``KVCacheBlock``, so the vLLM adapter passes a subclass of its
-own block class (adding ``slab``) as the pool's ``block_factory`` and no second
-copy of the state exists; ``slab`` points at the block's ``Slab``.
+There is exactly one record per block. The pool reads and writes five
+attributes on it: ``block_id``, ``ref_cnt``, ``_block_hash`` and
+``_block_hash_num_tokens`` carry the same names as vLLM's ``KVCacheBlock``,
+so the vLLM adapter passes a subclass of its own block class (adding
+``slab``) as the pool's ``block_factory`` and no second copy of the state
+exists; ``slab`` points at the block's ``Slab``.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ class Block:
     ``ref_cnt == 0`` and it has a key; *free* otherwise.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "_block_hash", "is_null", "slab")
+    __slots__ = ("block_id", "ref_cnt", "_block_hash", "_block_hash_num_tokens", "is_null", "slab")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self._block_hash: Hashable | None = None
+        # Tokens of the prefix the key covers (vLLM reads it to count the
+        # tokens a request wrote to the cache); None without a key.
+        self._block_hash_num_tokens: int | None = None
         self.is_null = False
         self.slab: Slab | None = None
 

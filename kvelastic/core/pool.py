@@ -100,6 +100,10 @@ class SlabPool:
         return len(self._lru)
 
     @property
+    def num_slabs(self) -> int:
+        return len(self._slabs)
+
+    @property
     def num_blocks(self) -> int:
         return len(self._slabs) * self.blocks_per_slab
 
@@ -307,11 +311,16 @@ class SlabPool:
         raise BlockNotLive(f"block {bad.block_id} is not allocated (double free?)")
 
     def cache(self, blocks: Sequence[Any], keys: Sequence[Hashable],
-              tokens: Sequence[Sequence[int]] | None = None) -> None:
-        """Give live blocks their prefix-cache keys (re-keying replaces)."""
-        if len(blocks) != len(keys) or (tokens is not None and len(tokens) != len(keys)):
+              tokens: Sequence[Sequence[int]] | None = None,
+              num_tokens: Sequence[int] | None = None) -> None:
+        """Give live blocks their prefix-cache keys (re-keying replaces).
+        ``num_tokens[i]``, when given, is the length of the prefix that
+        ``keys[i]`` covers (vLLM's ``block_hash_num_tokens``)."""
+        if len(blocks) != len(keys) or (tokens is not None and len(tokens) != len(keys)) \
+                or (num_tokens is not None and len(num_tokens) != len(keys)):
             raise PoolError(f"cache: {len(blocks)} blocks, {len(keys)} keys"
-                            + ("" if tokens is None else f", {len(tokens)} token lists"))
+                            + ("" if tokens is None else f", {len(tokens)} token lists")
+                            + ("" if num_tokens is None else f", {len(num_tokens)} prefix lengths"))
         for blk in blocks:
             slab = getattr(blk, "slab", None)
             if slab is None or slab.owner is not self:
@@ -326,6 +335,8 @@ class SlabPool:
             if blk._block_hash is not None:
                 self._drop_key(blk)
             blk._block_hash = key
+            if num_tokens is not None:
+                blk._block_hash_num_tokens = num_tokens[i]
             self._index.insert(key, blk)
             ops.append((STORE, key, blk.block_id))
             if self.verify_tokens and tokens is not None:
@@ -373,6 +384,8 @@ class SlabPool:
         stats.lookups += 1
         stats.lookup_blocks += len(keys)
         stats.hit_blocks += len(hits)
+        stats.query_tokens += len(keys) * self.block_size
+        stats.hit_tokens += len(hits) * self.block_size
         return hits
 
     # ------------------------------------------------------------ eviction
@@ -401,7 +414,7 @@ class SlabPool:
             for blk in slab.blocks:
                 if blk._block_hash is None:
                     continue
-                blk._block_hash = None
+                blk._block_hash = blk._block_hash_num_tokens = None
                 if blk.ref_cnt == 0:
                     slab.free.append(blk)
             self.num_free += slab.cached
@@ -451,7 +464,7 @@ class SlabPool:
         key = blk._block_hash
         self._index.remove(key, blk)
         self.journal.ops.append((REMOVE, key, blk.block_id))
-        blk._block_hash = None
+        blk._block_hash = blk._block_hash_num_tokens = None
         if self.on_key_removed is not None:
             self.on_key_removed(key)
         if self._tokens:

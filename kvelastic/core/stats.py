@@ -9,12 +9,18 @@ EVICTION_REASONS = ("lru", "ttl", "size_limit", "reclaim", "invalidate", "explic
 
 @dataclasses.dataclass
 class PoolStats:
-    lookups: int = 0          # lookup() calls
-    lookup_blocks: int = 0    # keys asked for
+    lookups: int = 0          # requests looked up
+    lookup_blocks: int = 0    # keys asked for (engines that look up through lookup())
     hit_blocks: int = 0       # keys served from the cache
+    # The hit rate operators compare with vLLM's: tokens, counted as vLLM
+    # counts prefix_cache_queries / prefix_cache_hits (the vLLM plugin feeds
+    # these from vLLM's own figures; lookup() counts whole blocks' tokens).
+    query_tokens: int = 0
+    hit_tokens: int = 0
     token_mismatches: int = 0  # hash hits refused because the token ids differed
     evictions: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
 
     def hit_rate(self) -> float:
-        return self.hit_blocks / self.lookup_blocks if self.lookup_blocks else 0.0
+        """Share of queried tokens served from the cache."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

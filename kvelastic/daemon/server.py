@@ -52,6 +52,7 @@ class GrowRequest:
     req_id: int
     wanted: int
     started: float
+    demand: bool = False
     slabs: list[int] = dataclasses.field(default_factory=list)     # mapped and granted
     mapping: set[int] = dataclasses.field(default_factory=set)     # waiting for worker acks
     reclaims_out: int = 0
@@ -310,7 +311,7 @@ class Daemon:
         engine = self._engine(m.engine_id)
         if not 1 <= m.slabs <= MAX_GROW:
             raise Rejected("bad_request", f"grow by {m.slabs} slabs (1..{MAX_GROW})")
-        self.grows.append(GrowRequest(engine.engine_id, identity, m.req_id, m.slabs, self.clock()))
+        self.grows.append(GrowRequest(engine.engine_id, identity, m.req_id, m.slabs, self.clock(), m.demand))
         self._progress_grows()
         return None
 
@@ -348,7 +349,8 @@ class Daemon:
                     break
                 self._start_map(engine, slab_id, *taken, req)
             short = req.wanted - len(req.slabs) - len(req.mapping)
-            if short > 0 and engine.owned_slabs() < cap and req.reclaims_out == 0 \
+            # A reserve refill never takes memory from another engine (no ping-pong).
+            if short > 0 and req.demand and engine.owned_slabs() < cap and req.reclaims_out == 0 \
                     and req.reclaim_rounds < 3 and not self._unmapping():
                 req.reclaim_rounds += 1
                 self._reclaim_for(req, engine, short)

@@ -5,8 +5,9 @@ process it starts (front end, EngineCore, workers); each patch only takes
 effect where its code runs, so patching everything everywhere is harmless:
 - EngineCore: ``get_kv_cache_configs`` registers the engine and sizes the
   cache to its virtual capacity; ``BlockPool`` becomes ``ElasticBlockPool``;
-  each scheduling step holds the pool lock; prefix-cache lookups are counted
-  for the daemon's per-engine metrics.
+  each scheduling step holds the pool lock; the coordinator's block need
+  reaches the pool before vLLM's capacity check (demand grows); prefix-cache
+  queries and hits are counted as vLLM counts them, for the daemon's metrics.
 - Workers: ``allocate_kv_cache`` builds the KV views over an arena;
   ``execute_model`` marks steps, the safe points for unmapping.
 """
@@ -49,20 +50,13 @@ def register() -> None:
     # Workers are started by the process that runs this first; they inherit the id.
     os.environ.setdefault("KVELASTIC_ENGINE_ID", config.engine_id or f"{socket.gethostname()}-{os.getpid()}")
 
-    import vllm.v1.core.kv_cache_coordinator as coordinator
-    import vllm.v1.core.kv_cache_manager as manager
-    import vllm.v1.core.sched.scheduler as scheduler
     import vllm.v1.engine.core as engine_core
     import vllm.v1.worker.gpu_model_runner as model_runner
 
     from kvelastic_vllm import engine, worker
-    from kvelastic_vllm.block_pool import ElasticBlockPool
 
-    coordinator.BlockPool = ElasticBlockPool
     engine_core.get_kv_cache_configs = engine.wrap_get_kv_cache_configs(engine_core.get_kv_cache_configs)
-    scheduler.Scheduler.schedule = engine.wrap_schedule(scheduler.Scheduler.schedule)
-    manager.KVCacheManager.get_computed_blocks = engine.wrap_get_computed_blocks(
-        manager.KVCacheManager.get_computed_blocks)
+    install_scheduler_patches()
     runners = [model_runner.GPUModelRunner]
     model_runner.allocate_kv_cache = worker.allocate_kv_cache
     try:  # vLLM 0.33's second model runner (the default on CUDA) allocates here
@@ -79,3 +73,39 @@ def register() -> None:
                 setattr(runner, name, worker.wrap_step(getattr(runner, name)))
     _registered = True
     log.info("kvelastic: plugin active in pid %d (vLLM %d.%d)", os.getpid(), *version)
+
+
+def scheduler_patches() -> list[tuple[object, str, object]]:
+    """(owner, attribute, replacement) for the scheduler side: the elastic block
+    pool, atomic steps, the block need heard before each capacity check, and
+    vLLM's prefix-cache counts. One table, so tests run vLLM's scheduler with
+    exactly what production runs."""
+    import vllm.v1.core.kv_cache_coordinator as coordinator
+    import vllm.v1.core.kv_cache_manager as manager
+    import vllm.v1.core.sched.scheduler as scheduler
+
+    from kvelastic_vllm import engine
+    from kvelastic_vllm.block_pool import ElasticBlockPool
+
+    mgr, coord = manager.KVCacheManager, coordinator.KVCacheCoordinator
+    return [
+        (coordinator, "BlockPool", ElasticBlockPool),
+        (scheduler.Scheduler, "schedule", engine.wrap_schedule(scheduler.Scheduler.schedule)),
+        (mgr, "allocate_slots", engine.wrap_allocate_slots(mgr.allocate_slots)),
+        (mgr, "record_prefix_cache_stats", engine.wrap_record_prefix_cache_stats(mgr.record_prefix_cache_stats)),
+        (coord, "get_num_blocks_to_allocate", engine.wrap_get_num_blocks_to_allocate(coord.get_num_blocks_to_allocate)),
+    ]
+
+
+def install_scheduler_patches() -> list[tuple[object, str, object]]:
+    """Apply ``scheduler_patches``; returns what they replaced (for ``restore``)."""
+    replaced = []
+    for owner, name, new in scheduler_patches():
+        replaced.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
+    return replaced
+
+
+def restore(replaced: list[tuple[object, str, object]]) -> None:
+    for owner, name, old in reversed(replaced):
+        setattr(owner, name, old)

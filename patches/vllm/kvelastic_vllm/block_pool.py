@@ -8,10 +8,14 @@ pool counts. Block ids are positions in the engine's virtual KV range (slab
 daemon granted ever reach the scheduler.
 
 Capacity: ``get_num_free_blocks`` is a promise ``get_new_blocks`` keeps at
-once: free + evictable blocks of held slabs. When that falls under the low
-watermark the pool fetches more slabs synchronously, before answering, so
-memory the daemon can grant counts as capacity; when the device is full the
-answer is smaller and the scheduler waits or preempts, as with stock vLLM.
+once: free + evictable blocks of held slabs. vLLM asks it right after the
+coordinator computed how many blocks a request needs (admission of a whole
+prompt, or a step's growth); the plugin hands that need to ``expect`` first,
+and the answer is preceded by a *demand* grow for whatever free blocks are
+missing. So a request that fits the engine's capacity is admitted however
+large it is, and a new block comes from a new slab before a cached block is
+evicted while the daemon has memory. When the daemon cannot supply it the
+answer counts cached blocks too, and vLLM evicts them or waits, as stock.
 
 The null block is block 0 of the first slab, allocated once and never freed
 (vLLM does not keep its refcount, so it is pinned far from 0).
@@ -41,6 +45,11 @@ from kvelastic_vllm import engine as engine_side
 log = logging.getLogger("kvelastic.vllm")
 _GROUP_SUFFIX: dict[int, bytes] = {}
 NULL_PINNED = 1 << 40
+# A demand waits this long for the daemon (which may first reclaim from
+# another engine); after a refusal the pool does not ask again for a while,
+# so a full device costs one round trip per back-off, not one per request.
+DEMAND_TIMEOUT = 2.0
+REFUSAL_BACKOFF = 0.2
 
 
 class ElasticBlock(KVCacheBlock):
@@ -91,20 +100,26 @@ class ElasticBlockPool(BlockPool):
         null.ref_cnt = NULL_PINNED
         self.null_block = null
         self._refused_at = 0.0
+        self._need = 0      # set by ``expect`` for the next capacity check only
+        self.margin = 0     # vLLM's watermark and reserved blocks for the call in progress
 
     # ------------------------------------------------------------ capacity
+    def expect(self, num_blocks: int) -> None:
+        """vLLM is about to ask whether ``num_blocks`` (plus ``margin``) fit."""
+        self._need = num_blocks + self.margin
+
     def get_num_free_blocks(self) -> int:
-        core = self.core
-        available = core.num_free + core.num_cached
-        if available < self.client.low_watermark:
+        core, client = self.core, self.client
+        need, self._need = self._need, 0
+        client.apply_grants()  # a slab that arrived mid-step is usable in this step
+        if need > core.num_free and client.can_grow():
             now = time.monotonic()
-            if now - self._refused_at > 0.2:
-                if not self.client.ensure(self.client.low_watermark, timeout=2.0):
-                    self._refused_at = now
-                available = core.num_free + core.num_cached
-            else:
-                self.client.wake()
-        return available
+            if now - self._refused_at > REFUSAL_BACKOFF and \
+                    not client.ensure(need, timeout=DEMAND_TIMEOUT, keep_cache=True):
+                self._refused_at = now
+        elif core.num_free < client.low_watermark:
+            client.wake()  # the I/O thread tops the reserve up
+        return core.num_free + core.num_cached
 
     def get_usage(self) -> float:
         # The share of the engine's virtual range (the device budget) in live use.
@@ -117,9 +132,12 @@ class ElasticBlockPool(BlockPool):
                 blocks = self.core.allocate(num_blocks)
         except OutOfBlocks as exc:  # vLLM's contract: ValueError
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool: {exc}") from None
-        if self.metrics_collector:
-            for block in blocks:
-                self.metrics_collector.on_block_allocated(block)
+        collector = self.metrics_collector
+        if collector:
+            for block in blocks:  # as stock: a reused block ends its sampled residency
+                if self.enable_caching:
+                    collector.on_block_evicted(block)
+                collector.on_block_allocated(block)
         if self.core.num_free < self.client.low_watermark:
             self.client.wake()
         return blocks
@@ -158,16 +176,17 @@ class ElasticBlockPool(BlockPool):
         if num_cached_blocks >= num_full_blocks:
             return
         hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
-        to_cache, keys, stored = [], [], []
+        to_cache, keys, prefix_lengths, stored = [], [], [], []
         for i, block in enumerate(blocks[num_cached_blocks:num_full_blocks]):
             if block.is_null or (block_mask is not None and not block_mask[i]):
                 continue
             block_hash = hashes[num_cached_blocks + i]
             to_cache.append(block)
             keys.append(make_block_hash_with_group_id(block_hash, kv_cache_group_id))
+            prefix_lengths.append((num_cached_blocks + i + 1) * block_size)
             stored.append(i)
         with self.lock:
-            self.core.cache(to_cache, keys)
+            self.core.cache(to_cache, keys, num_tokens=prefix_lengths)
         if self.enable_kv_cache_events and stored:
             self._emit_stored(request, blocks, hashes, num_cached_blocks, num_full_blocks, block_size,
                               kv_cache_group_id, stored)
@@ -194,7 +213,11 @@ class ElasticBlockPool(BlockPool):
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         with self.lock:
-            self.core.uncache([self.core.block(i) for i in block_ids])
+            blocks = [self.core.block(i) for i in block_ids]
+            self.core.uncache(blocks)
+        if self.metrics_collector:
+            for block in blocks:
+                self.metrics_collector.on_block_evicted(block)
 
     def reset_prefix_cache(self) -> bool:
         with self.lock:
@@ -203,6 +226,8 @@ class ElasticBlockPool(BlockPool):
                             self.core.num_live - 1)
                 return False
             self.core.clear_index()
+        if self.metrics_collector:
+            self.metrics_collector.reset()
         log.info("kvelastic: prefix cache reset")
         return True
 

@@ -89,13 +89,18 @@ def namespace_of(vllm_config: Any, geometry: Geometry, config: Config) -> str:
     return f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
 
 
+def reserve_watermark(max_num_batched_tokens: int, block_size: int, blocks_per_slab: int) -> int:
+    """Free blocks kept ahead of need: one scheduling step's worth plus a slab,
+    so a step rarely waits for the daemon (larger needs are demand grows)."""
+    return math.ceil(max_num_batched_tokens / block_size) + blocks_per_slab
+
+
 def register(vllm_config: Any, kv_cache_configs: list, config: Config) -> EngineLink:
     num_workers = len(kv_cache_configs)
     geometry = geometry_of(kv_cache_configs[0], config.page_size, num_workers)
     engine_id = config.engine_id or os.environ.get("KVELASTIC_ENGINE_ID") or f"{socket.gethostname()}-{os.getpid()}"
-    sched = vllm_config.scheduler_config
-    # Keep one scheduling step's worth of blocks free ahead of need, plus a slab.
-    low = math.ceil(sched.max_num_batched_tokens / vllm_config.cache_config.block_size) + geometry.blocks_per_slab
+    low = reserve_watermark(vllm_config.scheduler_config.max_num_batched_tokens,
+                            vllm_config.cache_config.block_size, geometry.blocks_per_slab)
     pool = SlabPool(geometry.blocks_per_slab, block_size=vllm_config.cache_config.block_size,
                     block_bytes=geometry.block_bytes, max_cached_bytes=config.prefix_cache_max_size,
                     ttl=config.prefix_cache_ttl)
@@ -152,18 +157,51 @@ def wrap_schedule(original):
     return schedule
 
 
-def wrap_get_computed_blocks(original):
-    """Count prefix-cache lookups and hits (in blocks) in the core pool's stats,
-    which the daemon exports per engine: vLLM looks blocks up one by one, so
-    the request-level figures are taken here, as vLLM's own counters are."""
+def wrap_get_num_blocks_to_allocate(original):
+    """The coordinator computes a request's need just before vLLM asks the
+    block pool whether it fits: the pool hears the number first (demand)."""
 
-    def get_computed_blocks(self, request, *args, **kwargs):
-        result = original(self, request, *args, **kwargs)
-        if _link is not None and self.enable_caching:
-            stats, size = _link.pool.stats, _link.pool.block_size
+    def get_num_blocks_to_allocate(self, *args, **kwargs):
+        need = original(self, *args, **kwargs)
+        expect = getattr(self.block_pool, "expect", None)
+        if expect is not None:
+            expect(need)
+        return need
+
+    return get_num_blocks_to_allocate
+
+
+def wrap_allocate_slots(original):
+    """vLLM compares a need with free blocks minus its watermark and the
+    blocks it reserves for in-flight prefills: the demand includes both."""
+
+    def allocate_slots(self, request, *args, **kwargs):
+        pool = self.block_pool
+        if not hasattr(pool, "expect"):
+            return original(self, request, *args, **kwargs)
+        pool.margin = getattr(self, "watermark_blocks", 0) + kwargs.get("reserved_blocks", 0)
+        try:
+            return original(self, request, *args, **kwargs)
+        finally:
+            pool.margin = 0
+
+    return allocate_slots
+
+
+def wrap_record_prefix_cache_stats(original):
+    """Count prefix-cache queries and hits in the core pool's stats, which the
+    daemon exports per engine, exactly as vLLM counts its own
+    ``prefix_cache_queries`` / ``prefix_cache_hits``: prompt tokens looked up
+    and tokens served from the cache, once per admitted request (whether or
+    not vLLM itself logs stats)."""
+
+    def record_prefix_cache_stats(self, request, num_hits, *args, **kwargs):
+        original(self, request, num_hits, *args, **kwargs)
+        enabled = getattr(self, "prefix_cache_lookup_enabled", None)
+        if _link is not None and (enabled(request) if enabled else self.enable_caching):
+            stats = _link.pool.stats
             stats.lookups += 1
-            stats.lookup_blocks += request.num_tokens // size
-            stats.hit_blocks += result[1] // size
-        return result
+            stats.query_tokens += request.num_tokens
+            stats.hit_tokens += num_hits
 
-    return get_computed_blocks
+    return record_prefix_cache_stats
