@@ -130,10 +130,11 @@ def fmt_bytes(n: int | float) -> str:
 
 
 def _hit_rate(stats: dict) -> str:
-    lookups = stats.get("lookup_blocks", 0)
-    if not lookups:
+    """Queried tokens served from the prefix cache, as vLLM counts them."""
+    queries = stats.get("query_tokens", 0)
+    if not queries:
         return "-"
-    return f"{100.0 * stats.get('hit_blocks', 0) / lookups:.1f}%"
+    return f"{100.0 * stats.get('hit_tokens', 0) / queries:.1f}%"
 
 
 def _bar(fraction: float, width: int = 30) -> str:

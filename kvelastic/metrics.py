@@ -78,12 +78,21 @@ class DaemonCollector(Collector):
                  for name, help_ in (("grants", "Slabs granted to an engine."),
                                      ("returns", "Slabs an engine gave back when idle."),
                                      ("reclaims", "Slabs taken from an engine under pressure."))}
-        lookups = CounterMetricFamily(f"{PREFIX}_prefix_cache_lookup_blocks",
-                                      "Blocks looked up in an engine's prefix cache.",
+        # The hit rate: tokens, as vLLM's prefix_cache_queries / prefix_cache_hits.
+        queries = CounterMetricFamily(f"{PREFIX}_prefix_cache_queries",
+                                      "Prompt tokens looked up in an engine's prefix cache (as vLLM counts them).",
                                       labels=["device", "engine"])
-        hits = CounterMetricFamily(f"{PREFIX}_prefix_cache_hit_blocks",
-                                   "Blocks served from an engine's prefix cache.",
+        hits = CounterMetricFamily(f"{PREFIX}_prefix_cache_hits",
+                                   "Prompt tokens served from an engine's prefix cache (as vLLM counts them).",
                                    labels=["device", "engine"])
+        # Block-level figures of engines that look up through the core pool.
+        lookup_blocks = CounterMetricFamily(f"{PREFIX}_prefix_cache_lookup_blocks",
+                                            "Whole blocks looked up through the core pool's lookup "
+                                            "(non-vLLM engines; vLLM engines count tokens only).",
+                                            labels=["device", "engine"])
+        hit_blocks = CounterMetricFamily(f"{PREFIX}_prefix_cache_hit_blocks",
+                                         "Whole blocks served by the core pool's lookup (non-vLLM engines).",
+                                         labels=["device", "engine"])
         evictions = CounterMetricFamily(f"{PREFIX}_prefix_cache_evictions",
                                         "Cached blocks evicted, by reason.",
                                         labels=["device", "engine", "reason"])
@@ -95,8 +104,10 @@ class DaemonCollector(Collector):
             limit.add_metric([dev, eid, "max"], e["max_bytes"])
             for name in slabs:
                 slabs[name].add_metric([dev, eid], e[name])
-            lookups.add_metric([dev, eid], e["stats"].get("lookup_blocks", 0))
-            hits.add_metric([dev, eid], e["stats"].get("hit_blocks", 0))
+            queries.add_metric([dev, eid], e["stats"].get("query_tokens", 0))
+            hits.add_metric([dev, eid], e["stats"].get("hit_tokens", 0))
+            lookup_blocks.add_metric([dev, eid], e["stats"].get("lookup_blocks", 0))
+            hit_blocks.add_metric([dev, eid], e["stats"].get("hit_blocks", 0))
             for reason in EVICTION_REASONS:  # every series from registration on
                 evictions.add_metric([dev, eid, reason], e["stats"].get(f"evictions_{reason}", 0))
-        yield from (held, cached, limit, *slabs.values(), lookups, hits, evictions)
+        yield from (held, cached, limit, *slabs.values(), queries, hits, lookup_blocks, hit_blocks, evictions)

@@ -309,7 +309,8 @@ class EngineClient:
             return
         stats = self.pool.stats
         counters = {"lookups": stats.lookups, "lookup_blocks": stats.lookup_blocks,
-                    "hit_blocks": stats.hit_blocks, "token_mismatches": stats.token_mismatches}
+                    "hit_blocks": stats.hit_blocks, "query_tokens": stats.query_tokens,
+                    "hit_tokens": stats.hit_tokens, "token_mismatches": stats.token_mismatches}
         counters.update({f"evictions_{k}": v for k, v in stats.evictions.items()})
         ops = batch.ops if self.bytes_keys else [
             (op[0], wire_key(op[1]), op[2]) if op[0] in (STORE, REMOVE) else op for op in batch.ops]

@@ -80,7 +80,7 @@ def test_render_status_hit_rate_and_limits():
                            "slab_bytes": 4 * MiB, "held_bytes": 2 << 30, "cached_bytes": 512 * MiB,
                            "live_blocks": 3, "cached_blocks": 4, "min_bytes": 1 << 30, "max_bytes": 0,
                            "grants": 5, "returns": 1, "reclaims": 2,
-                           "stats": {"lookup_blocks": 8, "hit_blocks": 6}}]}
+                           "stats": {"lookup_blocks": 1, "hit_blocks": 1, "query_tokens": 8000, "hit_tokens": 6000}}]}
     text = ctl.render_status(status)
     assert "budget       8.00 GiB" in text and "25.0% held" in text
     row = text.splitlines()[-1].split()

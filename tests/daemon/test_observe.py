@@ -63,6 +63,9 @@ def test_status_and_metrics_agree_with_the_test(daemon_factory, engines):
     assert value(m, "kvelastic_slab_reclaims_total", device="0", engine="a") == 2
     assert value(m, "kvelastic_prefix_cache_lookup_blocks_total", device="0", engine="a") == 10
     assert value(m, "kvelastic_prefix_cache_hit_blocks_total", device="0", engine="a") == 8
+    tokens = by_id["a"]["stats"]["query_tokens"] // 10                          # a block's tokens
+    assert value(m, "kvelastic_prefix_cache_queries_total", device="0", engine="a") == 10 * tokens > 0
+    assert value(m, "kvelastic_prefix_cache_hits_total", device="0", engine="a") == 8 * tokens
     assert value(m, "kvelastic_prefix_cache_evictions_total", device="0", engine="a", reason="reclaim") == 8
     assert value(m, "kvelastic_rejected_messages_total", reason="unknown_engine") == 1
     assert value(m, "kvelastic_grant_latency_seconds_count", device="0") == 2   # two grow requests

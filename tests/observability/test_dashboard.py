@@ -21,7 +21,7 @@ REQUIRED_PANELS = {
         "kvelastic_slab_grants_total", "kvelastic_slab_returns_total", "kvelastic_slab_reclaims_total"},
     "Grant latency": {"kvelastic_grant_latency_seconds_bucket"},
     "Prefix-cache hit rate per engine": {
-        "kvelastic_prefix_cache_hit_blocks_total", "kvelastic_prefix_cache_lookup_blocks_total"},
+        "kvelastic_prefix_cache_hits_total", "kvelastic_prefix_cache_queries_total"},
     "Prefix-cache evictions by reason": {"kvelastic_prefix_cache_evictions_total"},
     "Engines connected": {"kvelastic_engines_connected"},
     "Rejected messages": {"kvelastic_rejected_messages_total"},

@@ -178,7 +178,7 @@ def test_every_panel_query_returns_data_that_agrees_with_the_workload(run):
 
     hit_rate = by(results[("Prefix-cache hit rate per engine", "A")], "engine")
     assert hit_rate == {"a": pytest.approx(8 / 10)}           # b looked nothing up: no point, not NaN
-    assert by_id["a"]["stats"]["hit_blocks"] / by_id["a"]["stats"]["lookup_blocks"] == 8 / 10
+    assert by_id["a"]["stats"]["hit_tokens"] / by_id["a"]["stats"]["query_tokens"] == 8 / 10
 
     evictions = by(results[("Prefix-cache evictions by reason", "A")], "reason")
     want = {k[len("evictions_"):]: v for k, v in by_id["a"]["stats"].items() if k.startswith("evictions_")}
@@ -225,6 +225,9 @@ def test_raw_series_in_prometheus_equal_the_daemons_books(run):
         assert prom.value(f'kvelastic_engine_held_bytes{{engine="{engine}"}}') == e["held_bytes"]
     assert prom.value('kvelastic_prefix_cache_lookup_blocks_total{engine="a"}') == 10
     assert prom.value('kvelastic_prefix_cache_hit_blocks_total{engine="a"}') == 8
+    stats = by_id["a"]["stats"]
+    assert prom.value('kvelastic_prefix_cache_queries_total{engine="a"}') == stats["query_tokens"] > 0
+    assert prom.value('kvelastic_prefix_cache_hits_total{engine="a"}') == stats["hit_tokens"] > 0
     assert prom.value('kvelastic_prefix_cache_evictions_total{engine="a", reason="reclaim"}') == 4
     assert prom.value("kvelastic_budget_bytes") == 16 * MiB == status["budget_bytes"]
     assert prom.value("kvelastic_engines_connected") == 2

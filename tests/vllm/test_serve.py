@@ -83,7 +83,7 @@ def test_two_vllm_instances_share_one_daemon(tmp_path, tiny_model):
         assert by_id["a"]["returns"] > 0
         metrics = daemon.metrics()
         assert counter(metrics, 'kvelastic_slab_grants_total{device="0",engine="a"}') == by_id["a"]["grants"]
-        assert counter(metrics, 'kvelastic_prefix_cache_lookup_blocks_total{device="0",engine="b"}') > 0
+        assert counter(metrics, 'kvelastic_prefix_cache_queries_total{device="0",engine="b"}') > 0
         q, h = b.prefix_cache()
         assert q > 0
 
