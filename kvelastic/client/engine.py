@@ -265,8 +265,8 @@ class EngineClient:
             if not self._grow_in_flight and pool.num_free < self.low_watermark and now >= self.refused_until \
                     and len(pool.slab_ids()) < self.max_slabs:
                 want = max(1, math.ceil((self.low_watermark - pool.num_free) / pool.blocks_per_slab))
+                self._grow_answered.clear()   # before the flag: ensure() must never see a stale answer
                 self._grow_in_flight = True
-                self._grow_answered.clear()
                 self.conn.request_async(p.Grow(engine_id=self.engine_id, slabs=want), self._on_grow_reply)
             if pool.ttl or pool.max_cached_blocks is not None:
                 pool.expire()
