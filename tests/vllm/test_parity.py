@@ -154,7 +154,7 @@ CAPACITY_SLABS, BPS = 6, 4          # 24 blocks: 23 usable beside the null block
 request_spec = st.tuples(st.integers(0, 3), st.integers(0, 4), st.integers(0, 2 * BS), st.booleans())
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(st.lists(request_spec, min_size=4, max_size=30), st.integers(1, 3))
 def test_random_streams_hit_no_less_than_stock_and_admit_what_stock_admits(daemon, stream, live_cap):
@@ -179,3 +179,39 @@ def test_random_streams_hit_no_less_than_stock_and_admit_what_stock_admits(daemo
     with elastic_engine(daemon.socket, slabs=CAPACITY_SLABS, blocks_per_slab=BPS):
         elastic = run(manager(num_blocks=engine_blocks(), block_size=BS))
     assert all(e >= s for e, s in zip(elastic, stock)), (stock, elastic)
+
+
+# A request: (arrival step, shared prefix, its length in blocks, unique tail tokens, tokens to generate).
+scheduled_spec = st.tuples(st.integers(0, 6), st.integers(0, 2), st.integers(0, 3), st.integers(1, 40),
+                           st.integers(1, 8))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(st.lists(scheduled_spec, min_size=1, max_size=8))
+def test_random_streams_through_the_scheduler_admit_and_hit_as_stock(daemon, tiny_model, stream):
+    # The peak fits (8 requests of at most 6 blocks in 63), so stock never
+    # evicts: every request must be admitted at the same step with the same
+    # prefix hit as stock, and finish with no preemption. Steps are small
+    # (64 tokens), so admissions queue and the engine grows while serving.
+    prefixes = [tokens(200 + i, 3 * BS) for i in range(3)]
+
+    def run(sched):
+        admitted, reqs = {}, {}
+        for t in range(80):
+            for i, (at, which, prefix_blocks, tail, out_tokens) in enumerate(stream):
+                if at == t:
+                    reqs[i] = request(str(i), prefixes[which][:prefix_blocks * BS] + tokens(3000 + i, tail),
+                                      max_tokens=out_tokens)
+                    sched.add_request(reqs[i])
+            for new in step(sched).scheduled_new_reqs:
+                admitted.setdefault(new.req_id, (t, new.num_computed_tokens))
+            if len(reqs) == len(stream) and not sched.get_num_unfinished_requests():
+                break
+        return admitted, [(r.num_output_tokens, r.num_preemptions) for r in reqs.values()]
+
+    stock = run(scheduler(tiny_model, 64))
+    with elastic_engine(daemon.socket, slabs=16, blocks_per_slab=4):
+        elastic = run(scheduler(tiny_model, engine_blocks()))
+    assert len(stock[0]) == len(stream) and all(p == 0 for _, p in stock[1])
+    assert elastic == stock
