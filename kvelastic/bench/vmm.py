@@ -10,8 +10,9 @@ alone (the first touch is the same page fault for both).
 Raw baselines: host, ``mmap(MAP_FIXED|MAP_SHARED)`` of the memfd and
 ``mmap(MAP_FIXED, PROT_NONE)`` anonymous to re-reserve; cuda, ``cuMemMap`` +
 ``cuMemSetAccess`` and ``cuMemUnmap`` on pre-created handles. On cuda the
-cost of ``cuMemCreate`` is reported too: it is paid when pages are created,
-never on the mapping path.
+cost of page creation is reported too (``create_*``: the backend's
+``create_page``, i.e. ``cuMemCreate`` plus the zeroing of the new page): it is
+paid when pages are created, never on the mapping path.
 
 ``iterations`` is the number of timed calls per path and operation.
 """

@@ -8,15 +8,20 @@
   reserved. Pages are pre-created, so ``cuMemCreate`` (~200 us) never sits on
   the mapping path.
 - ``zero`` maps the page at a private scratch address and runs ``cuMemsetD8``
-  on a private stream (it never waits on the caller's compute streams).
+  on a private stream (it never waits on the caller's compute streams). New
+  pages are zeroed too: ``cuMemCreate`` does not promise zeroed memory.
+- Tensors over an arena are DLPack tensors naming the device (``_dlpack``):
+  torch never asks the driver about the address, which may not be mapped yet.
 
 Importing this module never touches the driver: ``cuda.bindings`` is loaded on
 first use, and on a machine without a usable GPU constructing the backend
 raises one ``BackendUnavailable`` naming the cause.
 
 The driver binds a context per thread; the backend makes the device's primary
-context current in the constructing thread. A process that maps from another
-thread calls ``make_current()`` there first.
+context current in the constructing thread, and again in any other thread
+that creates, imports, exports or releases a page (a worker maps on its I/O
+thread, which never called ``make_current``); ``map``/``unmap`` retry once in
+the right context when the driver says the thread has none.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from kvelastic.vmm._dlpack import KDL_CUDA, tensor_at
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE, Arena, Backend, Page
 from kvelastic.vmm.errors import BackendUnavailable, ClosedHandleError, CudaError, PageMismatch
 
@@ -38,6 +44,10 @@ def _driver() -> Any:
     from cuda.bindings import driver
 
     return driver
+
+
+# Which backend's context each thread last made current (one per device).
+_tls = threading.local()
 
 
 def _error_name(err: Any) -> str:
@@ -104,15 +114,22 @@ class CudaPage(Page):
         return f"CudaPage(handle={self.handle}, size={self.size}, device={self.device})"
 
 
-def _free_range(base: int, size: int, page_size: int, mapped: dict[int, Page]) -> None:
-    # Runs when the arena and every view over it are gone: unmap what an
-    # unclosed arena left mapped, then give the addresses back.
+def _free_range(ctx: Any, base: int, size: int, page_size: int, mapped: dict[int, Page]) -> None:
+    # Runs when the arena and every view over it are gone, in whatever thread
+    # dropped the last one: unmap what an unclosed arena left mapped, then give
+    # the addresses back, in the arena's context (pushed, so the thread's own
+    # current context is restored after).
     try:
         driver = _driver()
-        for offset in list(mapped):
-            driver.cuMemUnmap(base + offset, page_size)
-        mapped.clear()
-        driver.cuMemAddressFree(base, size)
+        pushed = not driver.cuCtxPushCurrent(ctx)[0]
+        try:
+            for offset in list(mapped):
+                driver.cuMemUnmap(base + offset, page_size)
+            mapped.clear()
+            driver.cuMemAddressFree(base, size)
+        finally:
+            if pushed:
+                driver.cuCtxPopCurrent()
     except Exception:  # noqa: BLE001 - interpreter shutdown: the driver frees it anyway
         pass
 
@@ -122,22 +139,8 @@ class _Reservation:
 
     __slots__ = ("__weakref__",)
 
-    def __init__(self, base: int, size: int, page_size: int, mapped: dict[int, Page]) -> None:
-        weakref.finalize(self, _free_range, base, size, page_size, mapped)
-
-
-class _DeviceBytes:
-    """A ``__cuda_array_interface__`` over raw device bytes; torch keeps it alive."""
-
-    def __init__(self, ptr: int, nbytes: int, reservation: _Reservation | None) -> None:
-        self.reservation = reservation
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "strides": None,
-            "version": 3,
-        }
+    def __init__(self, ctx: Any, base: int, size: int, page_size: int, mapped: dict[int, Page]) -> None:
+        weakref.finalize(self, _free_range, ctx, base, size, page_size, mapped)
 
 
 class CudaArena(Arena):
@@ -145,11 +148,13 @@ class CudaArena(Arena):
         super().__init__(base, size, page_size)
         driver = _driver()
         self.device = backend.device
+        self._backend = backend
         self._access = backend._access
         self._cuMemMap = driver.cuMemMap
         self._cuMemSetAccess = driver.cuMemSetAccess
         self._cuMemUnmap = driver.cuMemUnmap
-        self._reservation: _Reservation | None = _Reservation(base, size, page_size, self._mapped)
+        self._no_context = driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
+        self._reservation: _Reservation | None = _Reservation(backend._ctx, base, size, page_size, self._mapped)
 
     def map(self, offset: int, page: Page) -> None:
         ps = self.page_size
@@ -166,6 +171,9 @@ class CudaArena(Arena):
             raise self._map_error(offset, page, CudaPage)
         addr = self.base + offset
         (err,) = self._cuMemMap(addr, ps, 0, page.handle, 0)
+        if err == self._no_context:  # a thread that never made the context current
+            self._backend.make_current()
+            (err,) = self._cuMemMap(addr, ps, 0, page.handle, 0)
         if err:
             raise CudaError("cuMemMap", _error_name(err))
         (err,) = self._cuMemSetAccess(addr, ps, self._access, 1)
@@ -179,6 +187,9 @@ class CudaArena(Arena):
         if page is None:
             raise self._unmap_error(offset)
         (err,) = self._cuMemUnmap(self.base + offset, self.page_size)
+        if err == self._no_context:
+            self._backend.make_current()
+            (err,) = self._cuMemUnmap(self.base + offset, self.page_size)
         if err:
             raise CudaError("cuMemUnmap", _error_name(err))
         del self._mapped[offset]
@@ -199,8 +210,7 @@ class CudaArena(Arena):
             raise BackendUnavailable(
                 "cuda arena tensors need a CUDA build of torch (this torch has no CUDA support)"
             )
-        span = _DeviceBytes(self.base + offset, nbytes, self._reservation)
-        return torch.as_tensor(span, device=self._device())
+        return tensor_at(self.base + offset, nbytes, KDL_CUDA, self.device, self._reservation)
 
     def _device(self) -> torch.device:
         import torch
@@ -253,6 +263,12 @@ class CudaBackend(Backend):
 
     def make_current(self) -> None:
         check("cuCtxSetCurrent", self._driver.cuCtxSetCurrent(self._ctx))
+        _tls.backend = self
+
+    def _current(self) -> None:
+        """Make the context current unless this thread's last make_current was ours."""
+        if getattr(_tls, "backend", None) is not self:
+            self.make_current()
 
     def synchronize(self) -> None:
         self.make_current()
@@ -266,21 +282,33 @@ class CudaBackend(Backend):
         return int(check("cuDeviceTotalMem", self._driver.cuDeviceTotalMem(dev)))
 
     def create_page(self) -> CudaPage:
+        self._current()
         handle = check("cuMemCreate", self._driver.cuMemCreate(self.page_size, self._prop, 0))
-        return CudaPage(int(handle), self.page_size, self.device)
+        page = CudaPage(int(handle), self.page_size, self.device)
+        # cuMemCreate does not promise zeroed memory (within one process the
+        # driver may hand back what an earlier page held); the interface does.
+        try:
+            self.zero(page)
+        except BaseException:
+            self._driver.cuMemRelease(page.handle)
+            raise
+        return page
 
     def release_page(self, page: Page) -> None:
         handle = self._handle(page, "release_page")
+        self._current()
         check("cuMemRelease", self._driver.cuMemRelease(handle))
         page.handle = None  # type: ignore[attr-defined]
 
     def export(self, page: Page) -> int:
         handle = self._handle(page, "export")
+        self._current()
         fd = check("cuMemExportToShareableHandle",
                    self._driver.cuMemExportToShareableHandle(handle, self._fd_type, 0))
         return int(fd)
 
     def import_page(self, fd: int) -> CudaPage:
+        self._current()  # the worker's I/O thread imports and maps: bind the context there
         handle = check("cuMemImportFromShareableHandle",
                        self._driver.cuMemImportFromShareableHandle(fd, self._fd_type))
         # The imported handle holds its own reference; an open fd would pin the

@@ -16,6 +16,7 @@ from tests.vmm.gpu import CUDA_OK, on_gpu
 from tests.vmm.memio import pattern, read, write
 
 PS = DEFAULT_PAGE_SIZE
+N_BYTES = 4096
 
 
 def test_import_never_needs_a_gpu() -> None:
@@ -98,8 +99,85 @@ def test_tensor_views_alias_device_memory(cuda: Backend) -> None:
         torch.cuda.synchronize()
         as_int = arena.tensor(torch.int16, (PS // 2,), offset=PS)
         assert bool((as_int == torch.tensor(2.5, dtype=torch.float16).view(torch.int16)).all())
-        assert read(arena, PS, 2) == torch.tensor([2.5], dtype=torch.float16).view(torch.uint8).cpu().numpy().tobytes()
+        assert read(arena, PS, 2) == bytes(torch.tensor([2.5], dtype=torch.float16).view(torch.uint8).tolist())
         del view, as_int
+    cuda.release_page(page)
+
+
+@on_gpu
+def test_a_thread_that_never_made_the_context_current_can_import_and_map(cuda: Backend) -> None:
+    """What a worker's I/O thread does: import a descriptor, map, release, unmap."""
+    import threading
+
+    page = cuda.create_page()
+    write_done: list[BaseException | None] = []
+    with cuda.reserve(2 * PS) as arena:
+        arena.map(0, page)
+        write(arena, 0, pattern(11, N_BYTES))
+        fd = cuda.export(page)
+
+        def io_thread() -> None:
+            try:
+                twin = cuda.import_page(fd)
+                arena.map(PS, twin)
+                cuda.release_page(twin)          # the mapping keeps the memory
+                write(arena, PS + N_BYTES, pattern(12, N_BYTES))
+                write_done.append(None)
+            except BaseException as exc:  # noqa: BLE001 - reported to the test thread
+                write_done.append(exc)
+
+        thread = threading.Thread(target=io_thread)
+        thread.start()
+        thread.join(60)
+        assert write_done == [None], write_done
+        assert read(arena, PS, N_BYTES) == pattern(11, N_BYTES)       # same memory as slot 0
+        assert read(arena, N_BYTES, N_BYTES) == pattern(12, N_BYTES)  # and the other way round
+        unmapper = threading.Thread(target=arena.unmap, args=(PS,))
+        unmapper.start()
+        unmapper.join(60)
+        assert not arena.is_mapped(PS) and arena.is_mapped(0)
+    cuda.release_page(page)
+
+
+@on_gpu
+def test_zero_really_zeroes_every_byte(cuda: Backend) -> None:
+    from cuda.bindings import driver
+
+    page = cuda.create_page()
+    with cuda.reserve(PS) as arena:
+        arena.map(0, page)
+        (err,) = driver.cuMemsetD8(arena.base, 0xAB, PS)
+        assert not err
+        assert read(arena, PS - 16, 16) == b"\xab" * 16
+        arena.unmap(0)
+        cuda.zero(page)
+        arena.map(0, page)
+        assert read(arena, 0, PS) == bytes(PS)
+    cuda.release_page(page)
+
+
+@on_gpu
+def test_a_view_keeps_the_range_reserved_after_close(cuda: Backend) -> None:
+    import gc
+    import weakref
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no usable CUDA GPU for torch (CPU-only torch build)")
+    page = cuda.create_page()
+    arena = cuda.reserve(4 * PS)
+    arena.map(2 * PS, page)
+    view = arena.tensor(torch.int32, (4 * PS // 4,))          # starts on an unmapped page
+    view[PS // 2:PS // 2 + 4].fill_(7)
+    assert view[PS // 2:PS // 2 + 4].tolist() == [7, 7, 7, 7]
+    reservation = weakref.ref(arena._reservation)            # type: ignore[attr-defined]
+    arena.close()
+    gc.collect()
+    assert reservation() is not None, "a live view must keep the addresses reserved"
+    del view
+    gc.collect()
+    assert reservation() is None, "the range is given back once the last view is gone"
     cuda.release_page(page)
 
 
