@@ -1,4 +1,5 @@
-"""A real daemon in a subprocess, for tests that need one (host backend)."""
+"""A real daemon in a subprocess, for tests that need one (the tests' backend:
+host pages unless ``KVELASTIC_TEST_BACKEND=cuda``, see ``tests/backend.py``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import urllib.request
 import zmq
 
 from kvelastic import protocol as p
+from tests.backend import TEST_BACKEND
 
 MiB = 1 << 20
 
@@ -31,7 +33,7 @@ class DaemonProcess:
         self.metrics_port = free_port() if metrics else 0
         self.log_path = tmp / "daemon.log"
         self.env = dict(os.environ, KVELASTIC_SOCKET=self.socket, KVELASTIC_MEMORY=memory,
-                        KVELASTIC_BACKEND="host", KVELASTIC_METRICS_PORT=str(self.metrics_port),
+                        KVELASTIC_BACKEND=TEST_BACKEND, KVELASTIC_METRICS_PORT=str(self.metrics_port),
                         KVELASTIC_METRICS_ADDR="127.0.0.1", KVELASTIC_LOG_LEVEL="info", **env)
         self.proc: subprocess.Popen | None = None
 

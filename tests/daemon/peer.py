@@ -1,6 +1,12 @@
 """An engine process for the daemon tests: an EngineClient with its SlabPool and
-one WorkerClient (rank 0) mapping real host pages, driven by JSON lines on
-stdin, one JSON answer per line on stdout. Killing it kills engine and worker."""
+its WorkerClients mapping real pages (the tests' backend, ``tests/backend.py``),
+driven by JSON lines on stdin, one JSON answer per line on stdout. Killing it
+kills engine and workers.
+
+``workers`` is the engine's number of ranks (default 1) and ``ranks`` the ones
+that run in this process (default: all). ``{"role": "worker", "rank": r}``
+runs one worker alone, as a separate process of an engine whose geometry has
+``workers`` > 1 (vLLM's tensor-parallel shape: one process per rank)."""
 
 import hashlib
 import json
@@ -12,23 +18,57 @@ from kvelastic.client.engine import EngineClient
 from kvelastic.client.worker import WorkerClient
 from kvelastic.core.pool import SlabPool
 from kvelastic.vmm import get_backend
+from tests.backend import TEST_BACKEND
 
 MiB = 1 << 20
 
 
+def view_op(workers: list[WorkerClient], op: str, value: int = 0) -> list[int]:
+    """Write ``value`` at the first byte of every mapped page, or read it, rank by rank."""
+    values: list[int] = []
+    for worker in workers:
+        with worker.step():
+            view = worker.arena.tensor(torch.uint8, (worker.arena.size,))
+            offsets = sorted(o for offs in worker.slabs.values() for o in offs)
+            if op == "write":
+                for o in offsets:
+                    view[o] = value
+            values += [int(view[o]) for o in offsets]
+    return values
+
+
+def worker_main(cfg: dict) -> None:
+    worker = WorkerClient(get_backend(TEST_BACKEND), socket_path=cfg["socket"], engine_id=cfg["engine_id"],
+                          rank=cfg["rank"]).start()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        out: dict = {}
+        if cmd["op"] in ("write", "read"):
+            out["values"] = view_op([worker], cmd["op"], cmd.get("value", 0))
+        with worker._mu:
+            out["state"] = {"mapped": len(worker.arena.mapped()), "slabs": sorted(worker.slabs)}
+        print(json.dumps(out), flush=True)
+    worker.close()
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
+    if cfg.get("role") == "worker":
+        return worker_main(cfg)
     pool = SlabPool(cfg.get("bps", 4))
     page_size = 2 * MiB
+    num_workers = cfg.get("workers", 1)
     engine = EngineClient(
         pool, socket_path=cfg["socket"], engine_id=cfg["engine_id"], namespace=cfg.get("namespace", "ns"),
-        page_size=page_size, pages_per_worker=cfg.get("ppw", 1), num_workers=cfg.get("workers", 1),
+        page_size=page_size, pages_per_worker=cfg.get("ppw", 1), num_workers=num_workers,
         block_bytes=page_size * cfg.get("ppw", 1) // cfg.get("bps", 4),
         min_bytes=cfg.get("min_bytes", 0), max_bytes=cfg.get("max_bytes", 0),
         low_watermark=cfg.get("low_watermark", 0), keep_idle_slabs=cfg.get("keep_idle", 0),
         shrink_grace=cfg.get("grace", 0.3), key_group_suffix=cfg.get("vllm_keys", False)).start()
-    worker = WorkerClient(get_backend("host"), socket_path=cfg["socket"], engine_id=cfg["engine_id"],
-                          rank=0).start() if cfg.get("workers", 1) else None
+    backend = get_backend(TEST_BACKEND) if num_workers else None
+    workers = [WorkerClient(backend, socket_path=cfg["socket"], engine_id=cfg["engine_id"], rank=rank).start()
+               for rank in cfg.get("ranks", range(num_workers))]
     live: list = []
 
     def key(prefix: str, i: int) -> bytes:
@@ -63,21 +103,15 @@ def main() -> None:
             with engine.lock:
                 out["keys"] = sorted(k.hex() for k, _ in pool.cached_keys())
         elif op in ("write", "read"):
-            with worker.step():
-                view = worker.arena.tensor(torch.uint8, (worker.arena.size,))
-                offsets = sorted(o for offs in worker.slabs.values() for o in offs)
-                if op == "write":
-                    for o in offsets:
-                        view[o] = cmd["value"]
-                out["values"] = [int(view[o]) for o in offsets]
+            out["values"] = view_op(workers, op, cmd.get("value", 0))
         with engine.lock:
             out["state"] = {"slabs": sorted(pool.slab_ids()), "free": pool.num_free,
                             "cached": pool.num_cached, "live": pool.num_live,
-                            "mapped": len(worker.arena.mapped()) if worker else 0,
+                            "mapped": sum(len(w.arena.mapped()) for w in workers),
                             "reconnects": engine.conn.reconnects}
         print(json.dumps(out), flush=True)
     engine.close()
-    if worker:
+    for worker in workers:
         worker.close()
 
 
