@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 # no CPU builds and which text models do not need.
 VLLM_LOCK := patches/vllm/requirements-cpu.lock
 
-.PHONY: setup run test clean
+.PHONY: setup run test clean gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -42,3 +42,28 @@ test: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# --- On a GPU: one device call proves the CUDA path (README, "On a GPU") ---------
+# `make gpu-wheels` (here, with network) fetches the wheels the GPU image lacks
+# (pyzmq, msgspec for CPython 3.12 x86-64; the same versions as .venv) into an
+# ignored folder; `make gpu-check` (there, carrying that folder) installs them
+# into .gpu-wheels/site-cpXY, never into the image, puts the project on the path
+# without installing it (the image's torch stays), and runs the kit. It never
+# goes through `setup`: no venv, no torch install on the device.
+GPU_WHEELS   := .gpu-wheels
+GPU_PYVER    ?= 3.12
+GPU_PKGS     ?= pyzmq==27.3.0 msgspec==0.22.0
+GPU_PYTHON   ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(GPU_PYTHON) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+		--implementation cp --python-version $(GPU_PYVER) --platform manylinux2014_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d $(GPU_WHEELS) $(GPU_PKGS) \
+		2>&1 | grep -v '^WARNING: Location' || true
+	ls $(GPU_WHEELS)/pyzmq-*.whl $(GPU_WHEELS)/msgspec-*.whl
+	@du -sh $(GPU_WHEELS)
+
+gpu-check:
+	PYTHONPATH=$(CURDIR):$(CURDIR)/patches/vllm$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(GPU_PYTHON) -m kvelastic.gpucheck --wheels $(GPU_WHEELS)

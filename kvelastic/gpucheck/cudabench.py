@@ -1,0 +1,226 @@
+"""Part 4: the CUDA figures, with kvcached's A100 anchors beside them.
+
+Why these: a grant is page creation (kept off the hot path), mapping and
+access rights per page, and a scrub when a page changes engine; kvcached
+published the per-call costs on an A100, so the same calls are timed here
+one by one (p50/p99 over ``PAGES`` pages of 2 MiB, several rounds, the first
+discarded as warm-up), plus what batching buys (map N pages, then one
+``cuMemSetAccess`` over the whole range), the zeroing bandwidth of the
+backend's scrub against ``torch.zero_`` on the same memory, and a grant end
+to end (engine -> daemon -> worker mapped -> grant) through a real daemon.
+
+Without a GPU (host mode) it runs a quick smoke of the same code on host
+pages, so the kit cannot rot; those figures say nothing about a GPU.
+
+``python -m kvelastic.gpucheck.cudabench BACKEND`` prints one JSON object on
+its last line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvelastic.vmm import get_backend
+from kvelastic.vmm.base import DEFAULT_PAGE_SIZE, Backend
+
+# kvcached (ovg-project), CUDA VMM on an A100, microseconds per 2 MiB page.
+ANCHORS_US = {"cuMemCreate": 193.0, "cuMemMap": 1.45, "cuMemSetAccess": 36.0, "cuMemUnmap": 25.6}
+ANCHOR_SOURCE = "kvcached (ovg-project), NVIDIA A100, per 2 MiB page"
+PAGES = 128
+ROUNDS = 4
+
+
+def pct(samples_ns: list[int], q: float) -> float:
+    """The q-quantile of nanosecond samples, in microseconds."""
+    ordered = sorted(samples_ns)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000.0, 3)
+
+
+def _stats(samples_ns: list[int]) -> dict[str, float]:
+    return {"p50_us": pct(samples_ns, 0.5), "p99_us": pct(samples_ns, 0.99), "n": len(samples_ns)}
+
+
+def _timed(fn: Callable[[], Any], out: list[int]) -> Any:
+    t0 = time.perf_counter_ns()
+    result = fn()
+    out.append(time.perf_counter_ns() - t0)
+    return result
+
+
+def driver_calls(backend: Backend, pages: int = PAGES, rounds: int = ROUNDS) -> dict[str, Any]:
+    """Each VMM call timed alone, with the backend's allocation properties
+    (POSIX-fd shareable pages on the backend's device)."""
+    from kvelastic.vmm.cuda import _driver, check
+
+    d = _driver()
+    ps = backend.page_size
+    prop, access = backend._prop, backend._access  # type: ignore[attr-defined]
+    backend.make_current()
+    t: dict[str, list[int]] = {k: [] for k in ("cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap",
+                                               "cuMemRelease")}
+    handles = [_timed(lambda: check("cuMemCreate", d.cuMemCreate(ps, prop, 0)), t["cuMemCreate"])
+               for _ in range(pages)]
+    base = int(check("cuMemAddressReserve", d.cuMemAddressReserve(pages * ps, ps, 0, 0)))
+    batched: list[int] = []
+    batched_unmap: list[int] = []
+    batch_error = ""
+    try:
+        for r in range(rounds + 1):
+            m: list[int] = []
+            a: list[int] = []
+            u: list[int] = []
+            for i, h in enumerate(handles):
+                _timed(lambda: check("cuMemMap", d.cuMemMap(base + i * ps, ps, 0, h, 0)), m)
+            for i in range(pages):
+                _timed(lambda: check("cuMemSetAccess", d.cuMemSetAccess(base + i * ps, ps, access, 1)), a)
+            for i in range(pages):
+                _timed(lambda: check("cuMemUnmap", d.cuMemUnmap(base + i * ps, ps)), u)
+            if r:  # round 0 is warm-up
+                t["cuMemMap"] += m
+                t["cuMemSetAccess"] += a
+                t["cuMemUnmap"] += u
+        try:  # batched: map every page, then one access call over the whole range
+            for r in range(rounds + 1):
+                t0 = time.perf_counter_ns()
+                for i, h in enumerate(handles):
+                    check("cuMemMap", d.cuMemMap(base + i * ps, ps, 0, h, 0))
+                check("cuMemSetAccess", d.cuMemSetAccess(base, pages * ps, access, 1))
+                t1 = time.perf_counter_ns()
+                for i in range(pages):
+                    check("cuMemUnmap", d.cuMemUnmap(base + i * ps, ps))
+                t2 = time.perf_counter_ns()
+                if r:
+                    batched.append((t1 - t0) // pages)
+                    batched_unmap.append((t2 - t1) // pages)
+        except Exception as exc:  # noqa: BLE001 - an optional figure: report it, keep the others
+            batch_error = f"{type(exc).__name__}: {exc}"
+            for i in range(pages):
+                d.cuMemUnmap(base + i * ps, ps)
+    finally:
+        d.cuMemAddressFree(base, pages * ps)
+        for h in handles:
+            _timed(lambda: check("cuMemRelease", d.cuMemRelease(h)), t["cuMemRelease"])
+    per_call = {name: _stats(samples) for name, samples in t.items()}
+    single = per_call["cuMemMap"]["p50_us"] + per_call["cuMemSetAccess"]["p50_us"]
+    batch = pct(batched, 0.5) if batched else 0.0
+    return {
+        "pages": pages, "rounds": rounds, "page_size": ps, "per_page": per_call,
+        "anchors_us": ANCHORS_US, "anchor_source": ANCHOR_SOURCE,
+        "ratio_to_anchor_p50": {k: round(per_call[k]["p50_us"] / v, 3) for k, v in ANCHORS_US.items()},
+        "batched": {"error": batch_error} if batch_error else {
+            "pages": pages, "map_plus_one_access_per_page_us": batch,
+            "unmap_per_page_us": pct(batched_unmap, 0.5),
+            "map_plus_access_one_by_one_p50_us": round(single, 3),
+            "speedup": round(single / batch, 2) if batch else None},
+    }
+
+
+def zeroing(backend: Backend, pages: int = 64, rounds: int = 3) -> dict[str, Any]:
+    """GB/s of the backend's scrub (per page, as the daemon does it) against
+    ``torch.zero_`` over the same mapped memory; and that the scrub zeroes."""
+    import torch
+
+    ps = backend.page_size
+    cuda = backend.name == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    handles = [backend.create_page() for _ in range(pages)]
+    arena = backend.reserve(pages * ps)
+    out: dict[str, Any] = {"pages": pages, "bytes": pages * ps}
+    try:
+        for i, page in enumerate(handles):
+            arena.map(i * ps, page)
+        view = arena.tensor(torch.uint8, (pages * ps,))
+        scrub, whole, by_page = [], [], []
+        zeroed = True
+        for _ in range(rounds):
+            view.fill_(0xAB)
+            sync()
+            t0 = time.perf_counter()
+            for page in handles:
+                backend.zero(page)
+            scrub.append(time.perf_counter() - t0)
+            zeroed &= int(view.count_nonzero()) == 0
+            view.fill_(1)
+            sync()
+            t0 = time.perf_counter()
+            view.zero_()
+            sync()
+            whole.append(time.perf_counter() - t0)
+            view.fill_(1)
+            sync()
+            t0 = time.perf_counter()
+            for i in range(pages):
+                view[i * ps:(i + 1) * ps].zero_()
+            sync()
+            by_page.append(time.perf_counter() - t0)
+        del view
+
+        def gbps(seconds: list[float]) -> float:
+            return round(pages * ps / sorted(seconds)[len(seconds) // 2] / 1e9, 2)
+
+        out.update(zeroed=zeroed, backend_zero_gbps=gbps(scrub), torch_zero_gbps=gbps(whole),
+                   torch_zero_per_page_gbps=gbps(by_page))
+        out["backend_over_torch"] = round(out["backend_zero_gbps"] / out["torch_zero_gbps"], 3)
+    finally:
+        arena.close()
+        for page in handles:
+            backend.release_page(page)
+    return out
+
+
+def grant_latency(backend: str, rounds: int, engines: int) -> dict[str, Any]:
+    """Grow -> Granted (the worker mapped the page) and Return -> reply, p50/p99."""
+    from kvelastic.bench import grant
+    from kvelastic.bench.daemon import running_daemon
+
+    out: dict[str, Any] = {"rounds": rounds, "pages_per_slab": 1}
+    with tempfile.TemporaryDirectory(prefix="gpucheck-grant-") as tmp, \
+            running_daemon(tmp, "256MiB", backend) as sock:
+        runs = {"1_engine": grant.engine_loop(sock, "gpucheck-solo", rounds, backend)}
+        if engines:
+            runs[f"{engines}_engines"] = grant._parallel(sock, engines, max(10, rounds // 4), backend)
+    for label, data in runs.items():
+        out[label] = {f"{kind}_{q}_us": round(grant._pct(data[kind], p), 1)
+                      for kind in ("grant", "return") for q, p in (("p50", 0.5), ("p99", 0.99))}
+    return out
+
+
+def _guarded(figures: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
+    """One group of figures; an error is recorded (and fails the part) without losing the rest."""
+    try:
+        figures[name] = fn()
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON, the part is marked failed
+        figures[name] = {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def main(backend_name: str) -> dict[str, Any]:
+    from kvelastic.bench import vmm
+
+    started = time.perf_counter()
+    figures: dict[str, Any] = {}
+    backend = get_backend(backend_name, DEFAULT_PAGE_SIZE)
+    if backend_name == "cuda":
+        _guarded(figures, "driver", lambda: driver_calls(backend))
+        _guarded(figures, "zeroing", lambda: zeroing(backend))
+        _guarded(figures, "arena_vs_raw", lambda: vmm.bench_cuda(backend, 20))
+        _guarded(figures, "grant", lambda: grant_latency("cuda", 300, 4))
+    else:  # smoke on host pages: the same code paths, quick, no GPU figures
+        _guarded(figures, "arena_vs_raw", lambda: vmm.bench_host(backend, 3))
+        _guarded(figures, "zeroing", lambda: zeroing(backend, pages=16, rounds=1))
+        _guarded(figures, "grant", lambda: grant_latency("host", 20, 0))
+    backend.close()
+    figures["seconds"] = round(time.perf_counter() - started, 2)
+    return figures
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else "host")))
