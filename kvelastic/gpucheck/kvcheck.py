@@ -125,7 +125,7 @@ def run_flow(sock: str, backend: str, c: Checks) -> dict[str, Any]:
         got = b.call("grow", slabs=4)
         c.add("B gets 4 slabs: 2 new pages + 2 reclaimed from A", got["ok"] and len(got["slabs"]) == 4, got)
         b_fill = b.call("fill")
-        c.add("B's blocks (2 on A's former pages) read zero before B writes", b_fill["zero_before"],
+        c.add("B's new blocks (2 slabs taken from A) read zero before B writes", b_fill["zero_before"],
               b_fill["blocks"])
         b_first = b.call("attend")
         c.add("B: paged attention over arena KV == reference, bitwise", b_first["equal"], b_first)
@@ -163,7 +163,7 @@ def run_flow(sock: str, backend: str, c: Checks) -> dict[str, Any]:
         regrow = a.call("grow", slabs=2, keep_cache=True)
         c.add("A grows into B's former pages after B left", regrow["ok"], regrow)
         refill = a.call("fill")
-        c.add("those pages read zero before A writes (zeroed on the move from B)", refill["zero_before"],
+        c.add("A's new blocks after B left read zero before A writes (nothing of B's KV)", refill["zero_before"],
               refill["blocks"])
         final = a.call("attend")
         c.add("A: every sequence again bitwise equal to the reference, earlier ones unchanged",
