@@ -164,6 +164,12 @@ VARIABLES: tuple[Variable, ...] = (
              "vLLM plugin: the most this engine may hold; `0` means up to the device budget."),
     Variable("KVELASTIC_TENANT_SALT", "tenant_salt", "", str,
              "vLLM plugin: a tenant's salt, part of the namespace, so blocks of different tenants never match."),
+    Variable("KVELASTIC_ACK_TIMEOUT", "ack_timeout", "5s", parse_duration,
+             "Daemon: every worker of an engine must acknowledge a map or unmap within this; an engine that "
+             "misses it is failed and its pages are quarantined (never re-lent) until its processes are gone."),
+    Variable("KVELASTIC_GROW_TIMEOUT", "grow_timeout", "5s", parse_duration,
+             "Daemon: every grow request is answered within this, with the slabs granted so far (slabs mapped "
+             "later are still granted, on their own)."),
     Variable("KVELASTIC_LOG_LEVEL", "log_level", "info", parse_choice("debug", "info", "warning", "error"),
              "Log level of the daemon and the client."),
 )
@@ -189,6 +195,8 @@ class Config:
     engine_min_memory: int
     engine_max_memory: int
     tenant_salt: str
+    ack_timeout: float
+    grow_timeout: float
     log_level: str
 
     @classmethod

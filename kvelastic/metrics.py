@@ -18,13 +18,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvelastic.core.stats import EVICTION_REASONS
+from kvelastic.protocol import Reason
 
 PREFIX = "kvelastic"
-# Every reason the daemon rejects a message for (kvelastic.daemon.server.Rejected),
-# so each counter exists from start-up and rate() sees the first rejection.
-REJECT_REASONS = ("malformed", "oversize", "unexpected", "internal", "unknown_engine", "unknown_device",
-                  "version", "geometry", "engine_exists", "limit", "bad_rank", "no_channel", "unknown_target",
-                  "bad_journal", "bad_request", "unexpected_ack", "not_held", "bad_hello")
+# Every reason the daemon rejects a message for, so each counter exists from
+# start-up and rate() sees the first rejection.
+REJECT_REASONS = tuple(reason.value for reason in Reason)
 GRANT_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 

@@ -17,10 +17,48 @@ nothing else on it, and its closing tells the daemon the peer is gone.
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20
+
+# Timing both sides rely on (seconds). The daemon's deadlines are configurable
+# (``config.py``); these are their defaults.
+HEARTBEAT_INTERVAL = 0.5     # an engine's heartbeat
+HEARTBEAT_TIMEOUT = 1.5      # without one for this long an engine is dead
+RECLAIM_TIMEOUT = 1.0        # an owner that does not answer a reclaim in time refuses it
+ACK_TIMEOUT = 5.0            # every worker maps or unmaps a slab within this, or its engine fails
+GROW_TIMEOUT = 5.0           # every grow is answered within this (with what could be granted)
+HELLO_TIMEOUT = 2.0          # a page channel's greeting must be complete within this
+SEND_PAGES_TIMEOUT = 1.0     # a worker takes its page descriptors within this
+
+
+class Reason(str, enum.Enum):
+    """Why the daemon refused a message: ``Error.reason``, the label of
+    ``kvelastic_rejected_messages_total``, and what clients and tests match on."""
+
+    MALFORMED = "malformed"              # undecodable frame
+    OVERSIZE = "oversize"                # frame over MAX_MESSAGE_BYTES
+    UNEXPECTED = "unexpected"            # not a request
+    INTERNAL = "internal"                # a bug in the daemon (logged with a traceback)
+    UNKNOWN_ENGINE = "unknown_engine"
+    UNKNOWN_DEVICE = "unknown_device"
+    VERSION = "version"                  # protocol version mismatch
+    GEOMETRY = "geometry"                # page size, slab shape
+    ENGINE_EXISTS = "engine_exists"      # the id is registered by another process
+    LIMIT = "limit"                      # min/max memory out of range
+    BAD_RANK = "bad_rank"
+    NO_CHANNEL = "no_channel"            # a worker registered before opening its page channel
+    UNKNOWN_TARGET = "unknown_target"    # invalidate of an unknown engine or namespace
+    BAD_JOURNAL = "bad_journal"
+    BAD_REQUEST = "bad_request"
+    UNEXPECTED_ACK = "unexpected_ack"
+    NOT_HELD = "not_held"                # a return of a slab the engine does not hold
+    BAD_HELLO = "bad_hello"              # a page channel's greeting was invalid or too slow
+    BAD_ADOPTION = "bad_adoption"        # a re-registration's held slabs do not fit
+    BUSY = "busy"                        # too many grows pending for one engine
 
 
 class Msg(msgspec.Struct, tag=True, kw_only=True, array_like=False):

@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, str] = {
     "vmm": "kvelastic.bench.vmm",
     "grant": "kvelastic.bench.grant",
     "vllm": "kvelastic.bench.vllm",
+    "sim": "kvelastic.bench.sim",
 }
 
 

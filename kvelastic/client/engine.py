@@ -38,7 +38,6 @@ from kvelastic.errors import PoolError
 
 log = logging.getLogger("kvelastic.client")
 
-HEARTBEAT_INTERVAL = 0.5
 # The journal goes out in batches this far apart: big enough that shipping it
 # costs the engine little, small enough for reclaim decisions and KV events.
 JOURNAL_INTERVAL = 0.05
@@ -228,7 +227,12 @@ class EngineClient:
                 self.lock.release()
 
     def _on_command(self, msg: p.Msg) -> None:
-        if isinstance(msg, p.Reclaim):
+        if isinstance(msg, p.Granted):
+            # A grant whose request was given up (timed out here, or answered
+            # at the daemon's deadline before the slab was mapped): still ours.
+            self._grants.append(msg)
+            self.wake()
+        elif isinstance(msg, p.Reclaim):
             self._locked(lambda: self._reclaim(msg))
         elif isinstance(msg, p.ClearIndex):
             self._locked(self._clear_index)
@@ -253,7 +257,7 @@ class EngineClient:
         self._now = now
         if self._closing:
             return
-        if now - self._last_heartbeat >= HEARTBEAT_INTERVAL:
+        if now - self._last_heartbeat >= p.HEARTBEAT_INTERVAL:
             self._last_heartbeat = now
             self.conn.send_now(p.Heartbeat(engine_id=self.engine_id))
         if not self.lock.acquire(blocking=False):

@@ -8,7 +8,9 @@ import signal
 import socket
 import sys
 
+from kvelastic import protocol as p
 from kvelastic.config import Config
+from kvelastic.daemon.allocator import Timing
 from kvelastic.daemon.devices import Device
 from kvelastic.daemon.server import Daemon, sd_notify
 from kvelastic.protocol import fd_socket_path
@@ -91,7 +93,8 @@ def main() -> int:
         prepare_socket_dir(config.socket)
         kv_events = ((config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_buffer)
                      if config.kv_events_endpoint else None)
-        daemon = Daemon(devices, config.socket, kv_events=kv_events)
+        timing = Timing(ack_timeout=config.ack_timeout or p.ACK_TIMEOUT, grow_timeout=config.grow_timeout or p.GROW_TIMEOUT)
+        daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing)
     except KvelasticError as exc:
         print(f"kvelastic daemon: {exc}", file=sys.stderr)
         return 1

@@ -1,16 +1,21 @@
 """The daemon's AF_UNIX side: page channels to workers, lifelines to engines.
 
-Every engine and worker opens one connection with a ``Hello`` saying who it
-is. The daemon sends page descriptors to workers on theirs and nothing else;
-peers never send after their hello, so a readable connection means the peer
-closed it: the process died, whatever its PID namespace.
+Every engine and worker opens one connection and greets with a ``Hello``
+saying who it is. The daemon sends page descriptors to workers on theirs and
+nothing else; peers never send after their hello, so a readable connection
+means the peer closed it: the process died, whatever its PID namespace.
+
+Nothing here blocks the loop: connections are accepted and greetings read
+without blocking, a greeting must be complete within ``HELLO_TIMEOUT``, and
+descriptors are sent with a short timeout (a worker that does not read its
+channel fails, it does not stall the daemon).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+import socket
 
 import msgspec
 import zmq
@@ -19,6 +24,7 @@ from kvelastic import protocol as p
 from kvelastic.vmm import fdchannel
 
 log = logging.getLogger("kvelastic.daemon")
+MAX_HELLO = 4096
 
 
 @dataclasses.dataclass
@@ -28,38 +34,120 @@ class Peer:
     rank: int           # -1: the engine itself
 
 
+@dataclasses.dataclass
+class Greeting:
+    sock: socket.socket
+    deadline: float
+    data: bytes = b""
+
+
 class PeerTable:
-    def __init__(self, path: str, poller: zmq.Poller, on_bad_hello: Callable[[], None]) -> None:
-        self.listener = fdchannel.listen(path)
+    def __init__(self, path: str, poller: zmq.Poller) -> None:
+        self.listener = fdchannel.listen(path, backlog=64)
         self.listener.setblocking(False)
         self.poller = poller
         self.poller.register(self.listener.fileno(), zmq.POLLIN)
-        self._on_bad_hello = on_bad_hello
         self.by_fd: dict[int, Peer] = {}
+        self.greeting: dict[int, Greeting] = {}
+        self.accept_paused_until = 0.0
 
-    def accept(self) -> None:
-        """Take every waiting connection whose hello is valid."""
+    def accept(self, now: float) -> None:
+        """Take every waiting connection (their greetings are read as they come)."""
+        if now < self.accept_paused_until:
+            return
         while True:
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            try:
-                conn.settimeout(1.0)
-                hello = p.read_hello(conn)
-            except (OSError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("page channel: bad hello (%s)", exc)
-                self._on_bad_hello()
-                conn.close()
-                continue
-            self.by_fd[conn.fileno()] = Peer(fdchannel.FdChannel(conn), hello.engine_id, hello.rank)
+            except OSError as exc:   # out of file descriptors: try again shortly, never crash
+                log.error("page channel: cannot accept a connection: %s", exc)
+                self.accept_paused_until = now + 0.5
+                return
+            conn.setblocking(False)
+            self.greeting[conn.fileno()] = Greeting(conn, now + p.HELLO_TIMEOUT)
             self.poller.register(conn.fileno(), zmq.POLLIN)
+
+    def read_greetings(self, ready: set[int], now: float) -> tuple[list[Peer], int]:
+        """Greetings completed (new peers), and how many were bad or too slow."""
+        opened: list[Peer] = []
+        bad = 0
+        for fd, g in list(self.greeting.items()):
+            if fd in ready:
+                try:
+                    chunk = g.sock.recv(MAX_HELLO + 4 - len(g.data))
+                except (BlockingIOError, InterruptedError):
+                    chunk = None
+                except OSError:
+                    chunk = b""
+                if chunk == b"":
+                    self._forget_greeting(fd)
+                    continue
+                if chunk:
+                    g.data += chunk
+            hello, why = self._parse(g.data)
+            if hello is not None:
+                del self.greeting[fd]
+                peer = Peer(fdchannel.FdChannel(g.sock), hello.engine_id, hello.rank)
+                self.by_fd[fd] = peer
+                opened.append(peer)
+            elif why or now > g.deadline:
+                log.warning("page channel: bad hello (%s)", why or f"not complete within {p.HELLO_TIMEOUT:g} s")
+                bad += 1
+                self._forget_greeting(fd)
+        return opened, bad
+
+    @staticmethod
+    def _parse(data: bytes) -> tuple[p.Hello | None, str]:
+        if len(data) < 4:
+            return None, ""
+        size = int.from_bytes(data[:4], "little")
+        if size > MAX_HELLO or len(data) > 4 + size:
+            return None, f"hello of {size} bytes"
+        if len(data) < 4 + size:
+            return None, ""
+        try:
+            hello = msgspec.msgpack.decode(data[4:], type=p.Hello)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError) as exc:
+            return None, f"undecodable: {exc}"
+        if hello.version != p.PROTOCOL_VERSION:
+            return None, f"protocol version {hello.version}, expected {p.PROTOCOL_VERSION}"
+        return hello, ""
+
+    def _forget_greeting(self, fd: int) -> None:
+        g = self.greeting.pop(fd)
+        self.poller.unregister(fd)
+        g.sock.close()
+
+    @staticmethod
+    def send_pages(peer: Peer, items: list[tuple[int, int]]) -> None:
+        """Descriptors to a worker, waiting at most ``SEND_PAGES_TIMEOUT`` for
+        room in its socket (sockets stay non-blocking otherwise)."""
+        peer.channel.sock.settimeout(p.SEND_PAGES_TIMEOUT)
+        try:
+            peer.channel.send(items)
+        finally:
+            peer.channel.sock.setblocking(False)
 
     def find(self, engine_id: str, rank: int) -> Peer | None:
         for peer in self.by_fd.values():
             if peer.engine_id == engine_id and peer.rank == rank:
                 return peer
         return None
+
+    def closed(self, fd: int) -> bool:
+        """A peer's socket polled readable: has it closed (or broken the rule
+        that nothing follows a hello)? Readiness left over from its greeting is not."""
+        try:
+            data = self.by_fd[fd].channel.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        if data:
+            log.warning("page channel of %s rank %d: unexpected data after the hello; closing it",
+                        self.by_fd[fd].engine_id, self.by_fd[fd].rank)
+        return True
 
     def drop(self, fd: int) -> Peer:
         """The peer on ``fd`` closed its end: forget it."""
@@ -71,5 +159,8 @@ class PeerTable:
     def close(self) -> None:
         for peer in self.by_fd.values():
             peer.channel.close()
+        for g in self.greeting.values():
+            g.sock.close()
         self.by_fd.clear()
+        self.greeting.clear()
         self.listener.close()

@@ -1,24 +1,23 @@
 """The daemon's books: pages, slabs, engines, budgets. No I/O.
 
-The server (``server.py``) performs system calls and sends messages; this
-module decides and records. Page ids are ints; the server keeps the backend
-handle of each page.
+The allocator (``allocator.py``) decides with these records; the loop
+(``server.py``) keeps the backend handle of each page id.
 
 Page states (invariant 1: every page is in exactly one):
     free                in ``PagePool.free`` (tagged with its last owner)
-    in a slab           ``SlabRecord.pages`` of exactly one engine's slab,
-                        whatever the slab's phase:
+    in a slab           ``SlabRecord.pages`` of exactly one engine record's
+                        slab, whatever the slab's phase:
                         mapping -> held -> unmapping -> (pages back to free)
-Budget (invariant 2): pages created + pages adopted after a restart never
-exceed ``budget_pages``; an engine's slabs never exceed its ``max_slabs``.
+Budget (invariant 2): pages created + being created + adopted after a
+restart never exceed ``budget_pages``; an engine's slabs never exceed its
+``max_slabs``. A free page is reused only by its last owner (or when clean):
+anyone else gets a fresh page (invariant 6).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import itertools
-from collections.abc import Callable
 
 from kvelastic.core.journal import JournalBatch, Mirror
 
@@ -39,6 +38,8 @@ class SlabRecord:
     adopted_pages: int = 0             # pages that exist only in the engine's workers
     failed: bool = False               # a worker could not map it: it goes straight back
     return_req: tuple[bytes, int] | None = None  # (client, Return req_id) answered once unmapped
+    deadline: float = 0.0              # mapping/unmapping: every ack due by then
+    late_grant: bool = False           # its grow was answered before it was mapped
 
 
 @dataclasses.dataclass
@@ -65,6 +66,8 @@ class EngineRecord:
     active: dict[int, float] = dataclasses.field(default_factory=dict)  # slab -> last change
     stats: dict[str, int] = dataclasses.field(default_factory=dict)
     last_seen: float = 0.0
+    failed: bool = False                                    # missed a deadline: pages quarantined
+    pending_grows: int = 0
     grants: int = 0
     returns: int = 0
     reclaims: int = 0
@@ -113,46 +116,67 @@ class EngineRecord:
 
 
 class PagePool:
-    """The device pool: free pages and the budget they are created under."""
+    """One device pool's books: free pages and the budget they are created under."""
 
-    def __init__(self, budget_pages: int, id_source: Callable[[], int] | None = None) -> None:
+    def __init__(self, budget_pages: int) -> None:
         self.budget_pages = budget_pages
         self.created = 0                     # pages that exist in the daemon
+        self.creating = 0                    # asked of the loop, not yet reported
         self.adopted = 0                     # pages that exist only in engines (after a restart)
-        self.free: dict[int, str] = {}       # page id -> last owner ("" when clean)
-        self._id_source = id_source or itertools.count().__next__
+        self.free: dict[int, str] = {}       # page id -> last owner ("" when never used)
+        self.creation_failed_at = -1e9
 
     @property
     def in_use(self) -> int:
-        return self.created + self.adopted
+        return self.created + self.creating + self.adopted
 
     def creatable(self) -> int:
         return max(0, self.budget_pages - self.in_use)
 
-    def available(self) -> int:
-        return len(self.free) + self.creatable()
+    def usable(self, owner: str, n: int) -> int:
+        """How many of ``n`` pages ``owner`` can take now (its own or clean ones)."""
+        count = 0
+        for page_owner in self.free.values():
+            if page_owner == owner or page_owner == "":
+                count += 1
+                if count == n:
+                    break
+        return count
 
-    def take(self, n: int, owner: str) -> tuple[list[int], list[int], int] | None:
-        """``n`` pages for ``owner``: (reused, to_zero, to_create) or None if
-        the budget has no room. Pages last held by ``owner`` and clean pages
-        need no zeroing; another owner's pages are zeroed before they move."""
-        if n > self.available():
-            return None
-        same = [p for p, o in self.free.items() if o == owner or o == ""][:n]
-        rest = [p for p, o in self.free.items() if o != owner and o != ""]
-        create = min(n - len(same), self.creatable())
-        dirty = rest[: n - len(same) - create]
-        for page in same + dirty:
+    def take(self, n: int, owner: str) -> list[int]:
+        """``n`` free pages of ``owner`` or clean (the caller checked ``usable``)."""
+        pages = [pg for pg, o in self.free.items() if o == owner][:n]
+        if len(pages) < n:
+            pages += [pg for pg, o in self.free.items() if o == ""][:n - len(pages)]
+        for page in pages:
             del self.free[page]
-        return same, dirty, create
+        return pages
 
-    def new_ids(self, n: int) -> list[int]:
-        self.created += n
-        return [self._id_source() for _ in range(n)]
+    def take_stale(self, n: int) -> list[int]:
+        """Up to ``n`` free pages of other owners, to release (they leave the books)."""
+        stale = [pg for pg, o in self.free.items() if o][:n]
+        for page in stale:
+            del self.free[page]
+        self.created -= len(stale)
+        return stale
 
     def put_back(self, pages: list[int], owner: str) -> None:
         for page in pages:
             self.free[page] = owner
+
+    def status(self, name: str, held: int, cached: int, page_size: int) -> dict:
+        return {"device": name, "budget_bytes": self.budget_pages * page_size,
+                "memory": {"held": held, "cached": cached, "free": len(self.free) * page_size,
+                           "unallocated": max(0, (self.budget_pages - self.in_use) * page_size)},
+                "pages": {"created": self.created, "free": len(self.free), "adopted": self.adopted}}
+
+    def check(self, in_slabs: list[int], adopted: int) -> None:
+        """Invariants 1 and 2 (``in_slabs``: this device's pages held in slabs)."""
+        assert len(in_slabs) == len(set(in_slabs)), "a page is in two slabs"
+        assert not set(in_slabs) & set(self.free), "a page is both free and held"
+        assert len(in_slabs) + len(self.free) == self.created, "a page is lost or counted twice"
+        assert adopted == self.adopted, "adopted pages do not match the engines' slabs"
+        assert self.in_use <= self.budget_pages, "over budget"
 
 
 def owner_tag(engine: EngineRecord) -> str:

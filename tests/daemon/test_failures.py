@@ -20,7 +20,8 @@ def test_kill_9_of_an_engine_returns_its_memory_within_2_s(daemon, engines):
     wait_for(lambda: held(daemon, "a") is None and daemon.status()["memory"]["held"] == 2 * SLAB,
              timeout=2.0, what="engine a's slabs back")
     assert time.monotonic() - start < 2.0
-    assert daemon.status()["memory"]["free"] == 3 * SLAB
+    memory = daemon.status()["memory"]      # a's pages are free, or already released to the kernel
+    assert memory["free"] + memory["unallocated"] == daemon.status()["budget_bytes"] - 2 * SLAB
     # the other engine is unaffected and can grow into the freed memory
     assert b.do("read")["values"] == [9, 9]
     assert b.do("ensure", n=20)["ok"] and held(daemon, "b") == 5 * SLAB

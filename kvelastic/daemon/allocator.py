@@ -1,0 +1,778 @@
+"""The allocator: the daemon's books and every decision, with no I/O.
+
+It takes one input at a time (a decoded message with its sender, a peer that
+opened or closed, pages created, a tick) together with the current time, and
+returns the effects (``effects.py``) the loop must perform. No sockets,
+threads, clock or backend calls live here, so a seeded simulator drives it
+exactly as the loop does.
+
+Rules it keeps (the invariants the tests and the simulator check):
+- A page is free in a device pool, or in exactly one slab of one engine
+  record (registered, departing or failed). Pages created + adopted +
+  being created never exceed a device's budget.
+- A page is handed to another engine only as a fresh page: a free page keeps
+  its last owner's tag and is reused only by that owner (engine id and
+  namespace); for anyone else it is released and a new one created.
+- Every wait has a deadline. A map or unmap not acknowledged in time fails
+  the engine: its pages are quarantined (never re-lent) until every process
+  of it is gone. A grow is answered by its deadline with what it got.
+- Stopping the daemon unmaps nothing: engines keep their pages and adopt
+  them again when they re-register; adopted slabs are checked against the
+  budget, the engine's capacity and for duplicates.
+- A message is checked whole before anything changes (a failed handler
+  raises ``Rejected`` and leaves the books as they were).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from kvelastic import protocol as p
+from kvelastic.core.journal import ADD_SLAB, CLEAR, REMOVE, REMOVE_SLAB, STORE, JournalBatch
+from kvelastic.daemon import effects as fx
+from kvelastic.daemon.events import journal_events
+from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag, pick_victims
+
+log = logging.getLogger("kvelastic.daemon")
+
+MAX_GROW = 4096              # slabs in one grow request
+MAX_PENDING_GROWS = 8        # grow requests one engine may have waiting
+_JOURNAL_ARITY = {ADD_SLAB: 2, REMOVE_SLAB: 2, STORE: 3, REMOVE: 3, CLEAR: 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Deadlines, in seconds (``config.py`` sets them)."""
+
+    heartbeat_timeout: float = p.HEARTBEAT_TIMEOUT
+    reclaim_timeout: float = p.RECLAIM_TIMEOUT
+    ack_timeout: float = p.ACK_TIMEOUT
+    grow_timeout: float = p.GROW_TIMEOUT
+
+
+class Rejected(Exception):
+    """A client error: reply ``Error(reason, message)``; nothing was changed."""
+
+    def __init__(self, reason: p.Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclasses.dataclass(eq=False)
+class GrowRequest:
+    seq: int
+    engine_id: str
+    identity: bytes
+    req_id: int
+    wanted: int
+    started: float
+    deadline: float
+    demand: bool = False
+    slabs: list[int] = dataclasses.field(default_factory=list)     # mapped and granted
+    mapping: set[int] = dataclasses.field(default_factory=set)     # waiting for worker acks
+    reclaims_out: int = 0
+    reclaim_rounds: int = 0
+    # Slabs given up for this grow, still unmapping: their pages are on the way.
+    incoming: set[tuple[str, int]] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass(eq=False)
+class ReclaimRequest:
+    engine_id: str
+    slabs: list[int]
+    grow: GrowRequest
+    deadline: float
+
+
+class Allocator:
+    def __init__(self, budgets: dict[str, int], page_size: int, *, backend: str = "host",
+                 timing: Timing = Timing(), events: bool = True) -> None:
+        """``budgets``: device name -> budget in pages (the first is the default device)."""
+        self.pools = {name: PagePool(pages) for name, pages in budgets.items()}
+        self.backend = backend
+        self.medium = "GPU" if backend == "cuda" else "CPU"
+        self.default_device = next(iter(budgets))
+        self.page_size = page_size
+        self.timing = timing
+        self.events = events
+        self.engines: dict[str, EngineRecord] = {}
+        # Engines gone from the books whose slabs still wait for their workers
+        # (unmap acks, or their processes to exit when they failed).
+        self.departing: dict[str, EngineRecord] = {}
+        self.grows: dict[int, GrowRequest] = {}           # by arrival: answered in order
+        self._grow_seq = 0
+        self._progressing = self._again = False
+        self.reclaims: dict[int, ReclaimRequest] = {}
+        self.returns: dict[tuple[bytes, int], int] = {}    # (client, Return req_id) -> slabs unmapping
+        self.peers: dict[tuple[str, int], int] = {}        # (engine id, rank) -> open channels
+        self._next_req = 1 << 32
+        self._next_page = 0
+        self._out: list[fx.Effect] = []
+
+    # ================================================================ inputs
+    def handle(self, identity: bytes, msg: p.Msg, now: float) -> list[fx.Effect]:
+        """One decoded message from ``identity``: its reply and everything it set off."""
+        self._now = now
+        handler = self._HANDLERS.get(type(msg))
+        try:
+            if handler is None:
+                raise Rejected(p.Reason.UNEXPECTED, f"{type(msg).__name__} is not a request")
+            reply = handler(self, identity, msg)
+        except Rejected as exc:
+            log.warning("rejected %s from engine %s: %s (%s)", type(msg).__name__,
+                        getattr(msg, "engine_id", "-"), exc, exc.reason.value)
+            self._out.append(fx.Rejected(exc.reason))
+            reply = p.Error(reason=exc.reason.value, message=str(exc))
+        if reply is not None:
+            reply.req_id = msg.req_id
+            self._out.append(fx.Send(identity, reply))
+        return self._take()
+
+    def reject(self, identity: bytes, reason: p.Reason, message: str, req_id: int = 0) -> list[fx.Effect]:
+        """A frame that could not be decoded: the loop's verdict, counted here too."""
+        log.warning("rejected a frame: %s (%s)", message, reason.value)
+        return [fx.Rejected(reason), fx.Send(identity, p.Error(req_id=req_id, reason=reason.value, message=message))]
+
+    def peer_opened(self, engine_id: str, rank: int, now: float) -> list[fx.Effect]:
+        self._now = now
+        key = (engine_id, rank)
+        self.peers[key] = self.peers.get(key, 0) + 1
+        self._progress_grows()
+        return self._take()
+
+    def peer_closed(self, engine_id: str, rank: int, now: float) -> list[fx.Effect]:
+        """A lifeline or page channel closed: that process is gone (or going)."""
+        self._now = now
+        key = (engine_id, rank)
+        self.peers[key] -= 1
+        if self.peers[key] > 0:
+            return self._take()
+        del self.peers[key]
+        gone = self.departing.get(engine_id)
+        if gone is not None:              # nothing of that process maps its pages now
+            self._settle_departed(gone)
+        engine = self.engines.get(engine_id)
+        # A worker that never finished registering (it came back before its
+        # engine after a daemon restart) takes nothing with it.
+        if engine is not None and (rank < 0 or rank in engine.workers):
+            who = "engine" if rank < 0 else f"worker {rank}"
+            engine.workers.pop(rank, None)
+            self._drop(engine, f"{who} disconnected")
+        return self._take()
+
+    def channel_failed(self, engine_id: str, rank: int, why: str, now: float) -> list[fx.Effect]:
+        """Page descriptors could not be sent to a worker in time: the engine is failed."""
+        self._now = now
+        engine = self.engines.get(engine_id)
+        if engine is not None:
+            self._fail(engine, f"page channel of worker {rank} failed: {why}")
+        return self._take()
+
+    def pages_created(self, device: str, asked: int, page_ids: list[int], now: float) -> list[fx.Effect]:
+        """The loop created ``page_ids`` (``asked`` were asked for; fewer: creation failed)."""
+        self._now = now
+        pool = self.pools[device]
+        pool.creating -= asked
+        pool.created += len(page_ids)
+        for page_id in page_ids:
+            pool.free[page_id] = ""
+        if len(page_ids) < asked:
+            log.error("device %s: created %d of %d page(s)", device, len(page_ids), asked)
+            pool.creation_failed_at = now
+        self._progress_grows()
+        return self._take()
+
+    def new_page_ids(self, n: int) -> list[int]:
+        """Ids for pages the loop creates (unique across devices)."""
+        ids = list(range(self._next_page, self._next_page + n))
+        self._next_page += n
+        return ids
+
+    def tick(self, now: float) -> list[fx.Effect]:
+        """Deadlines and idle work, a few times a second."""
+        self._now = now
+        t = self.timing
+        for engine in list(self.engines.values()):
+            if now - engine.last_seen > t.heartbeat_timeout:
+                self._drop(engine, f"no heartbeat for {now - engine.last_seen:.1f} s")
+            elif any(s.phase is not Phase.HELD and now > s.deadline for s in engine.slabs.values()):
+                self._fail(engine, f"no map/unmap acknowledgement within {t.ack_timeout:g} s")
+        for gone in list(self.departing.values()):
+            if not gone.failed and any(now > s.deadline for s in gone.slabs.values()):
+                self._quarantine(gone, f"no unmap acknowledgement within {t.ack_timeout:g} s")
+        for rid, rec in list(self.reclaims.items()):
+            if now > rec.deadline:
+                del self.reclaims[rid]
+                log.warning("engine %s: no answer to a reclaim of %d slab(s): treated as refused",
+                            rec.engine_id, len(rec.slabs))
+                rec.grow.reclaims_out -= 1
+        self._progress_grows()
+        self._release_stale()
+        return self._take()
+
+    def shutdown(self) -> list[fx.Effect]:
+        """The daemon stops: nothing is unmapped (engines keep serving from what
+        they hold and adopt it again from the next daemon); pages are only let go."""
+        out = [fx.ReleasePages(name, tuple(pool.free)) for name, pool in self.pools.items() if pool.free]
+        for engine in (*self.engines.values(), *self.departing.values()):
+            for slab in engine.slabs.values():
+                for device in set(slab.page_devices):
+                    out.append(fx.ReleasePages(device, tuple(pg for pg, d in zip(slab.pages, slab.page_devices)
+                                                             if d == device)))
+        return out
+
+    # ================================================================ engines
+    def _engine(self, engine_id: str) -> EngineRecord:
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            raise Rejected(p.Reason.UNKNOWN_ENGINE, f"engine {engine_id!r} is not registered")
+        return engine
+
+    def _on_register_engine(self, identity: bytes, m: p.RegisterEngine) -> p.Msg:
+        if m.version != p.PROTOCOL_VERSION:
+            raise Rejected(p.Reason.VERSION, f"protocol version {m.version}; this daemon speaks {p.PROTOCOL_VERSION}")
+        if m.page_size != self.page_size:
+            raise Rejected(p.Reason.GEOMETRY, f"page size {m.page_size}; this daemon's pages are {self.page_size} bytes")
+        if not m.engine_id or m.pages_per_worker < 1 or m.num_workers < 0 or m.blocks_per_slab < 1 \
+                or m.block_bytes < 1 or m.min_bytes < 0 or m.max_bytes < 0 \
+                or (m.max_bytes and m.min_bytes > m.max_bytes):
+            raise Rejected(p.Reason.GEOMETRY, "engine id, pages_per_worker, blocks_per_slab, block_bytes must be "
+                                       "positive and min_bytes <= max_bytes")
+        old = self.engines.get(m.engine_id)
+        if old is not None and old.pid != m.pid:
+            raise Rejected(p.Reason.ENGINE_EXISTS, f"engine {m.engine_id!r} is registered by pid {old.pid}")
+        device = m.device or self.default_device
+        if device not in self.pools:
+            raise Rejected(p.Reason.UNKNOWN_DEVICE, f"device {device!r}; this daemon has {', '.join(self.pools)}")
+        pool = self.pools[device]
+        slab_pages = m.pages_per_worker * max(1, m.num_workers)
+        budget = pool.budget_pages * self.page_size
+        cap = min(budget, m.max_bytes) if m.max_bytes else budget
+        if m.min_bytes > budget:
+            raise Rejected(p.Reason.LIMIT, f"min_bytes {m.min_bytes} exceeds the device budget {budget}")
+        if slab_pages * self.page_size > cap:
+            raise Rejected(p.Reason.GEOMETRY, f"one slab ({slab_pages * self.page_size} bytes) does not fit in {cap} bytes")
+        if old is not None:          # the same engine on a new connection
+            old.identity, old.last_seen = identity, self._now
+            log.info("engine %s reconnected", m.engine_id)
+            return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
+                                max_slabs=old.max_slabs)
+        max_slabs = cap // (slab_pages * self.page_size)
+        held = self._check_adoption(m, pool, slab_pages, max_slabs)
+        engine = EngineRecord(
+            engine_id=m.engine_id, namespace=m.namespace, pid=m.pid, page_size=self.page_size,
+            pages_per_worker=m.pages_per_worker, num_workers=m.num_workers,
+            blocks_per_slab=m.blocks_per_slab, block_bytes=m.block_bytes, block_tokens=m.block_tokens,
+            key_group_suffix=m.key_group_suffix, min_bytes=m.min_bytes,
+            max_bytes=m.max_bytes, max_slabs=max_slabs, device=device, identity=identity, last_seen=self._now)
+        for slab_id in held:         # re-register after a daemon restart: adopt what it holds
+            engine.slabs[slab_id] = SlabRecord(slab_id, [], [], Phase.HELD, set(), adopted_pages=slab_pages)
+            pool.adopted += slab_pages
+            engine.mirror.slabs[slab_id] = tuple(m.occupancy.get(slab_id, (0, 0, m.blocks_per_slab)))
+        self.engines[m.engine_id] = engine
+        log.info("engine %s registered: namespace %s, pid %d, %d worker(s), slab %d bytes, "
+                 "virtual capacity %d slabs%s", m.engine_id, m.namespace, m.pid, m.num_workers,
+                 engine.slab_bytes, max_slabs, f", adopted {len(held)} slab(s)" if held else "")
+        return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
+                            max_slabs=max_slabs)
+
+    def _check_adoption(self, m: p.RegisterEngine, pool: PagePool, slab_pages: int, max_slabs: int) -> list[int]:
+        """Slabs a re-registering engine says it holds: each once, inside its
+        virtual range, and within what the budget has room for."""
+        held = m.held
+        if len(set(held)) != len(held):
+            raise Rejected(p.Reason.BAD_ADOPTION, f"engine {m.engine_id}: a slab appears twice in its held list")
+        if held and (min(held) < 0 or max(held) >= max_slabs):
+            raise Rejected(p.Reason.BAD_ADOPTION, f"engine {m.engine_id}: held slab ids must lie in 0..{max_slabs - 1}")
+        if len(held) * slab_pages > pool.creatable():
+            raise Rejected(p.Reason.BAD_ADOPTION, f"engine {m.engine_id}: {len(held)} held slab(s) need "
+                                           f"{len(held) * slab_pages} pages, the budget has room for "
+                                           f"{pool.creatable()}")
+        for slab_id, occ in m.occupancy.items():
+            if slab_id not in held:
+                continue
+            if len(occ) != 3 or min(occ) < 0 or sum(occ) != m.blocks_per_slab:
+                raise Rejected(p.Reason.BAD_ADOPTION, f"slab {slab_id}: occupancy {occ} does not add up")
+        return sorted(held)
+
+    def _on_register_worker(self, identity: bytes, m: p.RegisterWorker) -> p.Msg:
+        if m.version != p.PROTOCOL_VERSION:
+            raise Rejected(p.Reason.VERSION, f"protocol version {m.version}; this daemon speaks {p.PROTOCOL_VERSION}")
+        engine = self._engine(m.engine_id)
+        if not 0 <= m.rank < engine.num_workers:
+            raise Rejected(p.Reason.BAD_RANK, f"rank {m.rank} of engine {m.engine_id} with {engine.num_workers} workers")
+        device = m.device or engine.device
+        if device not in self.pools:
+            raise Rejected(p.Reason.UNKNOWN_DEVICE, f"device {device!r}; this daemon has {', '.join(self.pools)}")
+        if (m.engine_id, m.rank) not in self.peers:
+            raise Rejected(p.Reason.NO_CHANNEL, f"worker {m.rank} of {m.engine_id} has not opened its page channel")
+        engine.workers[m.rank] = identity
+        engine.worker_devices[m.rank] = device
+        log.info("engine %s: worker %d registered (pid %d)", m.engine_id, m.rank, m.pid)
+        self._progress_grows()
+        return p.Registered(engine_id=engine.engine_id, budget_bytes=self.pools[device].budget_pages * self.page_size,
+                            page_size=self.page_size, max_slabs=engine.max_slabs,
+                            pages_per_worker=engine.pages_per_worker)
+
+    def _on_heartbeat(self, identity: bytes, m: p.Heartbeat) -> None:
+        engine = self._engine(m.engine_id)
+        engine.last_seen = self._now
+        engine.identity = identity
+
+    def _on_unregister(self, identity: bytes, m: p.Unregister) -> p.Msg:
+        self._drop(self._engine(m.engine_id), "unregistered")
+        return p.Ok()
+
+    def _on_set_limit(self, identity: bytes, m: p.SetLimit) -> p.Msg:
+        engine = self._engine(m.engine_id)
+        if m.min_bytes < 0 or m.max_bytes < 0 or (m.max_bytes and m.min_bytes > m.max_bytes):
+            raise Rejected(p.Reason.LIMIT, f"need 0 <= min <= max, got min {m.min_bytes} max {m.max_bytes}")
+        if m.min_bytes > self.pools[engine.device].budget_pages * self.page_size:
+            raise Rejected(p.Reason.LIMIT, f"min {m.min_bytes} exceeds the device budget")
+        engine.min_bytes, engine.max_bytes = m.min_bytes, m.max_bytes
+        log.info("engine %s: limits set to min %d max %d bytes", engine.engine_id, m.min_bytes, m.max_bytes)
+        return p.Ok()
+
+    def _on_invalidate(self, identity: bytes, m: p.Invalidate) -> p.Msg:
+        targets = [e for e in self.engines.values() if m.target in (e.engine_id, e.namespace)]
+        if not targets:
+            raise Rejected(p.Reason.UNKNOWN_TARGET, f"no engine or namespace called {m.target!r}")
+        for engine in targets:
+            self._command(engine.identity, p.ClearIndex())
+            log.info("engine %s: prefix cache invalidated (%s)", engine.engine_id, m.target)
+        return p.Ok()
+
+    def _on_status(self, identity: bytes, m: p.Status) -> p.Msg:
+        return p.StatusReply(status=self.status())
+
+    # ================================================================ journal
+    def _on_journal(self, identity: bytes, m: p.Journal) -> None:
+        engine = self._engine(m.engine_id)
+        for op in m.ops:             # checked whole before anything is applied
+            if not op or op[0] not in _JOURNAL_ARITY or len(op) != _JOURNAL_ARITY[op[0]]:
+                raise Rejected(p.Reason.BAD_JOURNAL, f"malformed journal op {op!r:.80}")
+            if op[0] in (STORE, REMOVE) and not (isinstance(op[1], bytes) and type(op[2]) is int):
+                raise Rejected(p.Reason.BAD_JOURNAL, "STORE/REMOVE ops are (code, key bytes, block id)")
+            if op[0] in (ADD_SLAB, REMOVE_SLAB) and type(op[1]) is not int:
+                raise Rejected(p.Reason.BAD_JOURNAL, "slab ops are (code, slab id)")
+        known = set(engine.slabs) | {op[1] for op in m.ops if op[0] == ADD_SLAB}
+        for op in m.ops:
+            if op[0] in (STORE, REMOVE) and op[2] // engine.blocks_per_slab not in known:
+                raise Rejected(p.Reason.BAD_JOURNAL, f"block {op[2]} lies in slab {op[2] // engine.blocks_per_slab}, "
+                                              f"which engine {engine.engine_id} does not hold")
+        for slab_id, occ in m.occupancy.items():
+            if len(occ) != 3 or sum(occ) != engine.blocks_per_slab or min(occ) < 0:
+                raise Rejected(p.Reason.BAD_JOURNAL, f"slab {slab_id}: occupancy {occ} does not add up to "
+                                              f"{engine.blocks_per_slab} blocks")
+        engine.apply_journal(JournalBatch(m.ops, m.occupancy), self._now)
+        engine.stats.update(m.stats)
+        if self.events:
+            events = journal_events(m.ops, engine.block_tokens, engine.key_group_suffix, self.medium)
+            if events:
+                self._out.append(fx.Publish(p.kv_events_topic(engine.engine_id, engine.namespace), tuple(events)))
+        engine.last_seen = self._now
+
+    # ================================================================ grow
+    def _on_grow(self, identity: bytes, m: p.Grow) -> None:
+        engine = self._engine(m.engine_id)
+        if not 1 <= m.slabs <= MAX_GROW:
+            raise Rejected(p.Reason.BAD_REQUEST, f"grow by {m.slabs} slabs (1..{MAX_GROW})")
+        if engine.pending_grows >= MAX_PENDING_GROWS:
+            raise Rejected(p.Reason.BUSY, f"engine {engine.engine_id} has {MAX_PENDING_GROWS} grows pending")
+        self._grow_seq += 1
+        engine.pending_grows += 1
+        self.grows[self._grow_seq] = GrowRequest(self._grow_seq, engine.engine_id, identity, m.req_id, m.slabs,
+                                                 self._now, self._now + self.timing.grow_timeout, m.demand)
+        self._progress_grows()
+        return None
+
+    def _progress_grows(self) -> None:
+        """Advance every pending grow, in arrival order. A call from inside a
+        pass (a slab mapped at once) only asks the running pass to go round
+        once more; each round is linear in the pending grows."""
+        if self._progressing:
+            self._again = True
+            return
+        self._progressing = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                for seq, req in list(self.grows.items()):
+                    if seq in self.grows and self._advance(req):
+                        self._end_grow(req)
+        finally:
+            self._progressing = False
+
+    def _end_grow(self, req: GrowRequest) -> None:
+        del self.grows[req.seq]
+        engine = self.engines.get(req.engine_id)
+        if engine is not None:
+            engine.pending_grows -= 1
+
+    def _advance(self, req: GrowRequest) -> bool:
+        """True when ``req`` is answered."""
+        engine = self.engines.get(req.engine_id)
+        if engine is None:
+            return True
+        expired = self._now >= req.deadline
+        if len(engine.workers) < engine.num_workers and not expired:
+            return False  # every worker must be there to map the pages
+        cap = engine.max_slabs if not engine.max_bytes else min(engine.max_slabs,
+                                                                engine.max_bytes // engine.slab_bytes)
+        while not expired and len(req.slabs) + len(req.mapping) < req.wanted and engine.owned_slabs() < cap:
+            slab_id = engine.free_slab_id()
+            pages = None if slab_id is None else self._take_pages(engine)
+            if pages is None:
+                break
+            self._start_map(engine, slab_id, *pages, req)
+        short = req.wanted - len(req.slabs) - len(req.mapping)
+        req.incoming = {(eid, s) for eid, s in req.incoming if self._on_its_way(eid, s)}
+        creating = any(self.pools[d].creating for d in self._devices_of(engine))
+        # A reserve refill never takes memory from another engine (no ping-pong).
+        if not expired and short > 0 and req.demand and engine.owned_slabs() < cap and req.reclaims_out == 0 \
+                and not req.incoming and req.reclaim_rounds < 3 and not creating:
+            req.reclaim_rounds += 1
+            self._reclaim_for(req, engine, short)
+        waiting = req.mapping or req.reclaims_out or (short > 0 and req.incoming) or creating
+        if waiting and not expired:
+            return False
+        latency = self._now - req.started
+        self._out.append(fx.GrantLatency(engine.device, latency))
+        self._out.append(fx.Send(req.identity, p.Granted(req_id=req.req_id, slabs=req.slabs)))
+        for slab_id in req.mapping:     # answered at its deadline: the late ones are granted on their own
+            engine.slabs[slab_id].late_grant = True
+        if req.slabs:
+            log.info("engine %s: granted %d slab(s) in %.1f ms (asked %d)", engine.engine_id,
+                     len(req.slabs), latency * 1e3, req.wanted)
+        else:
+            log.info("engine %s: grow of %d slab(s) refused: %s", engine.engine_id, req.wanted,
+                     "deadline passed" if expired else "device budget exhausted")
+        return True
+
+    def _on_its_way(self, engine_id: str, slab_id: int) -> bool:
+        """A reclaimed slab still unmapping by an engine that is not failed."""
+        owner = self.engines.get(engine_id) or self.departing.get(engine_id)
+        slab = owner.slabs.get(slab_id) if owner is not None and not owner.failed else None
+        return slab is not None and slab.phase is Phase.UNMAPPING
+
+    def _devices_of(self, engine: EngineRecord) -> set[str]:
+        return {engine.worker_devices.get(r, engine.device) for r in range(engine.num_workers)} or {engine.device}
+
+    def _take_pages(self, engine: EngineRecord) -> tuple[list[int], list[str]] | None:
+        """Pages for one slab, rank by rank from each worker's device, all or
+        none: the engine's own free pages or clean ones. Missing pages are
+        asked of the loop (fresh ones, after releasing others' stale pages if
+        the budget needs the room); the grow waits for them."""
+        owner = owner_tag(engine)
+        ranks = [(engine.worker_devices.get(r, engine.device), engine.pages_per_worker)
+                 for r in range(engine.num_workers)] or [(engine.device, engine.pages_per_worker)]
+        need: dict[str, int] = {}
+        for device, n in ranks:
+            need[device] = need.get(device, 0) + n
+        short = {d: n - self.pools[d].usable(owner, n) for d, n in need.items()}
+        if any(short.values()):
+            for device, n in short.items():
+                if n > 0:
+                    self._create(device, n)
+            return None
+        pages: list[int] = []
+        devices: list[str] = []
+        for device, n in ranks:
+            got = self.pools[device].take(n, owner)
+            pages += got
+            devices += [device] * n
+        return pages, devices
+
+    def _create(self, device: str, n: int) -> None:
+        """Ask the loop for ``n`` fresh pages on ``device`` (unless already asked),
+        releasing free pages of other owners when the budget needs the room."""
+        pool = self.pools[device]
+        if pool.creating or self._now - pool.creation_failed_at < 1.0:
+            return
+        if pool.creatable() < n:
+            stale = pool.take_stale(n - pool.creatable())
+            if stale:
+                self._out.append(fx.ReleasePages(device, tuple(stale)))
+        n = min(n, pool.creatable())
+        if n > 0:
+            pool.creating += n
+            self._out.append(fx.CreatePages(device, n))
+
+    def _start_map(self, engine: EngineRecord, slab_id: int, pages: list[int], page_devices: list[str],
+                   req: GrowRequest | None) -> None:
+        slab = SlabRecord(slab_id, pages, page_devices, Phase.MAPPING, set(range(engine.num_workers)),
+                          deadline=self._now + self.timing.ack_timeout)
+        engine.slabs[slab_id] = slab
+        if req is not None:
+            req.mapping.add(slab_id)
+        for rank in range(engine.num_workers):
+            mine = pages[rank * engine.pages_per_worker:(rank + 1) * engine.pages_per_worker]
+            offsets = engine.worker_offsets(slab_id, rank)
+            self._out.append(fx.SendPages(engine.engine_id, rank, engine.worker_devices[rank], tuple(mine)))
+            self._command(engine.workers[rank], p.MapSlab(slab=slab_id, pages=list(zip(mine, offsets))))
+        if not slab.waiting:
+            self._mapped(engine, slab)
+
+    def _on_mapped(self, identity: bytes, m: p.Mapped) -> None:
+        engine = self._engine(m.engine_id)
+        slab = engine.slabs.get(m.slab)
+        if slab is None or slab.phase is not Phase.MAPPING or m.rank not in slab.waiting:
+            raise Rejected(p.Reason.UNEXPECTED_ACK, f"engine {m.engine_id} worker {m.rank}: no map of slab {m.slab} pending")
+        slab.waiting.discard(m.rank)
+        if m.error:
+            log.error("engine %s: worker %d could not map slab %d: %s", m.engine_id, m.rank, m.slab, m.error)
+            slab.failed = True
+        if not slab.waiting:
+            self._mapped(engine, slab)
+        return None
+
+    def _mapped(self, engine: EngineRecord, slab: SlabRecord) -> None:
+        req = next((r for r in self.grows.values() if slab.slab_id in r.mapping and r.engine_id == engine.engine_id),
+                   None)
+        if req is not None:
+            req.mapping.discard(slab.slab_id)
+        if slab.failed:
+            self._start_unmap(engine, slab)
+        else:
+            slab.phase = Phase.HELD
+            engine.mirror.slabs[slab.slab_id] = (0, 0, engine.blocks_per_slab)
+            engine.active[slab.slab_id] = self._now
+            engine.grants += 1
+            if req is not None:
+                req.slabs.append(slab.slab_id)
+            elif slab.late_grant:      # its grow was answered at the deadline: grant it now
+                self._command(engine.identity, p.Granted(slabs=[slab.slab_id]))
+        self._progress_grows()
+
+    # ====================================================== return / reclaim
+    def _on_return(self, identity: bytes, m: p.Return) -> p.Msg | None:
+        engine = self._engine(m.engine_id)
+        for slab_id in m.slabs:
+            slab = engine.slabs.get(slab_id)
+            if slab is None or slab.phase is not Phase.HELD:
+                raise Rejected(p.Reason.NOT_HELD, f"engine {m.engine_id} does not hold slab {slab_id}")
+        if len(set(m.slabs)) != len(m.slabs):
+            raise Rejected(p.Reason.NOT_HELD, f"engine {m.engine_id} returned a slab twice in one message")
+        # The reply waits until every worker unmapped: then the memory is really back.
+        self.returns[(identity, m.req_id)] = len(m.slabs)
+        log.info("engine %s: returned %d slab(s)", engine.engine_id, len(m.slabs))
+        for slab_id in m.slabs:
+            engine.returns += 1
+            engine.slabs[slab_id].return_req = (identity, m.req_id)
+            self._start_unmap(engine, engine.slabs[slab_id])
+        if not m.slabs:
+            del self.returns[(identity, m.req_id)]
+            return p.Ok()
+        return None
+
+    def _reclaim_for(self, req: GrowRequest, requester: EngineRecord, short: int) -> None:
+        outstanding = {(r.engine_id, s) for r in self.reclaims.values() for s in r.slabs}
+        victims = [(e, s) for e, s in pick_victims(list(self.engines.values()), requester,
+                                                   short * requester.slab_bytes)
+                   if (e.engine_id, s) not in outstanding]
+        by_engine: dict[str, list[int]] = {}
+        for engine, slab_id in victims:
+            by_engine.setdefault(engine.engine_id, []).append(slab_id)
+        for engine_id, slabs in by_engine.items():
+            rid = self._command(self.engines[engine_id].identity, p.Reclaim(slabs=slabs))
+            self.reclaims[rid] = ReclaimRequest(engine_id, slabs, req, self._now + self.timing.reclaim_timeout)
+            req.reclaims_out += 1
+            log.info("engine %s: asked to give up %d slab(s) for engine %s", engine_id, len(slabs),
+                     requester.engine_id)
+
+    def _on_reclaim_done(self, identity: bytes, m: p.ReclaimDone) -> None:
+        rec = self.reclaims.get(m.req_id)
+        if rec is None or rec.engine_id != m.engine_id:
+            raise Rejected(p.Reason.UNEXPECTED_ACK, f"engine {m.engine_id}: no reclaim {m.req_id} pending")
+        if not set(m.given) <= set(rec.slabs) or not set(m.refused) <= set(rec.slabs):
+            raise Rejected(p.Reason.BAD_REQUEST, f"engine {m.engine_id} answered for slabs it was not asked for")
+        engine = self._engine(m.engine_id)
+        del self.reclaims[m.req_id]
+        for slab_id in m.given:
+            slab = engine.slabs.get(slab_id)
+            if slab is not None and slab.phase is Phase.HELD:
+                engine.reclaims += 1
+                rec.grow.incoming.add((engine.engine_id, slab_id))
+                self._start_unmap(engine, slab)
+        if m.refused:
+            log.info("engine %s: refused %d slab(s) (in use again)", m.engine_id, len(m.refused))
+        rec.grow.reclaims_out -= 1
+        self._progress_grows()
+
+    def _start_unmap(self, engine: EngineRecord, slab: SlabRecord) -> None:
+        slab.phase = Phase.UNMAPPING
+        slab.deadline = self._now + self.timing.ack_timeout
+        slab.waiting = {rank for rank in range(engine.num_workers)
+                        if rank in engine.workers and (engine.engine_id, rank) in self.peers}
+        engine.mirror.slabs.pop(slab.slab_id, None)
+        for rank in sorted(slab.waiting):
+            self._command(engine.workers[rank],
+                          p.UnmapSlab(slab=slab.slab_id, offsets=engine.worker_offsets(slab.slab_id, rank)))
+        if not slab.waiting:
+            self._unmapped(engine, slab)
+
+    def _on_unmapped(self, identity: bytes, m: p.Unmapped) -> None:
+        engine = self.engines.get(m.engine_id) or self.departing.get(m.engine_id)
+        slab = engine.slabs.get(m.slab) if engine else None
+        if slab is None or slab.phase is not Phase.UNMAPPING or m.rank not in slab.waiting or engine.failed:
+            raise Rejected(p.Reason.UNEXPECTED_ACK, f"engine {m.engine_id} worker {m.rank}: no unmap of slab {m.slab} pending")
+        slab.waiting.discard(m.rank)
+        if not slab.waiting:
+            self._unmapped(engine, slab)
+
+    def _unmapped(self, engine: EngineRecord, slab: SlabRecord) -> None:
+        """Every worker let go of the slab: its pages are free in the daemon."""
+        del engine.slabs[slab.slab_id]
+        engine.active.pop(slab.slab_id, None)
+        if slab.return_req in self.returns:
+            self.returns[slab.return_req] -= 1
+            if self.returns[slab.return_req] == 0:
+                identity, req_id = slab.return_req
+                del self.returns[slab.return_req]
+                self._out.append(fx.Send(identity, p.Ok(req_id=req_id)))
+        owner = owner_tag(engine)
+        for page_id, device in zip(slab.pages, slab.page_devices):
+            self.pools[device].put_back([page_id], owner)
+        self.pools[engine.device].adopted -= slab.adopted_pages
+        if self.departing.get(engine.engine_id) is engine and not engine.slabs:
+            del self.departing[engine.engine_id]
+            log.info("engine %s: all memory back in the pool", engine.engine_id)
+        self._progress_grows()
+
+    # ============================================================ engine death
+    def _forget(self, engine: EngineRecord, why: str) -> None:
+        """Take ``engine`` off the books: its grows are answered and its reclaims end now."""
+        del self.engines[engine.engine_id]
+        for req in [r for r in self.grows.values() if r.engine_id == engine.engine_id]:
+            del self.grows[req.seq]
+            self._out.append(fx.Send(req.identity, p.Error(req_id=req.req_id, reason="engine_gone",
+                                                           message=f"engine {engine.engine_id}: {why}")))
+        for rid in [rid for rid, rec in self.reclaims.items() if rec.engine_id == engine.engine_id]:
+            self.reclaims.pop(rid).grow.reclaims_out -= 1
+        if self.events:  # its prefix cache is gone with it
+            self._out.append(fx.Publish(p.kv_events_topic(engine.engine_id, engine.namespace),
+                                        (p.AllBlocksCleared(),)))
+        self.departing[engine.engine_id] = engine
+
+    def _drop(self, engine: EngineRecord, why: str) -> None:
+        """The engine left (or died): every slab is unmapped by the workers still there."""
+        if self.engines.get(engine.engine_id) is not engine:
+            return
+        log.log(logging.INFO if why == "unregistered" else logging.WARNING, "engine %s %s: returning its %d slab(s)",
+                engine.engine_id, why if why == "unregistered" else f"gone ({why})", len(engine.slabs))
+        self._forget(engine, why)
+        for slab in list(engine.slabs.values()):
+            if slab.phase is not Phase.UNMAPPING:
+                self._start_unmap(engine, slab)
+        self._settle_departed(engine)
+        self._progress_grows()
+
+    def _fail(self, engine: EngineRecord, why: str) -> None:
+        """The engine missed a deadline: quarantine its pages, close its peers."""
+        if self.engines.get(engine.engine_id) is not engine:
+            return
+        self._forget(engine, why)
+        self._quarantine(engine, why)
+        self._progress_grows()
+
+    def _quarantine(self, engine: EngineRecord, why: str) -> None:
+        """Its pages leave circulation until none of its processes is left to map them."""
+        engine.failed = True
+        log.error("engine %s failed (%s): %d slab(s) quarantined until its processes are gone",
+                  engine.engine_id, why, len(engine.slabs))
+        for slab in engine.slabs.values():
+            slab.phase = Phase.UNMAPPING
+        self._settle_departed(engine)
+
+    def _settle_departed(self, engine: EngineRecord) -> None:
+        """Slabs of a departed engine wait only for workers that still exist;
+        a failed engine's pages come back only once none does."""
+        alive = {rank for (eid, rank) in self.peers if eid == engine.engine_id and rank >= 0}
+        for slab in list(engine.slabs.values()):
+            slab.waiting = set(alive) if engine.failed else slab.waiting & alive
+            if not slab.waiting:
+                self._unmapped(engine, slab)
+        if not engine.slabs:
+            self.departing.pop(engine.engine_id, None)
+
+    def _release_stale(self) -> None:
+        """Idle work: free pages of owners no longer registered go back to the
+        driver (or the kernel), a batch per tick."""
+        live = {owner_tag(e) for e in self.engines.values()}
+        for device, pool in self.pools.items():
+            stale = [pg for pg, owner in pool.free.items() if owner and owner not in live][:64]
+            if stale:
+                for page_id in stale:
+                    del pool.free[page_id]
+                pool.created -= len(stale)
+                self._out.append(fx.ReleasePages(device, tuple(stale)))
+
+    # ================================================================ output
+    def _command(self, identity: bytes, msg: p.Msg) -> int:
+        """An unsolicited message to a client, with a request id of the daemon's."""
+        self._next_req += 1
+        msg.req_id = self._next_req
+        self._out.append(fx.Send(identity, msg))
+        return self._next_req
+
+    def _take(self) -> list[fx.Effect]:
+        out, self._out = self._out, []
+        return out
+
+    # ================================================================ status
+    def status(self) -> dict:
+        engines = []
+        held = dict.fromkeys(self.pools, 0)
+        cached = dict.fromkeys(self.pools, 0)
+        for e in (*self.engines.values(), *self.departing.values()):
+            for slab in e.slabs.values():
+                for device in slab.page_devices or [e.device] * slab.adopted_pages:
+                    held[device] += e.page_size
+        for e in self.engines.values():
+            e_cached = e.cached_bytes()
+            cached[e.device] += e_cached
+            engines.append({
+                "engine_id": e.engine_id, "namespace": e.namespace, "pid": e.pid, "device": e.device,
+                "workers": len(e.workers), "slabs": len(e.slabs), "slab_bytes": e.slab_bytes,
+                "held_bytes": e.held_bytes(), "cached_bytes": e_cached,
+                "live_blocks": sum(o[0] for o in e.mirror.slabs.values()),
+                "cached_blocks": sum(o[1] for o in e.mirror.slabs.values()),
+                "min_bytes": e.min_bytes, "max_bytes": e.max_bytes,
+                "grants": e.grants, "returns": e.returns, "reclaims": e.reclaims,
+                "stats": dict(e.stats),
+            })
+        devices = [{**pool.status(name, held[name], cached[name], self.page_size), "backend": self.backend}
+                   for name, pool in self.pools.items()]
+        quarantined = sum(len(s.pages) + s.adopted_pages for e in self.departing.values() if e.failed
+                          for s in e.slabs.values())
+        first = devices[0]
+        total = {key: sum(d["memory"][key] for d in devices) for key in first["memory"]}
+        pages = {key: sum(d["pages"][key] for d in devices) for key in first["pages"]}
+        pages["quarantined"] = quarantined
+        return {
+            "device": first["device"], "backend": self.backend, "page_size": self.page_size,
+            "budget_bytes": sum(d["budget_bytes"] for d in devices), "memory": total, "pages": pages,
+            "devices": devices, "engines": engines,
+        }
+
+    def check(self) -> None:
+        """Invariants 1 and 2 on every device (the tests and the simulator call it)."""
+        in_slabs: dict[str, list[int]] = {name: [] for name in self.pools}
+        adopted = dict.fromkeys(self.pools, 0)
+        for e in (*self.engines.values(), *self.departing.values()):
+            for s in e.slabs.values():
+                for page_id, device in zip(s.pages, s.page_devices):
+                    in_slabs[device].append(page_id)
+                adopted[e.device] += s.adopted_pages
+        for name, pool in self.pools.items():
+            pool.check(in_slabs[name], adopted[name])
+
+    _HANDLERS = {
+        p.RegisterEngine: _on_register_engine, p.RegisterWorker: _on_register_worker,
+        p.Grow: _on_grow, p.Return: _on_return, p.Journal: _on_journal,
+        p.Heartbeat: _on_heartbeat, p.Unregister: _on_unregister,
+        p.ReclaimDone: _on_reclaim_done, p.Mapped: _on_mapped,
+        p.Unmapped: _on_unmapped, p.Status: _on_status, p.SetLimit: _on_set_limit,
+        p.Invalidate: _on_invalidate,
+    }

@@ -1,0 +1,73 @@
+"""What the allocator asks the loop to do: the daemon's only ways to touch the world.
+
+The allocator (``allocator.py``) decides and returns a list of these; the loop
+(``server.py``) performs them in order and feeds failures back as inputs
+(``Allocator.pages_created``, ``Allocator.channel_failed``). A simulator
+performs them on fakes. Every effect is plain data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvelastic import protocol as p
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    """A message to a client over the ROUTER socket (a reply or a command)."""
+
+    to: bytes
+    msg: p.Msg
+
+
+@dataclasses.dataclass(frozen=True)
+class SendPages:
+    """Page descriptors to one worker over its page channel, before the
+    ``MapSlab`` that names them. Failure: ``Allocator.channel_failed``."""
+
+    engine_id: str
+    rank: int
+    device: str
+    pages: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class CreatePages:
+    """Create ``count`` fresh pages on ``device``; the loop answers with
+    ``Allocator.pages_created(device, ids)`` (fewer ids on failure)."""
+
+    device: str
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleasePages:
+    """Destroy pages: their memory goes back to the driver or the kernel."""
+
+    device: str
+    pages: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Publish:
+    """KV events of one engine's prefix cache (vLLM's format)."""
+
+    topic: bytes
+    events: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+    """Count a refused message under ``reason`` (the reply is a ``Send``)."""
+
+    reason: p.Reason
+
+
+@dataclasses.dataclass(frozen=True)
+class GrantLatency:
+    device: str
+    seconds: float
+
+
+Effect = Send | SendPages | CreatePages | ReleasePages | Publish | Rejected | GrantLatency

@@ -1,0 +1,192 @@
+"""One seeded run of the simulated node, with faults, checking the invariants after every step.
+
+    python -m kvelastic.sim SEED [STEPS]     # replays one seed and prints what it found
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import sys
+
+from kvelastic import protocol as p
+from kvelastic.daemon.allocator import Timing
+from kvelastic.daemon.state import Phase
+from kvelastic.sim.world import World
+
+HEARTBEAT = p.HEARTBEAT_INTERVAL
+TICK = 0.1
+# The slack on "every grow is answered within its deadline": the request's and
+# the answer's transport delays plus one tick.
+GROW_SLACK = 0.3 + 0.3 + TICK
+
+
+@dataclasses.dataclass
+class SimResult:
+    seed: int
+    steps: int
+    faults: collections.Counter
+    violations: list[str]
+
+    @property
+    def replay(self) -> str:
+        return f"python -m kvelastic.sim {self.seed} {self.steps}"
+
+
+def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = Timing()) -> SimResult:
+    w = World(seed, timing=timing)
+    rng = w.rng
+    injected: collections.Counter = collections.Counter()
+    for engine in w.engines:
+        engine.start()
+    last_beat = last_tick = 0.0
+    down: dict[str, float] = {}                # crashed engine -> restart time
+    for _ in range(steps):
+        w.now += rng.expovariate(1 / 0.02)
+        w.deliver()
+        if w.now - last_beat >= HEARTBEAT:
+            last_beat = w.now
+            for engine in w.engines:
+                if engine.alive:
+                    w.client_send(engine.identity, p.Heartbeat(engine_id=engine.name))
+        if w.now - last_tick >= TICK:
+            last_tick = w.now
+            w.perform(w.allocator.tick(w.now))
+        for name, at in list(down.items()):
+            if w.now >= at:
+                del down[name]
+                next(e for e in w.engines if e.name == name).start()
+        engine = rng.choice(w.engines)
+        r = rng.random()
+        if not faults or r < 0.80:
+            if engine.alive:
+                step_boundary(engine, rng)
+                engine.work(rng, w.now)
+        elif r < 0.83 and engine.alive:
+            injected["engine_crash"] += 1
+            engine.crash()
+            down[engine.name] = w.now + rng.uniform(0.1, 2.0)
+        elif r < 0.84:
+            injected["daemon_restart"] += 1
+            corrupt = engine if engine.alive and rng.random() < 0.3 else None
+            injected["bad_adoption"] += corrupt is not None
+            w.restart_daemon(corrupt)
+        elif r < 0.88 and engine.alive and engine.workers:
+            injected["stuck_worker"] += 1
+            rng.choice(engine.workers).stuck_until = w.now + rng.choice([0.2, 1.0, 8.0])
+        elif r < 0.90:
+            injected["creation_failure"] += 1
+            w.device.fail_creation = not w.device.fail_creation
+        elif r < 0.91 and engine.alive:
+            injected["bad_journal"] += 1
+            engine.send_bad_journal(rng)
+        elif r < 0.95:
+            injected["late_grant"] += 1        # the client gives up on its grows at once
+            for req in list(engine.pending):
+                engine.pending[req] = (w.now - 10.0, engine.pending[req][1])
+            engine.expire_grows(w.now)
+        else:
+            injected["slow_network"] += 1      # a burst of long delays
+            w.now += rng.uniform(0.05, 0.3)
+        check(w)
+        if w.violations:
+            break
+    if not w.violations:
+        settle(w)
+    return SimResult(seed, steps, injected, w.violations)
+
+
+def step_boundary(engine, rng) -> None:
+    """Model steps start and end; unmaps deferred during one run at its end (a safe point)."""
+    if engine.stepping and rng.random() < 0.5:
+        engine.stepping = False
+        for w in engine.workers:
+            deferred, w.deferred = w.deferred, []
+            for msg in deferred:
+                engine.unmap(w, msg)
+    elif not engine.stepping and rng.random() < 0.3:
+        engine.stepping = True
+
+
+def check(w: World) -> None:
+    """The invariants, after every step."""
+    try:
+        w.allocator.check()
+    except AssertionError as exc:
+        w.violation(f"books: {exc}")
+    alloc = w.allocator
+    free = set(alloc.pools["0"].free)
+    for engine in w.engines:
+        if not engine.alive:
+            continue
+        for slab_id, (live, _cached, _free) in engine.pool.occupancies().items():
+            for worker in engine.workers:
+                if live and slab_id not in worker.mapped:
+                    w.violation(f"engine {engine.name}: slab {slab_id} has live blocks but worker "
+                                f"{worker.rank} does not map it")
+                for page in worker.mapped.get(slab_id, []) if live else []:
+                    if page in free:
+                        w.violation(f"page {page} under a live block of {engine.name} is free in the daemon")
+                    for other in (*alloc.engines.values(), *alloc.departing.values()):
+                        if other.engine_id != engine.name and any(page in s.pages for s in other.slabs.values()):
+                            w.violation(f"page {page} under a live block of {engine.name} is lent to "
+                                        f"{other.engine_id}")
+        quiet = [w.wires.get(engine.identity)] + [w.wires.get(wk.identity) for wk in engine.workers]
+        record = alloc.engines.get(engine.name)
+        if record is None or record.failed or any(x is None or x.to_daemon or x.to_client for x in quiet) \
+                or engine.pool.journal.ops or engine.pool.journal.dirty:
+            continue
+        pending = {sid for req in alloc.grows.values() if req.engine_id == engine.name for sid in req.slabs}
+        held = {sid for sid, slab in record.slabs.items() if slab.phase is Phase.HELD} - pending
+        if held != set(engine.pool.slab_ids()):
+            w.violation(f"engine {engine.name}: the daemon books slabs {sorted(held)}, its pool holds "
+                        f"{sorted(engine.pool.slab_ids())}")
+        elif {k: v for k, v in record.mirror.slabs.items() if k not in pending} != engine.pool.occupancies():
+            w.violation(f"engine {engine.name}: mirror {record.mirror.slabs} != pool {engine.pool.occupancies()}")
+        elif record.mirror.index_pairs() != set(engine.pool.cached_keys()):
+            w.violation(f"engine {engine.name}: the daemon's mirror of its prefix index differs from the pool's")
+    timeout = p.GROW_TIMEOUT + GROW_SLACK       # the contract, whatever the allocator was configured with
+    for (identity, req), sent in w.grow_sent.items():
+        if identity in w.wires and w.now - sent > timeout:
+            w.violation(f"grow {req} of {identity!r} unanswered after {w.now - sent:.2f} s")
+            break
+
+
+def settle(w: World) -> None:
+    """End of the run: every engine exits; then nothing may be held or leak."""
+    for engine in w.engines:
+        if engine.alive:
+            engine.crash()
+    for _ in range(200):
+        w.now += 0.05
+        for engine in w.engines:
+            for worker in engine.workers:
+                worker.stuck_until = 0.0
+        w.deliver()
+        w.perform(w.allocator.tick(w.now))
+    status = w.allocator.status()
+    if status["memory"]["held"] or w.allocator.departing or w.allocator.engines:
+        w.violation(f"after every engine left: held {status['memory']['held']} bytes, "
+                    f"departing {sorted(w.allocator.departing)}")
+    leaked = w.device.pages - set(w.allocator.pools["0"].free)
+    if leaked:
+        w.violation(f"pages alive that the daemon does not know: {sorted(leaked)[:5]}")
+    for engine in w.allocator.departing.values():
+        if any(s.phase is not Phase.UNMAPPING for s in engine.slabs.values()):
+            w.violation(f"departed engine {engine.engine_id} holds slabs not on their way out")
+
+
+def main(argv: list[str]) -> int:
+    logging.disable(logging.CRITICAL)    # the daemon's operator log is noise here
+    seed = int(argv[0])
+    steps = int(argv[1]) if len(argv) > 1 else 300
+    result = run_seed(seed, steps)
+    print(f"seed {seed}: {result.steps} steps, faults {dict(result.faults)}")
+    for v in result.violations:
+        print("  VIOLATION", v)
+    return 1 if result.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,119 @@
+"""Deterministic simulation of a node (kvelastic.sim): the real allocator and
+real engine pools under faults, every invariant checked after every step.
+
+The second test re-injects the daemon faults the simulator exists to catch
+and shows each is found within the seeds CI runs. (Faults of the I/O loop
+itself — a slow greeting, a crash on a hung worker's socket, a flood that
+stalls a pass — are outside the allocator: tests/daemon/test_reliability.py
+covers them with real processes.)
+"""
+
+import logging
+
+import pytest
+
+from kvelastic.core.journal import JournalBatch
+from kvelastic.daemon import allocator as allocator_mod
+from kvelastic.daemon.allocator import Allocator, Timing
+from kvelastic.sim import world as world_mod
+from kvelastic.sim.run import run_seed
+
+CI_SEEDS = 300
+STEPS = 300
+
+
+@pytest.fixture(autouse=True)
+def quiet_logs():
+    logging.disable(logging.CRITICAL)
+    yield
+    logging.disable(logging.NOTSET)
+
+
+def test_every_invariant_holds_on_the_ci_seeds():
+    failures = []
+    faults = 0
+    for seed in range(CI_SEEDS):
+        result = run_seed(seed, STEPS)
+        faults += sum(result.faults.values())
+        if result.violations:
+            failures.append(f"{result.violations[0]}  (replay: {result.replay})")
+    assert not failures, "\n".join(failures[:5])
+    assert faults > CI_SEEDS * 10        # the runs really were hostile
+
+
+# --------------------------------------------------------- re-injected faults
+def unmap_on_shutdown(monkeypatch):
+    """Fault 1: stopping the daemon unmaps every engine's slabs."""
+    def shutdown(self):
+        for engine in list(self.engines.values()):
+            self._drop(engine, "daemon stopping")
+        return self._take()
+    monkeypatch.setattr(Allocator, "shutdown", shutdown)
+
+
+def forget_dead_workers(monkeypatch):
+    """Fault 4: slabs already unmapping when their engine dies wait for dead workers forever."""
+    monkeypatch.setattr(Allocator, "_settle_departed", lambda self, engine: None)
+
+
+def no_deadlines(monkeypatch):
+    """Fault 5: no deadline on acknowledgements or grows, and every grow that
+    lacks memory waits while any slab anywhere is still unmapping."""
+    original = Allocator._advance
+
+    def advance(self, req):
+        short = req.wanted - len(req.slabs) - len(req.mapping)
+        unmapping = any(s.phase is allocator_mod.Phase.UNMAPPING
+                        for e in (*self.engines.values(), *self.departing.values()) for s in e.slabs.values())
+        if short > 0 and unmapping and req.engine_id in self.engines:
+            return False
+        return original(self, req)
+    monkeypatch.setattr(Allocator, "_advance", advance)
+    return Timing(ack_timeout=1e9, grow_timeout=1e9)
+
+
+def trust_adoption(monkeypatch):
+    """Fault 6: a re-registration's held slabs are adopted unchecked."""
+    monkeypatch.setattr(Allocator, "_check_adoption", lambda self, m, pool, slab_pages, max_slabs: list(m.held))
+
+
+def drop_late_grants(monkeypatch):
+    """Fault 7: a grant whose request the client gave up on is dropped."""
+    original = world_mod.SimEngine.on_message
+
+    def on_message(self, msg):
+        if isinstance(msg, world_mod.p.Granted) and msg.req_id not in self.pending:
+            return
+        original(self, msg)
+    monkeypatch.setattr(world_mod.SimEngine, "on_message", on_message)
+
+
+def half_apply_journals(monkeypatch):
+    """Fault 9: a journal's ops are applied one by one until a bad one is found."""
+    original = Allocator._on_journal
+
+    def on_journal(self, identity, m):
+        engine = self.engines.get(m.engine_id)
+        if engine is not None:
+            for op in m.ops:
+                if len(op) != 3 or not isinstance(op[1], bytes):
+                    break
+                engine.mirror.apply(JournalBatch([op], {}))
+        return original(self, identity, m)
+    monkeypatch.setattr(Allocator, "_on_journal", on_journal)
+    monkeypatch.setitem(Allocator._HANDLERS, allocator_mod.p.Journal, on_journal)
+
+
+REINJECTED = {1: unmap_on_shutdown, 4: forget_dead_workers, 5: no_deadlines, 6: trust_adoption,
+              7: drop_late_grants, 9: half_apply_journals}
+
+
+@pytest.mark.parametrize("fault", sorted(REINJECTED))
+def test_the_simulator_catches_each_reinjected_fault(fault, monkeypatch):
+    timing = REINJECTED[fault](monkeypatch) or Timing()
+    for seed in range(CI_SEEDS):
+        result = run_seed(seed, STEPS, timing=timing)
+        if result.violations:
+            print(f"fault {fault}: caught by seed {seed} ({seed + 1} seed(s)): {result.violations[0]}")
+            return
+    pytest.fail(f"fault {fault} was not caught in {CI_SEEDS} seeds")
