@@ -59,6 +59,7 @@ class Reason(str, enum.Enum):
     BAD_HELLO = "bad_hello"              # a page channel's greeting was invalid or too slow
     BAD_ADOPTION = "bad_adoption"        # a re-registration's held slabs do not fit
     BUSY = "busy"                        # too many grows pending for one engine
+    ENGINE_GONE = "engine_gone"          # not a rejection: the answer to the grows of an engine that left
 
 
 class Msg(msgspec.Struct, tag=True, kw_only=True, array_like=False):

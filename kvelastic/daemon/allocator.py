@@ -646,7 +646,7 @@ class Allocator:
         del self.engines[engine.engine_id]
         for req in [r for r in self.grows.values() if r.engine_id == engine.engine_id]:
             del self.grows[req.seq]
-            self._out.append(fx.Send(req.identity, p.Error(req_id=req.req_id, reason="engine_gone",
+            self._out.append(fx.Send(req.identity, p.Error(req_id=req.req_id, reason=p.Reason.ENGINE_GONE.value,
                                                            message=f"engine {engine.engine_id}: {why}")))
         for rid in [rid for rid, rec in self.reclaims.items() if rec.engine_id == engine.engine_id]:
             self.reclaims.pop(rid).grow.reclaims_out -= 1

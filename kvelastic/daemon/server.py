@@ -4,9 +4,9 @@ One thread owns every socket: a ZMQ ROUTER for requests, the AF_UNIX peers
 (``peers.py``: page channels, and lifelines whose closing says a peer died)
 and the KV event stream (``events.py``). Each pass reads without blocking,
 decodes, hands each input to the ``Allocator`` (which decides, with no I/O)
-and performs the effects it returns. After each pass it publishes an
-immutable status snapshot: ``/metrics``, ``status`` and ``top`` read only
-that, never the allocator's books from another thread.
+and performs the effects it returns. Every tick (0.1 s) it publishes an
+immutable status snapshot: ``/metrics`` reads only that, never the
+allocator's books from another thread (``status`` and ``top`` ask the loop).
 """
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ class Daemon:
                     self._perform(self.allocator.tick(now))
                 except Exception:
                     log.exception("internal error in the periodic pass")
-            self.snapshot = self.allocator.status()
+                # /metrics reads this from its own thread: a fresh immutable copy
+                # each tick (Status requests are answered from the books directly).
+                self.snapshot = self.allocator.status()
 
     def close(self) -> None:
         """Stop without unmapping anything: engines keep serving from the pages

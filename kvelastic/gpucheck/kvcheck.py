@@ -9,14 +9,14 @@ so while the daemon moves pages between engines. The flow:
    (new blocks must read zero first) and runs paged attention over the arena
    and over a reference tensor: bitwise equal.
 2. A caches and frees 2 slabs; engine B (namespace b) demands 4 slabs: 2 new
-   pages plus 2 reclaimed from A, which the daemon zeroes before B sees them.
+   pages plus 2 reclaimed from A, which reach B as fresh pages.
    B's new blocks read zero, B fills them and attends: bitwise equal.
 3. A's worker unmapped the reclaimed pages (its views cannot reach them); A's
    remaining KV still gives the same bits as in step 1. What a descriptor A
-   kept of a lost page shows is recorded: A's old bytes means fresh pages on
-   move (DESIGN invariant 6); B's bytes means the daemon reused the page
-   (zeroed) -- reported as *pending*, not as a failure, until the daemon gives
-   a fresh page on every move.
+   kept of a lost page shows is recorded: A's old bytes means a fresh page on
+   every move (invariant 6); B's bytes would mean the daemon reused the page
+   -- reported as *pending*, not as a failure (a daemon older than the fresh
+   page rule).
 4. B leaves; A grows into B's old pages: they read zero, A fills and attends.
 
 ``python -m kvelastic.gpucheck.kvcheck BACKEND`` prints one JSON object on its

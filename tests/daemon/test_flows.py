@@ -113,13 +113,13 @@ def test_limits_are_respected(daemon_factory, engines):
     sampler.stop()
 
 
-def test_pages_are_zeroed_before_they_move_to_another_engine(daemon_factory, engines):
+def test_pages_that_move_to_another_engine_are_fresh(daemon_factory, engines):
     daemon = daemon_factory(memory="8MiB")                         # 4 pages
     a = engines(daemon, "a", grace=60)
     assert a.do("ensure", n=16)["ok"]
     assert a.do("write", value=42)["values"] == [42] * 4
     a.kill()                                                       # its pages go back, dirty
     b = engines(daemon, "b", grace=60, namespace="other")
-    assert b.do("ensure", n=16)["ok"]                              # the same 4 pages, now b's
+    assert b.do("ensure", n=16)["ok"]                              # a's 4 released, 4 fresh ones for b
     assert daemon.status()["pages"]["created"] == 4
     assert b.do("read")["values"] == [0, 0, 0, 0]                  # nothing of a's KV is visible
