@@ -103,7 +103,8 @@ def _expect(reply: p.Msg, kind: type) -> p.Msg:
 
 
 def get_status(socket_path: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
-    return _expect(request(socket_path, p.Status(), timeout), p.StatusReply).status
+    """The daemon's ``StatusReport`` as plain data (what ``status --json`` prints)."""
+    return msgspec.to_builtins(_expect(request(socket_path, p.Status(), timeout), p.StatusReply).status)
 
 
 def set_limit(socket_path: str, engine_id: str, min_bytes: int, max_bytes: int,

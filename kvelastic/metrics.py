@@ -11,14 +11,13 @@ Per-engine series are produced at scrape time from the daemon's books
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvelastic.core.stats import EVICTION_REASONS
-from kvelastic.protocol import Reason
+from kvelastic.protocol import Reason, StatusReport
 
 PREFIX = "kvelastic"
 # Every reason the daemon rejects a message for, so each counter exists from
@@ -30,7 +29,7 @@ GRANT_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.
 class DaemonMetrics:
     """The daemon's own instruments plus the collector over its books."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]], devices: list[str]) -> None:
+    def __init__(self, snapshot: Callable[[], StatusReport], devices: list[str]) -> None:
         self.registry = CollectorRegistry()
         self.grant_latency = Histogram(
             f"{PREFIX}_grant_latency_seconds",
@@ -48,7 +47,7 @@ class DaemonMetrics:
 
 
 class DaemonCollector(Collector):
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, snapshot: Callable[[], StatusReport]) -> None:
         self._snapshot = snapshot
 
     def collect(self):
@@ -59,12 +58,16 @@ class DaemonCollector(Collector):
                                    "free in the daemon (created, not held), unused budget.",
                                    labels=["device", "state"])
         engines = GaugeMetricFamily(f"{PREFIX}_engines_connected", "Engines registered.", labels=["device"])
-        for d in s["devices"]:
-            budget.add_metric([d["device"]], d["budget_bytes"])
+        quarantined = GaugeMetricFamily(f"{PREFIX}_quarantined_bytes",
+                                        "Memory of failed engines, kept out of circulation until their "
+                                        "processes are gone.", labels=["device"])
+        for d in s.devices:
+            budget.add_metric([d.device], d.budget_bytes)
             for state in ("held", "cached", "free", "unallocated"):
-                memory.add_metric([d["device"], state], d["memory"][state])
-            engines.add_metric([d["device"]], sum(1 for e in s["engines"] if e["device"] == d["device"]))
-        yield from (budget, memory, engines)
+                memory.add_metric([d.device, state], getattr(d.memory, state))
+            engines.add_metric([d.device], sum(1 for e in s.engines if e.device == d.device))
+            quarantined.add_metric([d.device], d.pages.quarantined * s.page_size)
+        yield from (budget, memory, engines, quarantined)
 
         held = GaugeMetricFamily(f"{PREFIX}_engine_held_bytes", "Memory held by an engine.",
                                  labels=["device", "engine", "namespace"])
@@ -95,18 +98,18 @@ class DaemonCollector(Collector):
         evictions = CounterMetricFamily(f"{PREFIX}_prefix_cache_evictions",
                                         "Cached blocks evicted, by reason.",
                                         labels=["device", "engine", "reason"])
-        for e in s["engines"]:
-            eid, ns, dev = e["engine_id"], e["namespace"], e["device"]
-            held.add_metric([dev, eid, ns], e["held_bytes"])
-            cached.add_metric([dev, eid, ns], e["cached_bytes"])
-            limit.add_metric([dev, eid, "min"], e["min_bytes"])
-            limit.add_metric([dev, eid, "max"], e["max_bytes"])
+        for e in s.engines:
+            eid, ns, dev = e.engine_id, e.namespace, e.device
+            held.add_metric([dev, eid, ns], e.held_bytes)
+            cached.add_metric([dev, eid, ns], e.cached_bytes)
+            limit.add_metric([dev, eid, "min"], e.min_bytes)
+            limit.add_metric([dev, eid, "max"], e.max_bytes)
             for name in slabs:
-                slabs[name].add_metric([dev, eid], e[name])
-            queries.add_metric([dev, eid], e["stats"].get("query_tokens", 0))
-            hits.add_metric([dev, eid], e["stats"].get("hit_tokens", 0))
-            lookup_blocks.add_metric([dev, eid], e["stats"].get("lookup_blocks", 0))
-            hit_blocks.add_metric([dev, eid], e["stats"].get("hit_blocks", 0))
+                slabs[name].add_metric([dev, eid], getattr(e, name))
+            queries.add_metric([dev, eid], e.stats.get("query_tokens", 0))
+            hits.add_metric([dev, eid], e.stats.get("hit_tokens", 0))
+            lookup_blocks.add_metric([dev, eid], e.stats.get("lookup_blocks", 0))
+            hit_blocks.add_metric([dev, eid], e.stats.get("hit_blocks", 0))
             for reason in EVICTION_REASONS:  # every series from registration on
-                evictions.add_metric([dev, eid, reason], e["stats"].get(f"evictions_{reason}", 0))
+                evictions.add_metric([dev, eid, reason], e.stats.get(f"evictions_{reason}", 0))
         yield from (held, cached, limit, *slabs.values(), queries, hits, lookup_blocks, hit_blocks, evictions)

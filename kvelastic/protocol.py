@@ -18,8 +18,11 @@ nothing else on it, and its closing tells the daemon the peer is gone.
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
+
+from kvelastic.core.journal import ADD_SLAB, CLEAR, REMOVE, REMOVE_SLAB, STORE
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20
@@ -109,9 +112,59 @@ class Return(Msg):
     slabs: list[int]             # already taken back by the engine's pool
 
 
+# Journal ops on the wire: tagged arrays (``["store", key, block]``), so that
+# decoding checks every op's shape and types and a bad journal is refused
+# whole before anything is applied. ``core()`` gives the pool's own tuple.
+BlockId = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class StoreKey(msgspec.Struct, tag="store", array_like=True, frozen=True):
+    key: bytes
+    block: BlockId
+
+    def core(self) -> tuple:
+        return (STORE, self.key, self.block)
+
+
+class RemoveKey(msgspec.Struct, tag="remove", array_like=True, frozen=True):
+    key: bytes
+    block: BlockId
+
+    def core(self) -> tuple:
+        return (REMOVE, self.key, self.block)
+
+
+class AddSlab(msgspec.Struct, tag="add_slab", array_like=True, frozen=True):
+    slab: BlockId
+
+    def core(self) -> tuple:
+        return (ADD_SLAB, self.slab)
+
+
+class RemoveSlab(msgspec.Struct, tag="remove_slab", array_like=True, frozen=True):
+    slab: BlockId
+
+    def core(self) -> tuple:
+        return (REMOVE_SLAB, self.slab)
+
+
+class ClearKeys(msgspec.Struct, tag="clear", array_like=True, frozen=True):
+    def core(self) -> tuple:
+        return (CLEAR,)
+
+
+JournalOp = StoreKey | RemoveKey | AddSlab | RemoveSlab | ClearKeys
+_WIRE_OP = {STORE: StoreKey, REMOVE: RemoveKey, ADD_SLAB: AddSlab, REMOVE_SLAB: RemoveSlab, CLEAR: ClearKeys}
+
+
+def journal_ops(ops: list[tuple]) -> list[JournalOp]:
+    """The core pool's journal tuples as wire ops (keys must already be bytes)."""
+    return [_WIRE_OP[op[0]](*op[1:]) for op in ops]
+
+
 class Journal(Msg):
     engine_id: str
-    ops: list[tuple]
+    ops: list[JournalOp]
     occupancy: dict[int, tuple[int, int, int]]
     stats: dict[str, int] = {}   # cumulative pool counters (lookups, hits, evictions_*)
 
@@ -199,8 +252,64 @@ class UnmapSlab(Msg):
     offsets: list[int]
 
 
+class MemoryStatus(msgspec.Struct, kw_only=True):
+    held: int                    # by engines (cached is part of it)
+    cached: int                  # in engines' evictable prefix blocks
+    free: int                    # pages created, free in the daemon
+    unallocated: int             # budget not created yet
+
+
+class PageCounts(msgspec.Struct, kw_only=True):
+    created: int
+    free: int
+    adopted: int                 # exist only in engines (after a daemon restart)
+    quarantined: int = 0         # of failed engines: never lent again while their processes live
+
+
+class DeviceStatus(msgspec.Struct, kw_only=True):
+    device: str
+    backend: str
+    budget_bytes: int
+    memory: MemoryStatus
+    pages: PageCounts
+
+
+class EngineStatus(msgspec.Struct, kw_only=True):
+    engine_id: str
+    namespace: str
+    pid: int
+    device: str
+    workers: int
+    slabs: int
+    slab_bytes: int
+    held_bytes: int
+    cached_bytes: int
+    live_blocks: int
+    cached_blocks: int
+    min_bytes: int
+    max_bytes: int
+    grants: int
+    returns: int
+    reclaims: int
+    stats: dict[str, int]        # the engine's cumulative pool counters (lookups, hits, evictions_*)
+
+
+class StatusReport(msgspec.Struct, kw_only=True):
+    """The daemon's state as ``status``, ``top`` and ``/metrics`` show it; the
+    top-level memory and pages add up every device's."""
+
+    device: str
+    backend: str
+    page_size: int
+    budget_bytes: int
+    memory: MemoryStatus
+    pages: PageCounts
+    devices: list[DeviceStatus]
+    engines: list[EngineStatus]
+
+
 class StatusReply(Msg):
-    status: dict
+    status: StatusReport
 
 
 Message = (

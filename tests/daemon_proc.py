@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 
+import msgspec
 import zmq
 
 from kvelastic import protocol as p
@@ -84,7 +85,7 @@ class DaemonProcess:
             sock.close(0)
 
     def status(self) -> dict:
-        return self.request(p.Status()).status
+        return msgspec.to_builtins(self.request(p.Status()).status)
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:

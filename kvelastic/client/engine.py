@@ -118,7 +118,7 @@ class EngineClient:
             log.info("engine %s: re-registered with %d slab(s) held", self.engine_id, len(held))
 
     def _resend_index(self, conn: Connection) -> None:
-        ops = [(STORE, wire_key(k), b) for k, b in self.pool.cached_keys()]
+        ops = [p.StoreKey(key=wire_key(k), block=b) for k, b in self.pool.cached_keys()]
         self.pool.take_journal()
         occupancy = self.pool.occupancies()
         conn.notify(p.Journal(engine_id=self.engine_id, ops=ops, occupancy=occupancy))
@@ -316,8 +316,8 @@ class EngineClient:
                     "hit_blocks": stats.hit_blocks, "query_tokens": stats.query_tokens,
                     "hit_tokens": stats.hit_tokens, "token_mismatches": stats.token_mismatches}
         counters.update({f"evictions_{k}": v for k, v in stats.evictions.items()})
-        ops = batch.ops if self.bytes_keys else [
-            (op[0], wire_key(op[1]), op[2]) if op[0] in (STORE, REMOVE) else op for op in batch.ops]
+        ops = p.journal_ops(batch.ops if self.bytes_keys else [
+            (op[0], wire_key(op[1]), op[2]) if op[0] in (STORE, REMOVE) else op for op in batch.ops])
         for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):
             chunk = ops[start:start + JOURNAL_MAX_OPS]
             last = start + JOURNAL_MAX_OPS >= len(ops)

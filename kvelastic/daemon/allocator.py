@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from kvelastic import protocol as p
-from kvelastic.core.journal import ADD_SLAB, CLEAR, REMOVE, REMOVE_SLAB, STORE, JournalBatch
+from kvelastic.core.journal import JournalBatch
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.events import journal_events
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag, pick_victims
@@ -37,7 +37,6 @@ log = logging.getLogger("kvelastic.daemon")
 
 MAX_GROW = 4096              # slabs in one grow request
 MAX_PENDING_GROWS = 8        # grow requests one engine may have waiting
-_JOURNAL_ARITY = {ADD_SLAB: 2, REMOVE_SLAB: 2, STORE: 3, REMOVE: 3, CLEAR: 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +69,19 @@ class GrowRequest:
     demand: bool = False
     slabs: list[int] = dataclasses.field(default_factory=list)     # mapped and granted
     mapping: set[int] = dataclasses.field(default_factory=set)     # waiting for worker acks
-    reclaims_out: int = 0
+    reclaims: set[int] = dataclasses.field(default_factory=set)      # reclaim request ids outstanding
     reclaim_rounds: int = 0
     # Slabs given up for this grow, still unmapping: their pages are on the way.
     incoming: set[tuple[str, int]] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass(eq=False)
+class ReturnRequest:
+    """A ``Return``: answered once every slab in it is unmapped by every worker."""
+
+    identity: bytes
+    req_id: int
+    unmapping: set[int]
 
 
 @dataclasses.dataclass(eq=False)
@@ -103,7 +111,7 @@ class Allocator:
         self._grow_seq = 0
         self._progressing = self._again = False
         self.reclaims: dict[int, ReclaimRequest] = {}
-        self.returns: dict[tuple[bytes, int], int] = {}    # (client, Return req_id) -> slabs unmapping
+        self.returns: dict[tuple[bytes, int], ReturnRequest] = {}   # by (client, Return req_id)
         self.peers: dict[tuple[str, int], int] = {}        # (engine id, rank) -> open channels
         self._next_req = 1 << 32
         self._next_page = 0
@@ -205,7 +213,7 @@ class Allocator:
                 del self.reclaims[rid]
                 log.warning("engine %s: no answer to a reclaim of %d slab(s): treated as refused",
                             rec.engine_id, len(rec.slabs))
-                rec.grow.reclaims_out -= 1
+                rec.grow.reclaims.discard(rid)
         self._progress_grows()
         self._release_stale()
         return self._take()
@@ -348,26 +356,23 @@ class Allocator:
     # ================================================================ journal
     def _on_journal(self, identity: bytes, m: p.Journal) -> None:
         engine = self._engine(m.engine_id)
-        for op in m.ops:             # checked whole before anything is applied
-            if not op or op[0] not in _JOURNAL_ARITY or len(op) != _JOURNAL_ARITY[op[0]]:
-                raise Rejected(p.Reason.BAD_JOURNAL, f"malformed journal op {op!r:.80}")
-            if op[0] in (STORE, REMOVE) and not (isinstance(op[1], bytes) and type(op[2]) is int):
-                raise Rejected(p.Reason.BAD_JOURNAL, "STORE/REMOVE ops are (code, key bytes, block id)")
-            if op[0] in (ADD_SLAB, REMOVE_SLAB) and type(op[1]) is not int:
-                raise Rejected(p.Reason.BAD_JOURNAL, "slab ops are (code, slab id)")
-        known = set(engine.slabs) | {op[1] for op in m.ops if op[0] == ADD_SLAB}
+        # Decoding checked every op's shape and types; what is left to check
+        # whole, before anything is applied, is that they name held slabs.
+        known = set(engine.slabs) | {op.slab for op in m.ops if isinstance(op, p.AddSlab)}
         for op in m.ops:
-            if op[0] in (STORE, REMOVE) and op[2] // engine.blocks_per_slab not in known:
-                raise Rejected(p.Reason.BAD_JOURNAL, f"block {op[2]} lies in slab {op[2] // engine.blocks_per_slab}, "
-                                              f"which engine {engine.engine_id} does not hold")
+            if isinstance(op, (p.StoreKey, p.RemoveKey)) and op.block // engine.blocks_per_slab not in known:
+                raise Rejected(p.Reason.BAD_JOURNAL, f"block {op.block} lies in slab "
+                                                     f"{op.block // engine.blocks_per_slab}, which engine "
+                                                     f"{engine.engine_id} does not hold")
         for slab_id, occ in m.occupancy.items():
             if len(occ) != 3 or sum(occ) != engine.blocks_per_slab or min(occ) < 0:
                 raise Rejected(p.Reason.BAD_JOURNAL, f"slab {slab_id}: occupancy {occ} does not add up to "
                                               f"{engine.blocks_per_slab} blocks")
-        engine.apply_journal(JournalBatch(m.ops, m.occupancy), self._now)
+        ops = [op.core() for op in m.ops]
+        engine.apply_journal(JournalBatch(ops, m.occupancy), self._now)
         engine.stats.update(m.stats)
         if self.events:
-            events = journal_events(m.ops, engine.block_tokens, engine.key_group_suffix, self.medium)
+            events = journal_events(ops, engine.block_tokens, engine.key_group_suffix, self.medium)
             if events:
                 self._out.append(fx.Publish(p.kv_events_topic(engine.engine_id, engine.namespace), tuple(events)))
         engine.last_seen = self._now
@@ -430,11 +435,11 @@ class Allocator:
         req.incoming = {(eid, s) for eid, s in req.incoming if self._on_its_way(eid, s)}
         creating = any(self.pools[d].creating for d in self._devices_of(engine))
         # A reserve refill never takes memory from another engine (no ping-pong).
-        if not expired and short > 0 and req.demand and engine.owned_slabs() < cap and req.reclaims_out == 0 \
+        if not expired and short > 0 and req.demand and engine.owned_slabs() < cap and not req.reclaims \
                 and not req.incoming and req.reclaim_rounds < 3 and not creating:
             req.reclaim_rounds += 1
             self._reclaim_for(req, engine, short)
-        waiting = req.mapping or req.reclaims_out or (short > 0 and req.incoming) or creating
+        waiting = req.mapping or req.reclaims or (short > 0 and req.incoming) or creating
         if waiting and not expired:
             return False
         latency = self._now - req.started
@@ -535,7 +540,7 @@ class Allocator:
         if slab.failed:
             self._start_unmap(engine, slab)
         else:
-            slab.phase = Phase.HELD
+            slab.mark_held()
             engine.mirror.slabs[slab.slab_id] = (0, 0, engine.blocks_per_slab)
             engine.active[slab.slab_id] = self._now
             engine.grants += 1
@@ -555,15 +560,14 @@ class Allocator:
         if len(set(m.slabs)) != len(m.slabs):
             raise Rejected(p.Reason.NOT_HELD, f"engine {m.engine_id} returned a slab twice in one message")
         # The reply waits until every worker unmapped: then the memory is really back.
-        self.returns[(identity, m.req_id)] = len(m.slabs)
+        if not m.slabs:
+            return p.Ok()
+        self.returns[(identity, m.req_id)] = ReturnRequest(identity, m.req_id, set(m.slabs))
         log.info("engine %s: returned %d slab(s)", engine.engine_id, len(m.slabs))
         for slab_id in m.slabs:
             engine.returns += 1
             engine.slabs[slab_id].return_req = (identity, m.req_id)
             self._start_unmap(engine, engine.slabs[slab_id])
-        if not m.slabs:
-            del self.returns[(identity, m.req_id)]
-            return p.Ok()
         return None
 
     def _reclaim_for(self, req: GrowRequest, requester: EngineRecord, short: int) -> None:
@@ -577,7 +581,7 @@ class Allocator:
         for engine_id, slabs in by_engine.items():
             rid = self._command(self.engines[engine_id].identity, p.Reclaim(slabs=slabs))
             self.reclaims[rid] = ReclaimRequest(engine_id, slabs, req, self._now + self.timing.reclaim_timeout)
-            req.reclaims_out += 1
+            req.reclaims.add(rid)
             log.info("engine %s: asked to give up %d slab(s) for engine %s", engine_id, len(slabs),
                      requester.engine_id)
 
@@ -597,14 +601,13 @@ class Allocator:
                 self._start_unmap(engine, slab)
         if m.refused:
             log.info("engine %s: refused %d slab(s) (in use again)", m.engine_id, len(m.refused))
-        rec.grow.reclaims_out -= 1
+        rec.grow.reclaims.discard(m.req_id)
         self._progress_grows()
 
     def _start_unmap(self, engine: EngineRecord, slab: SlabRecord) -> None:
-        slab.phase = Phase.UNMAPPING
-        slab.deadline = self._now + self.timing.ack_timeout
-        slab.waiting = {rank for rank in range(engine.num_workers)
-                        if rank in engine.workers and (engine.engine_id, rank) in self.peers}
+        slab.begin_unmap({rank for rank in range(engine.num_workers)
+                          if rank in engine.workers and (engine.engine_id, rank) in self.peers},
+                         self._now + self.timing.ack_timeout)
         engine.mirror.slabs.pop(slab.slab_id, None)
         for rank in sorted(slab.waiting):
             self._command(engine.workers[rank],
@@ -625,12 +628,12 @@ class Allocator:
         """Every worker let go of the slab: its pages are free in the daemon."""
         del engine.slabs[slab.slab_id]
         engine.active.pop(slab.slab_id, None)
-        if slab.return_req in self.returns:
-            self.returns[slab.return_req] -= 1
-            if self.returns[slab.return_req] == 0:
-                identity, req_id = slab.return_req
+        ret = self.returns.get(slab.return_req)
+        if ret is not None:
+            ret.unmapping.discard(slab.slab_id)
+            if not ret.unmapping:
                 del self.returns[slab.return_req]
-                self._out.append(fx.Send(identity, p.Ok(req_id=req_id)))
+                self._out.append(fx.Send(ret.identity, p.Ok(req_id=ret.req_id)))
         owner = owner_tag(engine)
         for page_id, device in zip(slab.pages, slab.page_devices):
             self.pools[device].put_back([page_id], owner)
@@ -649,7 +652,7 @@ class Allocator:
             self._out.append(fx.Send(req.identity, p.Error(req_id=req.req_id, reason=p.Reason.ENGINE_GONE.value,
                                                            message=f"engine {engine.engine_id}: {why}")))
         for rid in [rid for rid, rec in self.reclaims.items() if rec.engine_id == engine.engine_id]:
-            self.reclaims.pop(rid).grow.reclaims_out -= 1
+            self.reclaims.pop(rid).grow.reclaims.discard(rid)
         if self.events:  # its prefix cache is gone with it
             self._out.append(fx.Publish(p.kv_events_topic(engine.engine_id, engine.namespace),
                                         (p.AllBlocksCleared(),)))
@@ -682,7 +685,7 @@ class Allocator:
         log.error("engine %s failed (%s): %d slab(s) quarantined until its processes are gone",
                   engine.engine_id, why, len(engine.slabs))
         for slab in engine.slabs.values():
-            slab.phase = Phase.UNMAPPING
+            slab.begin_unmap(set(), float("inf"))    # waits for its processes, not for acks
         self._settle_departed(engine)
 
     def _settle_departed(self, engine: EngineRecord) -> None:
@@ -721,40 +724,37 @@ class Allocator:
         return out
 
     # ================================================================ status
-    def status(self) -> dict:
-        engines = []
+    def status(self) -> p.StatusReport:
         held = dict.fromkeys(self.pools, 0)
         cached = dict.fromkeys(self.pools, 0)
+        quarantined = dict.fromkeys(self.pools, 0)
         for e in (*self.engines.values(), *self.departing.values()):
             for slab in e.slabs.values():
                 for device in slab.page_devices or [e.device] * slab.adopted_pages:
                     held[device] += e.page_size
+                    quarantined[device] += e.failed
+        engines = []
         for e in self.engines.values():
             e_cached = e.cached_bytes()
             cached[e.device] += e_cached
-            engines.append({
-                "engine_id": e.engine_id, "namespace": e.namespace, "pid": e.pid, "device": e.device,
-                "workers": len(e.workers), "slabs": len(e.slabs), "slab_bytes": e.slab_bytes,
-                "held_bytes": e.held_bytes(), "cached_bytes": e_cached,
-                "live_blocks": sum(o[0] for o in e.mirror.slabs.values()),
-                "cached_blocks": sum(o[1] for o in e.mirror.slabs.values()),
-                "min_bytes": e.min_bytes, "max_bytes": e.max_bytes,
-                "grants": e.grants, "returns": e.returns, "reclaims": e.reclaims,
-                "stats": dict(e.stats),
-            })
-        devices = [{**pool.status(name, held[name], cached[name], self.page_size), "backend": self.backend}
+            engines.append(p.EngineStatus(
+                engine_id=e.engine_id, namespace=e.namespace, pid=e.pid, device=e.device,
+                workers=len(e.workers), slabs=len(e.slabs), slab_bytes=e.slab_bytes,
+                held_bytes=e.held_bytes(), cached_bytes=e_cached,
+                live_blocks=sum(o[0] for o in e.mirror.slabs.values()),
+                cached_blocks=sum(o[1] for o in e.mirror.slabs.values()),
+                min_bytes=e.min_bytes, max_bytes=e.max_bytes,
+                grants=e.grants, returns=e.returns, reclaims=e.reclaims, stats=dict(e.stats)))
+        devices = [pool.status(name, self.backend, held[name], cached[name], self.page_size, quarantined[name])
                    for name, pool in self.pools.items()]
-        quarantined = sum(len(s.pages) + s.adopted_pages for e in self.departing.values() if e.failed
-                          for s in e.slabs.values())
-        first = devices[0]
-        total = {key: sum(d["memory"][key] for d in devices) for key in first["memory"]}
-        pages = {key: sum(d["pages"][key] for d in devices) for key in first["pages"]}
-        pages["quarantined"] = quarantined
-        return {
-            "device": first["device"], "backend": self.backend, "page_size": self.page_size,
-            "budget_bytes": sum(d["budget_bytes"] for d in devices), "memory": total, "pages": pages,
-            "devices": devices, "engines": engines,
-        }
+        return p.StatusReport(
+            device=devices[0].device, backend=self.backend, page_size=self.page_size,
+            budget_bytes=sum(d.budget_bytes for d in devices),
+            memory=p.MemoryStatus(**{k: sum(getattr(d.memory, k) for d in devices)
+                                     for k in ("held", "cached", "free", "unallocated")}),
+            pages=p.PageCounts(**{k: sum(getattr(d.pages, k) for d in devices)
+                                  for k in ("created", "free", "adopted", "quarantined")}),
+            devices=devices, engines=engines)
 
     def check(self) -> None:
         """Invariants 1 and 2 on every device (the tests and the simulator call it)."""

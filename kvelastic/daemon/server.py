@@ -135,7 +135,8 @@ class Daemon:
         try:
             msg = p.decode(frames[1])
         except _UNDECODABLE as exc:
-            self._perform(self.allocator.reject(identity, p.Reason.MALFORMED, f"cannot decode message: {exc}"))
+            self._perform(self.allocator.reject(identity, p.Reason.MALFORMED, f"cannot decode message: {exc}",
+                                                _req_id_of(frames[1])))
             return
         if isinstance(msg, p.RegisterWorker):
             self._service_peers(set(), now, eager=True)  # its greeting was sent just before
@@ -207,7 +208,7 @@ class Daemon:
         return []
 
     # -------------------------------------------------------------- status
-    def status(self) -> dict:
+    def status(self) -> p.StatusReport:
         return self.snapshot
 
     def check(self) -> None:
@@ -216,6 +217,19 @@ class Daemon:
             held = {pg for e in (*self.allocator.engines.values(), *self.allocator.departing.values())
                     for s in e.slabs.values() for pg, d in zip(s.pages, s.page_devices) if d == name}
             assert set(device.pages) == held | set(self.allocator.pools[name].free), f"device {name}: handles differ"
+
+
+class _RequestId(msgspec.Struct):
+    req_id: int = 0
+
+
+def _req_id_of(frame: bytes) -> int:
+    """The request id of a frame that did not decode, if it has one, so the
+    sender's request gets its typed error instead of a timeout."""
+    try:
+        return msgspec.msgpack.decode(frame, type=_RequestId).req_id
+    except _UNDECODABLE:
+        return 0
 
 
 def sd_notify(state: str) -> None:

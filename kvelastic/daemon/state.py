@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from kvelastic import protocol as p
 from kvelastic.core.journal import JournalBatch, Mirror
 
 
@@ -40,6 +41,18 @@ class SlabRecord:
     return_req: tuple[bytes, int] | None = None  # (client, Return req_id) answered once unmapped
     deadline: float = 0.0              # mapping/unmapping: every ack due by then
     late_grant: bool = False           # its grow was answered before it was mapped
+
+    # Lifecycle: MAPPING -> HELD -> UNMAPPING -> (gone: pages back to the pool);
+    # a slab that failed to map goes MAPPING -> UNMAPPING.
+    def mark_held(self) -> None:
+        assert self.phase is Phase.MAPPING and not self.failed, self
+        self.phase = Phase.HELD
+
+    def begin_unmap(self, waiting: set[int], deadline: float) -> None:
+        """Every rank in ``waiting`` must acknowledge the unmap by ``deadline``."""
+        self.phase = Phase.UNMAPPING
+        self.waiting = waiting
+        self.deadline = deadline
 
 
 @dataclasses.dataclass
@@ -164,11 +177,14 @@ class PagePool:
         for page in pages:
             self.free[page] = owner
 
-    def status(self, name: str, held: int, cached: int, page_size: int) -> dict:
-        return {"device": name, "budget_bytes": self.budget_pages * page_size,
-                "memory": {"held": held, "cached": cached, "free": len(self.free) * page_size,
-                           "unallocated": max(0, (self.budget_pages - self.in_use) * page_size)},
-                "pages": {"created": self.created, "free": len(self.free), "adopted": self.adopted}}
+    def status(self, name: str, backend: str, held: int, cached: int, page_size: int,
+               quarantined: int) -> p.DeviceStatus:
+        return p.DeviceStatus(
+            device=name, backend=backend, budget_bytes=self.budget_pages * page_size,
+            memory=p.MemoryStatus(held=held, cached=cached, free=len(self.free) * page_size,
+                                  unallocated=max(0, (self.budget_pages - self.in_use) * page_size)),
+            pages=p.PageCounts(created=self.created, free=len(self.free), adopted=self.adopted,
+                               quarantined=quarantined))
 
     def check(self, in_slabs: list[int], adopted: int) -> None:
         """Invariants 1 and 2 (``in_slabs``: this device's pages held in slabs)."""

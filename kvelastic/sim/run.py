@@ -166,8 +166,8 @@ def settle(w: World) -> None:
         w.deliver()
         w.perform(w.allocator.tick(w.now))
     status = w.allocator.status()
-    if status["memory"]["held"] or w.allocator.departing or w.allocator.engines:
-        w.violation(f"after every engine left: held {status['memory']['held']} bytes, "
+    if status.memory.held or w.allocator.departing or w.allocator.engines:
+        w.violation(f"after every engine left: held {status.memory.held} bytes, "
                     f"departing {sorted(w.allocator.departing)}")
     leaked = w.device.pages - set(w.allocator.pools["0"].free)
     if leaked:

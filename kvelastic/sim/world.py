@@ -92,7 +92,7 @@ class SimEngine:
         if self.pool.slab_ids():     # as the real client: a new daemon gets the whole index
             self.pool.take_journal()
             self.world.client_send(self.identity, p.Journal(
-                engine_id=self.name, ops=[(2, key, block) for key, block in self.pool.cached_keys()],
+                engine_id=self.name, ops=[p.StoreKey(key=key, block=block) for key, block in self.pool.cached_keys()],
                 occupancy=self.pool.occupancies()))
         for w in self.workers:
             self.start_worker(w)
@@ -128,12 +128,13 @@ class SimEngine:
         self.start(held)
 
     def send_bad_journal(self, rng: random.Random) -> None:
-        """A hostile journal: a plausible STORE for a block it holds, then a malformed op."""
+        """A hostile journal: a plausible STORE for a block it holds, then one
+        for a block of a slab it does not hold."""
         slabs = self.pool.slab_ids()
         if slabs:
             block = rng.choice(slabs) * BLOCKS_PER_SLAB
-            self.world.client_send(self.identity, p.Journal(engine_id=self.name, ops=[(2, b"forged", block), (2,)],
-                                                            occupancy={}))
+            ops = [p.StoreKey(key=b"forged", block=block), p.StoreKey(key=b"forged", block=10**6)]
+            self.world.client_send(self.identity, p.Journal(engine_id=self.name, ops=ops, occupancy={}))
 
     # ------------------------------------------------------------- messages
     def send(self, msg: p.Msg) -> int:
@@ -145,7 +146,7 @@ class SimEngine:
     def flush_journal(self) -> None:
         batch = self.pool.take_journal()
         if batch:
-            self.world.client_send(self.identity, p.Journal(engine_id=self.name, ops=batch.ops,
+            self.world.client_send(self.identity, p.Journal(engine_id=self.name, ops=p.journal_ops(batch.ops),
                                                             occupancy=batch.occupancy))
 
     def on_message(self, msg: p.Msg) -> None:

@@ -406,6 +406,11 @@ def _main() -> None:  # pragma: no cover - runs in the child
             # A journal on the engine's own connection (keys as hex; anything else as given).
             ops = [tuple(bytes.fromhex(x[4:]) if isinstance(x, str) and x.startswith("hex:") else x for x in o)
                    for o in cmd["ops"]]
+            try:   # as the wire carries them; an op that fits no wire op goes as given (and fails decoding)
+                ops = [p.journal_ops([op])[0] if isinstance(op[1] if len(op) > 1 else 0, (bytes, int))
+                       and all(isinstance(x, (bytes, int)) for x in op) else op for op in ops]
+            except (TypeError, KeyError, IndexError):
+                pass
             occupancy = {int(k): tuple(v) for k, v in cmd.get("occupancy", {}).items()}
             msg = p.Journal(engine_id=engine.engine_id, ops=ops, occupancy=occupancy)
             try:

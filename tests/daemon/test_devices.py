@@ -5,7 +5,9 @@ in-process on a thread with real sockets, real memfd pages and real workers.
 """
 
 import threading
+import time
 
+import msgspec
 import pytest
 
 from kvelastic.client.connection import DaemonError
@@ -50,7 +52,8 @@ def test_engines_draw_from_their_own_device(two_devices):
         assert a.ensure(16) and not a.ensure(20, timeout=2)       # device 0: 4 pages, all a's
         assert b.ensure(16)                                        # device 1 is untouched by a
         a.pool.take_slab_back(a.pool.slab_ids()[0])                # (pool side only: a keeps it held)
-        status = daemon.status()
+        time.sleep(0.3)                                            # a tick: the snapshot is fresh
+        status = msgspec.to_builtins(daemon.status())
         by_device = {d["device"]: d for d in status["devices"]}
         assert by_device["0"]["memory"]["held"] == 8 * MiB == by_device["1"]["memory"]["held"]
         assert status["budget_bytes"] == 16 * MiB

@@ -92,7 +92,10 @@ BAD_INPUTS = [
     ("bad_request", lambda d: d.request(p.Grow(engine_id="e1", slabs=0))),
     ("not_held", lambda d: d.request(p.Return(engine_id="e1", slabs=[999]))),
     ("not_held", lambda d: d.request(p.Return(engine_id="e1", slabs=[0, 0]))),
-    ("bad_journal", lambda d: d.request(p.Journal(engine_id="e1", ops=[(7, 1)], occupancy={}))),
+    ("malformed", lambda d: d.send_raw([msgspec.msgpack.encode(   # an op that is not one: refused at decoding
+        {"type": "Journal", "req_id": 1, "engine_id": "e1", "ops": [[7, 1]], "occupancy": {}})])),
+    ("bad_journal", lambda d: d.request(p.Journal(engine_id="e1", ops=[p.StoreKey(key=b"k", block=4000)],
+                                                  occupancy={}))),
     ("bad_journal", lambda d: d.request(p.Journal(engine_id="e1", ops=[], occupancy={0: (9, 9, 9)}))),
     ("unexpected", lambda d: d.request(p.Granted(slabs=[1]))),
     ("unexpected_ack", lambda d: d.request(p.Mapped(engine_id="e1", rank=0, slab=0))),

@@ -22,6 +22,7 @@ import sys
 import time
 
 import pytest
+import msgspec
 import zmq
 
 from kvelastic import protocol as p
@@ -338,7 +339,7 @@ def status(sock: pathlib.Path) -> dict:
         assert dealer.poll(5000), "the daemon did not answer Status"
         reply = p.decode(dealer.recv())
         assert isinstance(reply, p.StatusReply), reply
-        return reply.status
+        return msgspec.to_builtins(reply.status)
     finally:
         dealer.close(0)
 

@@ -96,9 +96,9 @@ def half_apply_journals(monkeypatch):
         engine = self.engines.get(m.engine_id)
         if engine is not None:
             for op in m.ops:
-                if len(op) != 3 or not isinstance(op[1], bytes):
+                if getattr(op, "block", 0) // engine.blocks_per_slab not in engine.slabs:
                     break
-                engine.mirror.apply(JournalBatch([op], {}))
+                engine.mirror.apply(JournalBatch([op.core()], {}))
         return original(self, identity, m)
     monkeypatch.setattr(Allocator, "_on_journal", on_journal)
     monkeypatch.setitem(Allocator._HANDLERS, allocator_mod.p.Journal, on_journal)
