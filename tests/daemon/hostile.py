@@ -316,6 +316,20 @@ def _late_to_notice(worker, delay: float) -> None:
     conn._lifeline_closed = late
 
 
+def _keep_mappings(worker) -> None:
+    """A hostile worker: it acknowledges every unmap but keeps the mapping
+    (``worker.stale``: slab -> arena offsets it still maps)."""
+    worker.stale = {}
+
+    def unmap(msg) -> None:
+        with worker._mu:
+            worker.stale[msg.slab] = worker.slabs.pop(msg.slab, msg.offsets)
+        worker.conn.send_now(p.Unmapped(req_id=msg.req_id, engine_id=worker.engine_id, rank=worker.rank,
+                                        slab=msg.slab))
+
+    worker._unmap = unmap
+
+
 def _view_op(workers, op: str, value: int) -> list[int]:
     values = []
     for worker in workers:
@@ -379,6 +393,8 @@ def _main() -> None:  # pragma: no cover - runs in the child
     for worker in workers:
         if cfg.get("notice_exit_after"):
             _late_to_notice(worker, cfg["notice_exit_after"])
+        if cfg.get("keep_mappings"):
+            _keep_mappings(worker)
     live: list = []
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -430,6 +446,8 @@ def _main() -> None:  # pragma: no cover - runs in the child
             with engine.lock:
                 pool.free(live[::-1])
             live.clear()
+        elif op == "read_stale":      # what the pages it kept mapped (acknowledged as unmapped) show now
+            out["values"] = [_peek_poke(w, o, None) for w in workers for offs in w.stale.values() for o in offs]
         elif op in ("write", "read"):
             out["values"] = _view_op(workers, op, cmd.get("value", 0))
         with engine.lock:
