@@ -65,6 +65,13 @@ class Reason(str, enum.Enum):
     ENGINE_GONE = "engine_gone"          # not a rejection: the answer to the grows of an engine that left
 
 
+# Bounds on what a client may send: everything the daemon keeps per engine is
+# proportional to what it holds, not to what it says.
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]       # engine ids, namespaces
+Key = Annotated[bytes, msgspec.Meta(max_length=256)]                    # a prefix-cache key
+Stats = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], int], msgspec.Meta(max_length=64)]
+
+
 class Msg(msgspec.Struct, tag=True, kw_only=True, array_like=False):
     req_id: int = 0
 
@@ -72,9 +79,9 @@ class Msg(msgspec.Struct, tag=True, kw_only=True, array_like=False):
 # ----------------------------------------------------------- engine -> daemon
 class RegisterEngine(Msg):
     version: int
-    engine_id: str
+    engine_id: Name
     pid: int
-    namespace: str
+    namespace: Name
     page_size: int
     pages_per_worker: int        # pages of one slab in one worker's arena
     num_workers: int             # workers that map every slab (TP ranks); 0: none
@@ -91,7 +98,7 @@ class RegisterEngine(Msg):
 
 class RegisterWorker(Msg):
     version: int
-    engine_id: str
+    engine_id: Name
     rank: int
     pid: int
     device: str = ""             # where this rank's pages live; "": the engine's device
@@ -99,7 +106,7 @@ class RegisterWorker(Msg):
 
 
 class Grow(Msg):
-    engine_id: str
+    engine_id: Name
     slabs: int                   # how many slabs wanted
     # Demand: the scheduler cannot admit or continue a request without these
     # slabs; only demand may reclaim from other engines. Otherwise a reserve
@@ -108,7 +115,7 @@ class Grow(Msg):
 
 
 class Return(Msg):
-    engine_id: str
+    engine_id: Name
     slabs: list[int]             # already taken back by the engine's pool
 
 
@@ -119,7 +126,7 @@ BlockId = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class StoreKey(msgspec.Struct, tag="store", array_like=True, frozen=True):
-    key: bytes
+    key: Key
     block: BlockId
 
     def core(self) -> tuple:
@@ -127,7 +134,7 @@ class StoreKey(msgspec.Struct, tag="store", array_like=True, frozen=True):
 
 
 class RemoveKey(msgspec.Struct, tag="remove", array_like=True, frozen=True):
-    key: bytes
+    key: Key
     block: BlockId
 
     def core(self) -> tuple:
@@ -163,36 +170,36 @@ def journal_ops(ops: list[tuple]) -> list[JournalOp]:
 
 
 class Journal(Msg):
-    engine_id: str
+    engine_id: Name
     ops: list[JournalOp]
     occupancy: dict[int, tuple[int, int, int]]
-    stats: dict[str, int] = {}   # cumulative pool counters (lookups, hits, evictions_*)
+    stats: Stats = {}            # cumulative pool counters (lookups, hits, evictions_*)
 
 
 class Heartbeat(Msg):
-    engine_id: str
+    engine_id: Name
 
 
 class Unregister(Msg):
-    engine_id: str
+    engine_id: Name
 
 
 # ------------------------------------------- client answers to daemon commands
 class ReclaimDone(Msg):
-    engine_id: str
+    engine_id: Name
     given: list[int]
     refused: list[int]
 
 
 class Mapped(Msg):
-    engine_id: str
+    engine_id: Name
     rank: int
     slab: int
     error: str = ""              # non-empty: the worker could not map it
 
 
 class Unmapped(Msg):
-    engine_id: str
+    engine_id: Name
     rank: int
     slab: int
 
@@ -203,7 +210,7 @@ class Status(Msg):
 
 
 class SetLimit(Msg):
-    engine_id: str
+    engine_id: Name
     min_bytes: int
     max_bytes: int
 
@@ -223,7 +230,7 @@ class Error(Msg):
 
 
 class Registered(Msg):
-    engine_id: str
+    engine_id: Name
     budget_bytes: int
     page_size: int
     max_slabs: int               # virtual capacity of the engine, in slabs
@@ -275,8 +282,8 @@ class DeviceStatus(msgspec.Struct, kw_only=True):
 
 
 class EngineStatus(msgspec.Struct, kw_only=True):
-    engine_id: str
-    namespace: str
+    engine_id: Name
+    namespace: Name
     pid: int
     device: str
     workers: int
@@ -365,7 +372,7 @@ def fd_socket_path(socket_path: str) -> str:
 
 class Hello(msgspec.Struct):
     version: int
-    engine_id: str
+    engine_id: Name
     rank: int                    # worker rank, or -1 for the engine's lifeline
 
 

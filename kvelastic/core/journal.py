@@ -58,29 +58,41 @@ class Mirror:
     def __init__(self) -> None:
         self.slabs: dict[int, Occupancy] = {}
         self.index: dict[Hashable, set[int]] = {}
+        # A block holds at most one key (as in the pool): a STORE replaces the
+        # block's old key, so the mirror never outgrows the blocks it covers.
+        self.key_of: dict[int, Hashable] = {}
 
     def apply(self, batch: JournalBatch) -> None:
         for op in batch.ops:
             code = op[0]
             if code == STORE:
+                if op[2] in self.key_of:
+                    self._unindex(self.key_of[op[2]], op[2])
                 self.index.setdefault(op[1], set()).add(op[2])
+                self.key_of[op[2]] = op[1]
             elif code == REMOVE:
-                holders = self.index.get(op[1])
-                if holders is not None:
-                    holders.discard(op[2])
-                    if not holders:
-                        del self.index[op[1]]
+                if self.key_of.get(op[2]) == op[1]:
+                    self._unindex(op[1], op[2])
             elif code == ADD_SLAB:
                 self.slabs[op[1]] = (0, 0, 0)
             elif code == REMOVE_SLAB:
                 self.slabs.pop(op[1], None)
             elif code == CLEAR:
                 self.index.clear()
+                self.key_of.clear()
             else:
                 raise ValueError(f"unknown journal op {op!r}")
         for slab_id, occ in batch.occupancy.items():
             if slab_id in self.slabs:
                 self.slabs[slab_id] = tuple(occ)
+
+    def _unindex(self, key: Hashable, block: int) -> None:
+        del self.key_of[block]
+        holders = self.index.get(key)
+        if holders is not None:
+            holders.discard(block)
+            if not holders:
+                del self.index[key]
 
     def index_pairs(self) -> set[tuple[Hashable, int]]:
         return {(key, block_id) for key, ids in self.index.items() for block_id in ids}

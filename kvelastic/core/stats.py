@@ -24,3 +24,10 @@ class PoolStats:
     def hit_rate(self) -> float:
         """Share of queried tokens served from the cache."""
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+# The counters an engine reports to the daemon (``Journal.stats``): the daemon
+# keeps these and no others.
+COUNTER_NAMES = frozenset(
+    [f.name for f in dataclasses.fields(PoolStats) if f.name != "evictions"]
+    + [f"evictions_{reason}" for reason in EVICTION_REASONS])

@@ -29,6 +29,7 @@ import dataclasses
 import logging
 from kvelastic import protocol as p
 from kvelastic.core.journal import JournalBatch
+from kvelastic.core.stats import COUNTER_NAMES
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.events import journal_events
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag, pick_victims
@@ -272,7 +273,8 @@ class Allocator:
             pages_per_worker=m.pages_per_worker, num_workers=m.num_workers,
             blocks_per_slab=m.blocks_per_slab, block_bytes=m.block_bytes, block_tokens=m.block_tokens,
             key_group_suffix=m.key_group_suffix, min_bytes=m.min_bytes,
-            max_bytes=m.max_bytes, max_slabs=max_slabs, device=device, identity=identity, last_seen=self._now)
+            max_bytes=m.max_bytes, max_slabs=max_slabs, device=device, identity=identity, last_seen=self._now,
+            stats=dict.fromkeys(sorted(COUNTER_NAMES), 0))   # every counter from registration on
         for slab_id in held:         # re-register after a daemon restart: adopt what it holds
             engine.slabs[slab_id] = SlabRecord(slab_id, [], [], Phase.HELD, set(), adopted_pages=slab_pages)
             pool.adopted += slab_pages
@@ -364,7 +366,13 @@ class Allocator:
                 raise Rejected(p.Reason.BAD_JOURNAL, f"block {op.block} lies in slab "
                                                      f"{op.block // engine.blocks_per_slab}, which engine "
                                                      f"{engine.engine_id} does not hold")
+        unknown = set(m.stats) - COUNTER_NAMES
+        if unknown:
+            raise Rejected(p.Reason.BAD_JOURNAL, f"unknown counters {sorted(unknown)[:3]}")
         for slab_id, occ in m.occupancy.items():
+            if slab_id not in known:
+                raise Rejected(p.Reason.BAD_JOURNAL, f"occupancy of slab {slab_id}, which engine "
+                                                     f"{engine.engine_id} does not hold")
             if len(occ) != 3 or sum(occ) != engine.blocks_per_slab or min(occ) < 0:
                 raise Rejected(p.Reason.BAD_JOURNAL, f"slab {slab_id}: occupancy {occ} does not add up to "
                                               f"{engine.blocks_per_slab} blocks")

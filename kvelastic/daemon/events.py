@@ -25,6 +25,9 @@ log = logging.getLogger("kvelastic.daemon")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+MAX_REPLAY_BYTES = 64 << 20   # replay history kept, whatever the batch count allows
+
+
 class KVEventPublisher:
     def __init__(self, ctx: zmq.Context, endpoint: str, replay_endpoint: str, buffer: int) -> None:
         self.pub = ctx.socket(zmq.PUB)
@@ -35,6 +38,7 @@ class KVEventPublisher:
         self.replay.bind(replay_endpoint)
         self.endpoints = (endpoint, replay_endpoint)
         self._buffer: collections.deque[tuple[int, bytes, bytes]] = collections.deque(maxlen=buffer)
+        self._buffered_bytes = 0
         self._seq = 0
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -44,7 +48,12 @@ class KVEventPublisher:
         payload = self._encoder.encode(p.KVEventBatch(ts=time.time(), events=events))
         seq = self._seq
         self._seq += 1
+        if len(self._buffer) == self._buffer.maxlen:
+            self._buffered_bytes -= len(self._buffer[0][2])
         self._buffer.append((seq, topic, payload))
+        self._buffered_bytes += len(payload)
+        while self._buffered_bytes > MAX_REPLAY_BYTES and len(self._buffer) > 1:   # bounded in bytes too
+            self._buffered_bytes -= len(self._buffer.popleft()[2])
         try:
             self.pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
         except zmq.Again:

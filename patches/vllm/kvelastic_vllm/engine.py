@@ -85,7 +85,7 @@ def namespace_of(vllm_config: Any, geometry: Geometry, config: Config) -> str:
     ident = "|".join(str(x) for x in (model.model, model.dtype, cache.block_size, geometry.block_stride,
                                        geometry.regions, getattr(cache, "prefix_caching_hash_algo", ""),
                                        config.tenant_salt))
-    name = os.path.basename(str(model.model).rstrip("/")) or "model"
+    name = (os.path.basename(str(model.model).rstrip("/")) or "model")[:64]   # the daemon caps names at 128
     return f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
 
 
