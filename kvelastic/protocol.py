@@ -35,6 +35,7 @@ RECLAIM_TIMEOUT = 1.0        # an owner that does not answer a reclaim in time r
 ACK_TIMEOUT = 5.0            # every worker maps or unmaps a slab within this, or its engine fails
 GROW_TIMEOUT = 5.0           # every grow is answered within this (with what could be granted)
 HELLO_TIMEOUT = 2.0          # a page channel's greeting must be complete within this
+REGISTER_TIMEOUT = 10.0      # a page channel whose engine is not registered by then is closed
 SEND_PAGES_TIMEOUT = 1.0     # a worker takes its page descriptors within this
 
 

@@ -25,6 +25,7 @@ from kvelastic.vmm import fdchannel
 
 log = logging.getLogger("kvelastic.daemon")
 MAX_HELLO = 4096
+MAX_GREETING = 256            # connections still greeting; more wait in the kernel's backlog
 
 
 @dataclasses.dataclass
@@ -32,6 +33,7 @@ class Peer:
     channel: fdchannel.FdChannel
     engine_id: str
     rank: int           # -1: the engine itself
+    since: float = 0.0  # greeted at
 
 
 @dataclasses.dataclass
@@ -50,12 +52,29 @@ class PeerTable:
         self.by_fd: dict[int, Peer] = {}
         self.greeting: dict[int, Greeting] = {}
         self.accept_paused_until = 0.0
+        self.listening = True
+
+    def _listen(self, on: bool) -> None:
+        if on != self.listening:
+            (self.poller.register(self.listener.fileno(), zmq.POLLIN) if on
+             else self.poller.unregister(self.listener.fileno()))
+            self.listening = on
 
     def accept(self, now: float) -> None:
-        """Take every waiting connection (their greetings are read as they come)."""
-        if now < self.accept_paused_until:
+        """Take waiting connections (their greetings are read as they come).
+        While too many are greeting, or the process is out of descriptors, the
+        listener leaves the poller (it would be readable on every pass) and the
+        kernel's backlog holds the rest."""
+        if self.listening and now < self.accept_paused_until:
+            self._listen(False)
+        if not self.listening and now >= self.accept_paused_until and len(self.greeting) < MAX_GREETING:
+            self._listen(True)
+        if not self.listening:
             return
         while True:
+            if len(self.greeting) >= MAX_GREETING:
+                self._listen(False)
+                return
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -63,6 +82,7 @@ class PeerTable:
             except OSError as exc:   # out of file descriptors: try again shortly, never crash
                 log.error("page channel: cannot accept a connection: %s", exc)
                 self.accept_paused_until = now + 0.5
+                self._listen(False)
                 return
             conn.setblocking(False)
             self.greeting[conn.fileno()] = Greeting(conn, now + p.HELLO_TIMEOUT)
@@ -88,7 +108,7 @@ class PeerTable:
             hello, why = self._parse(g.data)
             if hello is not None:
                 del self.greeting[fd]
-                peer = Peer(fdchannel.FdChannel(g.sock), hello.engine_id, hello.rank)
+                peer = Peer(fdchannel.FdChannel(g.sock), hello.engine_id, hello.rank, now)
                 self.by_fd[fd] = peer
                 opened.append(peer)
             elif why or now > g.deadline:
@@ -148,6 +168,13 @@ class PeerTable:
             log.warning("page channel of %s rank %d: unexpected data after the hello; closing it",
                         self.by_fd[fd].engine_id, self.by_fd[fd].rank)
         return True
+
+    def unclaimed(self, known: set[str], now: float) -> list[int]:
+        """Channels open for ``REGISTER_TIMEOUT`` whose engine is not registered
+        (or departing): nobody's, so they are closed (a cap on what any local
+        process can hold open)."""
+        return [fd for fd, peer in self.by_fd.items()
+                if peer.engine_id not in known and now - peer.since > p.REGISTER_TIMEOUT]
 
     def drop(self, fd: int) -> Peer:
         """The peer on ``fd`` closed its end: forget it."""

@@ -85,6 +85,7 @@ class Daemon:
                 last_tick = now
                 try:
                     self._perform(self.allocator.tick(now))
+                    self._close_unclaimed(now)
                 except Exception:
                     log.exception("internal error in the periodic pass")
                 # /metrics reads this from its own thread: a fresh immutable copy
@@ -110,7 +111,7 @@ class Daemon:
     def _service_peers(self, ready: set[int], now: float, eager: bool = False) -> None:
         """Accept, read greetings, notice closed peers. ``eager``: read every
         greeting now (a worker's registration follows its greeting at once)."""
-        if eager or self.peers.listener.fileno() in ready:
+        if eager or not self.peers.listening or self.peers.listener.fileno() in ready:
             self.peers.accept(now)
         opened, bad = self.peers.read_greetings(set(self.peers.greeting) if eager else ready, now)
         for _ in range(bad):
@@ -119,6 +120,14 @@ class Daemon:
             self._perform(self.allocator.peer_opened(peer.engine_id, peer.rank, now))
         for fd in [fd for fd in ready if fd in self.peers.by_fd and self.peers.closed(fd)]:
             peer = self.peers.drop(fd)
+            self._perform(self.allocator.peer_closed(peer.engine_id, peer.rank, now))
+
+    def _close_unclaimed(self, now: float) -> None:
+        known = set(self.allocator.engines) | set(self.allocator.departing)
+        for fd in self.peers.unclaimed(known, now):
+            peer = self.peers.drop(fd)
+            log.warning("page channel of %s rank %d closed: no such engine registered within %g s",
+                        peer.engine_id, peer.rank, p.REGISTER_TIMEOUT)
             self._perform(self.allocator.peer_closed(peer.engine_id, peer.rank, now))
 
     def _dispatch(self, frames: list[bytes]) -> None:
