@@ -25,7 +25,7 @@ log = logging.getLogger("kvelastic.daemon")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-MAX_REPLAY_BYTES = 64 << 20   # replay history kept, whatever the batch count allows
+MAX_REPLAY_BYTES = 16 << 20   # replay history kept, whatever the batch count allows
 
 
 class KVEventPublisher:

@@ -42,6 +42,7 @@ def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = 
         engine.start()
     last_beat = last_tick = 0.0
     down: dict[str, float] = {}                # crashed engine -> restart time
+    doomed: dict[str, float] = {}              # engine whose worker died -> its own crash
     for _ in range(steps):
         w.now += rng.expovariate(1 / 0.02)
         w.deliver()
@@ -57,16 +58,27 @@ def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = 
             if w.now >= at:
                 del down[name]
                 next(e for e in w.engines if e.name == name).start()
+        for name, at in list(doomed.items()):    # a dead worker's engine follows it
+            if w.now >= at:
+                del doomed[name]
+                engine = next(e for e in w.engines if e.name == name)
+                engine.crash()
+                down[name] = w.now + rng.uniform(0.1, 2.0)
         engine = rng.choice(w.engines)
         r = rng.random()
         if not faults or r < 0.80:
             if engine.alive:
                 step_boundary(engine, rng)
                 engine.work(rng, w.now)
-        elif r < 0.83 and engine.alive:
-            injected["engine_crash"] += 1
-            engine.crash()
-            down[engine.name] = w.now + rng.uniform(0.1, 2.0)
+        elif r < 0.83 and engine.alive and not engine.dying:
+            if engine.workers and rng.random() < 0.4:
+                injected["worker_crash"] += 1
+                engine.kill_worker(rng.choice(engine.workers))
+                doomed[engine.name] = w.now + rng.uniform(0.05, 0.5)
+            else:
+                injected["engine_crash"] += 1
+                engine.crash()
+                down[engine.name] = w.now + rng.uniform(0.1, 2.0)
         elif r < 0.84:
             injected["daemon_restart"] += 1
             corrupt = engine if engine.alive and rng.random() < 0.3 else None
@@ -118,7 +130,7 @@ def check(w: World) -> None:
     alloc = w.allocator
     free = set(alloc.pools["0"].free)
     for engine in w.engines:
-        if not engine.alive:
+        if not engine.alive or engine.dying:
             continue
         for slab_id, (live, _cached, _free) in engine.pool.occupancies().items():
             for worker in engine.workers:

@@ -70,6 +70,7 @@ class SimEngine:
         self.live: list = []                   # allocated blocks (lists) of running "requests"
         self.pending: dict[int, tuple[float, bool]] = {}   # Grow req_id -> (sent at, demand)
         self.alive = False
+        self.dying = False                     # a worker died: the engine follows it shortly (as vLLM does)
         self.registered = False
         self.stepping = False                  # a model step in flight: unmaps wait for its end
         self.demand_share = demand_share
@@ -106,14 +107,26 @@ class SimEngine:
         self.world.client_send(w.identity, p.RegisterWorker(version=p.PROTOCOL_VERSION, engine_id=self.name,
                                                             rank=w.rank, pid=2000 + w.rank, mapped=sorted(w.mapped)))
 
+    def kill_worker(self, w: SimWorker) -> None:
+        """One worker dies (kill -9, OOM): its mappings vanish; the engine is doomed."""
+        self.dying = True
+        self.world.close(w.identity)
+        self.world.close_peer(self, w.rank)
+        w.mapped.clear()
+        w.channel.clear()
+
+    def disconnect(self) -> None:
+        """Close every connection still open (a dead worker's already is)."""
+        for identity, rank in [(self.identity, -1)] + [(w.identity, w.rank) for w in self.workers]:
+            if identity in self.world.wires:
+                self.world.close(identity)
+                self.world.close_peer(self, rank)
+
     def crash(self) -> None:
         """kill -9 of the engine and its workers: every connection closes, mappings vanish."""
-        self.alive = self.registered = False
-        self.world.close(self.identity)
-        self.world.close_peer(self, -1)
+        self.alive = self.registered = self.dying = False
+        self.disconnect()
         for w in self.workers:
-            self.world.close(w.identity)
-            self.world.close_peer(self, w.rank)
             w.mapped.clear()
             w.channel.clear()
         self.pool = SlabPool(BLOCKS_PER_SLAB, block_size=16)
@@ -154,12 +167,9 @@ class SimEngine:
             self.registered, self.max_slabs = True, msg.max_slabs
             return
         if isinstance(msg, p.Error) and msg.reason == p.Reason.BAD_ADOPTION.value:
-            self.world.close(self.identity)      # refused: reconnect and register what it really holds
-            self.world.close_peer(self, -1)
-            for w in self.workers:
-                self.world.close(w.identity)
-                self.world.close_peer(self, w.rank)
-            self.start()
+            if not self.dying:                   # refused: reconnect and register what it really holds
+                self.disconnect()
+                self.start()
             return
         if isinstance(msg, (p.Granted, p.Error)) and msg.req_id in self.pending:
             del self.pending[msg.req_id]
@@ -167,7 +177,8 @@ class SimEngine:
             for slab_id in msg.slabs:
                 if slab_id not in self.pool.slab_ids():
                     self.pool.add_slab(slab_id)
-                    self.world.check_slab_mapped(self, slab_id)
+                    if not self.dying:
+                        self.world.check_slab_mapped(self, slab_id)
         elif isinstance(msg, p.Reclaim):
             given, refused = [], []
             for slab_id in msg.slabs:
@@ -208,7 +219,7 @@ class SimEngine:
                 self.unmap(w, msg)
 
     def unmap(self, w: SimWorker, msg: p.UnmapSlab) -> None:
-        if msg.slab in self.pool.slab_ids() and self.pool.occupancy(msg.slab)[0]:
+        if not self.dying and msg.slab in self.pool.slab_ids() and self.pool.occupancy(msg.slab)[0]:
             self.world.violation(f"engine {self.name}: slab {msg.slab} unmapped under a live block")
         w.mapped.pop(msg.slab, None)
         self.world.client_send(w.identity, p.Unmapped(req_id=msg.req_id, engine_id=self.name, rank=w.rank,
@@ -217,7 +228,7 @@ class SimEngine:
     # ------------------------------------------------------------- workload
     def work(self, rng: random.Random, now: float) -> None:
         """One random pool operation, as a scheduler step would do it."""
-        if not self.registered:
+        if not self.registered or self.dying:
             return
         pool = self.pool
         op = rng.random()
