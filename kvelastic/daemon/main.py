@@ -54,6 +54,7 @@ def prepare_socket_dir(path: str) -> None:
     over a live daemon; a stale socket from a crash is removed."""
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, mode=0o750, exist_ok=True)
+    check_socket_dir(folder)
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(fd_socket_path(path))
@@ -68,6 +69,19 @@ def prepare_socket_dir(path: str) -> None:
             os.unlink(stale)
         except FileNotFoundError:
             pass
+
+
+def check_socket_dir(folder: str) -> None:
+    """Refuse a socket folder that someone else could use to squat or delete
+    the daemon's sockets: it must be the daemon user's (or root's) and not
+    writable by others (a predictable /tmp path may have been made by anyone)."""
+    st = os.stat(folder)
+    if st.st_uid not in (os.geteuid(), 0):
+        raise KvelasticError(f"the socket folder {folder} belongs to uid {st.st_uid}, not to this user "
+                             f"(uid {os.geteuid()}): remove it, or set KVELASTIC_SOCKET to a folder you own")
+    if st.st_mode & 0o002:
+        raise KvelasticError(f"the socket folder {folder} is writable by every user (mode {st.st_mode & 0o7777:o}): "
+                             f"run 'chmod o-w {folder}', or set KVELASTIC_SOCKET to a folder of your own")
 
 
 def raise_fd_limit() -> None:

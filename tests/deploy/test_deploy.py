@@ -445,3 +445,20 @@ def test_kv_event_sockets_are_private_and_removed_on_stop(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
     assert not any(p.exists() for p in events)
+
+
+def test_a_squattable_socket_folder_is_refused(tmp_path):
+    """A folder others can write (or that another user made, as with a
+    predictable /tmp path) would let them delete or replace the sockets."""
+    for mode, owner, says in ((0o777, None, "writable by every user"), (0o750, 65534, "belongs to uid 65534")):
+        folder = tmp_path / f"squat-{mode:o}-{owner}"
+        folder.mkdir()
+        os.chmod(folder, mode)
+        if owner is not None:
+            if os.geteuid() != 0:
+                continue                      # only root can hand a folder to another user
+            os.chown(folder, owner, owner)
+        out = subprocess.run([sys.executable, "-m", "kvelastic", "daemon"], env=daemon_env(folder / "kv.sock", None),
+                             capture_output=True, text=True, timeout=20, cwd=ROOT)
+        assert out.returncode == 1 and says in out.stderr and "KVELASTIC_SOCKET" in out.stderr, out.stderr
+        assert not (folder / "kv.sock").exists()
