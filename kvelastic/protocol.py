@@ -63,6 +63,9 @@ class Reason(str, enum.Enum):
     BAD_HELLO = "bad_hello"              # a page channel's greeting was invalid or too slow
     BAD_ADOPTION = "bad_adoption"        # a re-registration's held slabs do not fit
     BUSY = "busy"                        # too many grows pending for one engine
+    NOT_OWNER = "not_owner"              # names an engine that another connection registered
+    BAD_TOKEN = "bad_token"              # an engine's secret missing or wrong
+    NOT_ALLOWED = "not_allowed"          # a page channel from a user outside the daemon's user and group
     ENGINE_GONE = "engine_gone"          # not a rejection: the answer to the grows of an engine that left
 
 
@@ -71,6 +74,10 @@ class Reason(str, enum.Enum):
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]       # engine ids, namespaces
 Key = Annotated[bytes, msgspec.Meta(max_length=256)]                    # a prefix-cache key
 Stats = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], int], msgspec.Meta(max_length=64)]
+# An engine's registration secret: given to it over its own connection, and
+# shown by its workers (RegisterWorker, the page channel's Hello) and by its
+# own re-registrations. Nobody else can act for that engine without it.
+Token = Annotated[bytes, msgspec.Meta(max_length=64)]
 
 
 class Msg(msgspec.Struct, tag=True, kw_only=True, array_like=False):
@@ -95,6 +102,7 @@ class RegisterEngine(Msg):
     max_bytes: int = 0           # 0: no cap beyond the budget
     held: list[int] = []         # slab ids still held (re-register after a daemon restart)
     occupancy: dict[int, tuple[int, int, int]] = {}
+    token: Token = b""           # its secret, when it re-registers (after a reconnect or a daemon restart)
 
 
 class RegisterWorker(Msg):
@@ -104,6 +112,7 @@ class RegisterWorker(Msg):
     pid: int
     device: str = ""             # where this rank's pages live; "": the engine's device
     mapped: list[int] = []       # slab ids mapped (re-register after a daemon restart)
+    token: Token = b""           # its engine's secret
 
 
 class Grow(Msg):
@@ -236,6 +245,7 @@ class Registered(Msg):
     page_size: int
     max_slabs: int               # virtual capacity of the engine, in slabs
     pages_per_worker: int = 1    # a worker's arena: page_size * max_slabs * pages_per_worker
+    token: Token = b""           # to an engine: its secret (keep it; give it to its workers)
 
 
 class Granted(Msg):
@@ -375,10 +385,11 @@ class Hello(msgspec.Struct):
     version: int
     engine_id: Name
     rank: int                    # worker rank, or -1 for the engine's lifeline
+    token: Token = b""           # a worker's: its engine's secret (descriptors go only to such a channel)
 
 
-def write_hello(sock, engine_id: str, rank: int) -> None:
-    data = msgspec.msgpack.encode(Hello(PROTOCOL_VERSION, engine_id, rank))
+def write_hello(sock, engine_id: str, rank: int, token: bytes = b"") -> None:
+    data = msgspec.msgpack.encode(Hello(PROTOCOL_VERSION, engine_id, rank, token))
     sock.sendall(len(data).to_bytes(4, "little") + data)
 
 

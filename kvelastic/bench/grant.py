@@ -41,7 +41,8 @@ def engine_loop(socket_path: str, engine_id: str, rounds: int, backend: str) -> 
     engine = EngineClient(pool, socket_path=socket_path, engine_id=engine_id, namespace="bench",
                           page_size=PAGE, pages_per_worker=1, num_workers=1, block_bytes=PAGE // 8,
                           low_watermark=0, shrink_grace=3600).start()
-    worker = WorkerClient(get_backend(backend), socket_path=socket_path, engine_id=engine_id, rank=0).start()
+    worker = WorkerClient(get_backend(backend), socket_path=socket_path, engine_id=engine_id, rank=0,
+                          token=engine.token).start()
     grants, returns = [], []
     try:
         for i in range(rounds + 5):

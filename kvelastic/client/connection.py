@@ -30,7 +30,7 @@ log = logging.getLogger("kvelastic.client")
 BACKOFF_MIN, BACKOFF_MAX = 0.05, 2.0
 NO_SOCKET_GRACE = 3.0
 # A registration refused for one of these will be refused again: fail at start.
-FATAL_REASONS = ("version", "geometry", "engine_exists", "limit", "unknown_device", "bad_rank")
+FATAL_REASONS = ("version", "geometry", "engine_exists", "limit", "unknown_device", "bad_rank", "bad_token")
 
 
 class DaemonUnavailable(KvelasticError):
@@ -63,6 +63,7 @@ class Connection:
         self.socket_path = socket_path
         self.engine_id = engine_id
         self.rank = rank
+        self.token = b""           # a worker's: its engine's secret, shown in the page channel's hello
         self._handshake = handshake
         self._on_command = on_command
         self._on_tick = on_tick
@@ -179,7 +180,7 @@ class Connection:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(2.0)
             sock.connect(p.fd_socket_path(self.socket_path))
-            p.write_hello(sock, self.engine_id, self.rank)
+            p.write_hello(sock, self.engine_id, self.rank, self.token)
             sock.settimeout(None)
         except OSError:
             sock.close()

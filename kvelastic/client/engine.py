@@ -69,6 +69,7 @@ class EngineClient:
         self.lock = threading.RLock()
         self.max_slabs = 0
         self.budget_bytes = 0
+        self.token = b""                   # this engine's secret, from its first registration
         self.refused_until = 0.0           # after a refused grow, no prefetch for a while
         self._grow_in_flight = False       # a reserve grow awaits its answer
         self._grow_answered = threading.Event()
@@ -109,8 +110,11 @@ class EngineClient:
             self.lock.release()
         reply = conn.call_now(p.RegisterEngine(
             version=p.PROTOCOL_VERSION, engine_id=self.engine_id, pid=os.getpid(),
-            namespace=self.namespace, held=held, occupancy=occupancy, **self.geometry))
+            namespace=self.namespace, held=held, occupancy=occupancy, token=self.token, **self.geometry))
         self.max_slabs, self.budget_bytes = reply.max_slabs, reply.budget_bytes
+        # Kept for good: a re-registration (also with a restarted daemon) shows
+        # it, and so do this engine's workers (``WorkerClient(token=...)``).
+        self.token = reply.token
         self._grow_in_flight = False
         self._grow_answered.set()
         if held:  # a restarted daemon has an empty mirror: send the whole index

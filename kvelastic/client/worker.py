@@ -25,7 +25,8 @@ log = logging.getLogger("kvelastic.client")
 
 
 class WorkerClient:
-    def __init__(self, backend: Backend, *, socket_path: str, engine_id: str, rank: int, device: str = "") -> None:
+    def __init__(self, backend: Backend, *, socket_path: str, engine_id: str, rank: int, device: str = "",
+                 token: bytes = b"") -> None:
         self.backend = backend
         self.engine_id = engine_id
         self.rank = rank
@@ -38,6 +39,7 @@ class WorkerClient:
         self._deferred: list[p.UnmapSlab] = []
         self.conn = Connection(socket_path, engine_id, rank, handshake=self._register,
                                on_command=self._on_command, name=f"kvelastic-worker-{engine_id}-{rank}")
+        self.conn.token = token    # the engine's secret: descriptors come only to a channel that shows it
 
     def start(self, timeout: float = 10.0) -> WorkerClient:
         self.conn.start(timeout)
@@ -51,7 +53,7 @@ class WorkerClient:
     def _register(self, conn: Connection) -> None:
         reply = conn.call_now(p.RegisterWorker(version=p.PROTOCOL_VERSION, engine_id=self.engine_id,
                                                rank=self.rank, pid=os.getpid(), device=self.device,
-                                               mapped=sorted(self.slabs)))
+                                               mapped=sorted(self.slabs), token=conn.token))
         if self.arena is None:
             # The engine's whole virtual capacity: one region per page of a slab.
             self.max_slabs = reply.max_slabs

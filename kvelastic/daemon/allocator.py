@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
+from collections.abc import Callable
 from kvelastic import protocol as p
 from kvelastic.core.journal import JournalBatch
 from kvelastic.core.stats import COUNTER_NAMES
@@ -95,7 +97,8 @@ class ReclaimRequest:
 
 class Allocator:
     def __init__(self, budgets: dict[str, int], page_size: int, *, backend: str = "host",
-                 timing: Timing = Timing(), events: bool = True) -> None:
+                 timing: Timing = Timing(), events: bool = True,
+                 token_source: Callable[[], bytes] = lambda: secrets.token_bytes(16)) -> None:
         """``budgets``: device name -> budget in pages (the first is the default device)."""
         self.pools = {name: PagePool(pages) for name, pages in budgets.items()}
         self.backend = backend
@@ -113,7 +116,10 @@ class Allocator:
         self._progressing = self._again = False
         self.reclaims: dict[int, ReclaimRequest] = {}
         self.returns: dict[tuple[bytes, int], ReturnRequest] = {}   # by (client, Return req_id)
-        self.peers: dict[tuple[str, int], int] = {}        # (engine id, rank) -> open channels
+        # Open page channels and lifelines: (engine id, rank) -> {token shown in the hello: count}.
+        # A worker's process counts as alive only through channels that showed its engine's secret.
+        self.peers: dict[tuple[str, int], dict[bytes, int]] = {}
+        self._token_source = token_source
         self._next_req = 1 << 32
         self._next_page = 0
         self._out: list[fx.Effect] = []
@@ -142,25 +148,29 @@ class Allocator:
         log.warning("rejected a frame: %s (%s)", message, reason.value)
         return [fx.Rejected(reason), fx.Send(identity, p.Error(req_id=req_id, reason=reason.value, message=message))]
 
-    def peer_opened(self, engine_id: str, rank: int, now: float) -> list[fx.Effect]:
+    def peer_opened(self, engine_id: str, rank: int, now: float, token: bytes = b"") -> list[fx.Effect]:
         self._now = now
-        key = (engine_id, rank)
-        self.peers[key] = self.peers.get(key, 0) + 1
+        tokens = self.peers.setdefault((engine_id, rank), {})
+        tokens[token] = tokens.get(token, 0) + 1
         self._progress_grows()
         return self._take()
 
-    def peer_closed(self, engine_id: str, rank: int, now: float) -> list[fx.Effect]:
+    def peer_closed(self, engine_id: str, rank: int, now: float, token: bytes = b"") -> list[fx.Effect]:
         """A lifeline or page channel closed: that process is gone (or going)."""
         self._now = now
         key = (engine_id, rank)
-        self.peers[key] -= 1
-        if self.peers[key] > 0:
-            return self._take()
-        del self.peers[key]
+        tokens = self.peers[key]
+        tokens[token] -= 1
+        if not tokens[token]:
+            del tokens[token]
+        if not tokens:
+            del self.peers[key]
         gone = self.departing.get(engine_id)
+        engine = self.engines.get(engine_id)
+        if any(self._alive(e, rank) for e in (gone, engine) if e is not None):
+            return self._take()     # another channel of that process (or an impostor's) closed
         if gone is not None:              # nothing of that process maps its pages now
             self._settle_departed(gone)
-        engine = self.engines.get(engine_id)
         # A worker that never finished registering (it came back before its
         # engine after a daemon restart) takes nothing with it.
         if engine is not None and (rank < 0 or rank in engine.workers):
@@ -168,6 +178,12 @@ class Allocator:
             engine.workers.pop(rank, None)
             self._drop(engine, f"{who} disconnected")
         return self._take()
+
+    def _alive(self, engine: EngineRecord, rank: int) -> bool:
+        """A channel of that process is open: any lifeline for the engine itself,
+        for a worker only one that showed the engine's secret."""
+        tokens = self.peers.get((engine.engine_id, rank), {})
+        return bool(tokens) if rank < 0 else tokens.get(engine.token, 0) > 0
 
     def channel_failed(self, engine_id: str, rank: int, why: str, now: float) -> list[fx.Effect]:
         """Page descriptors could not be sent to a worker in time: the engine is failed."""
@@ -237,6 +253,13 @@ class Allocator:
             raise Rejected(p.Reason.UNKNOWN_ENGINE, f"engine {engine_id!r} is not registered")
         return engine
 
+    def _own_engine(self, identity: bytes, engine_id: str) -> EngineRecord:
+        """The engine ``engine_id``, if ``identity`` is the connection that registered it."""
+        engine = self._engine(engine_id)
+        if identity != engine.identity:
+            raise Rejected(p.Reason.NOT_OWNER, f"engine {engine_id!r} was registered by another connection")
+        return engine
+
     def _on_register_engine(self, identity: bytes, m: p.RegisterEngine) -> p.Msg:
         if m.version != p.PROTOCOL_VERSION:
             raise Rejected(p.Reason.VERSION, f"protocol version {m.version}; this daemon speaks {p.PROTOCOL_VERSION}")
@@ -248,8 +271,9 @@ class Allocator:
             raise Rejected(p.Reason.GEOMETRY, "engine id, pages_per_worker, blocks_per_slab, block_bytes must be "
                                        "positive and min_bytes <= max_bytes")
         old = self.engines.get(m.engine_id)
-        if old is not None and old.pid != m.pid:
-            raise Rejected(p.Reason.ENGINE_EXISTS, f"engine {m.engine_id!r} is registered by pid {old.pid}")
+        if old is not None and (not m.token or m.token != old.token):
+            raise Rejected(p.Reason.ENGINE_EXISTS, f"engine {m.engine_id!r} is registered by another process "
+                                                   f"(pid {old.pid}); a re-registration needs its secret")
         device = m.device or self.default_device
         if device not in self.pools:
             raise Rejected(p.Reason.UNKNOWN_DEVICE, f"device {device!r}; this daemon has {', '.join(self.pools)}")
@@ -265,7 +289,7 @@ class Allocator:
             old.identity, old.last_seen = identity, self._now
             log.info("engine %s reconnected", m.engine_id)
             return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
-                                max_slabs=old.max_slabs)
+                                max_slabs=old.max_slabs, token=old.token)
         max_slabs = cap // (slab_pages * self.page_size)
         held = self._check_adoption(m, pool, slab_pages, max_slabs)
         engine = EngineRecord(
@@ -274,7 +298,9 @@ class Allocator:
             blocks_per_slab=m.blocks_per_slab, block_bytes=m.block_bytes, block_tokens=m.block_tokens,
             key_group_suffix=m.key_group_suffix, min_bytes=m.min_bytes,
             max_bytes=m.max_bytes, max_slabs=max_slabs, device=device, identity=identity, last_seen=self._now,
-            stats=dict.fromkeys(sorted(COUNTER_NAMES), 0))   # every counter from registration on
+            stats=dict.fromkeys(sorted(COUNTER_NAMES), 0),   # every counter from registration on
+            # A re-registration after a daemon restart keeps the secret its workers already hold.
+            token=m.token or self._token_source())
         for slab_id in held:         # re-register after a daemon restart: adopt what it holds
             engine.slabs[slab_id] = SlabRecord(slab_id, [], [], Phase.HELD, set(), adopted_pages=slab_pages)
             pool.adopted += slab_pages
@@ -284,7 +310,7 @@ class Allocator:
                  "virtual capacity %d slabs%s", m.engine_id, m.namespace, m.pid, m.num_workers,
                  engine.slab_bytes, max_slabs, f", adopted {len(held)} slab(s)" if held else "")
         return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
-                            max_slabs=max_slabs)
+                            max_slabs=max_slabs, token=engine.token)
 
     def _check_adoption(self, m: p.RegisterEngine, pool: PagePool, slab_pages: int, max_slabs: int) -> list[int]:
         """Slabs a re-registering engine says it holds: each once, inside its
@@ -309,13 +335,16 @@ class Allocator:
         if m.version != p.PROTOCOL_VERSION:
             raise Rejected(p.Reason.VERSION, f"protocol version {m.version}; this daemon speaks {p.PROTOCOL_VERSION}")
         engine = self._engine(m.engine_id)
+        if m.token != engine.token:      # first: without the secret, nothing else about the engine is told
+            raise Rejected(p.Reason.BAD_TOKEN, f"worker {m.rank} of {m.engine_id}: not its engine's secret")
         if not 0 <= m.rank < engine.num_workers:
             raise Rejected(p.Reason.BAD_RANK, f"rank {m.rank} of engine {m.engine_id} with {engine.num_workers} workers")
         device = m.device or engine.device
         if device not in self.pools:
             raise Rejected(p.Reason.UNKNOWN_DEVICE, f"device {device!r}; this daemon has {', '.join(self.pools)}")
-        if (m.engine_id, m.rank) not in self.peers:
-            raise Rejected(p.Reason.NO_CHANNEL, f"worker {m.rank} of {m.engine_id} has not opened its page channel")
+        if not self._alive(engine, m.rank):
+            raise Rejected(p.Reason.NO_CHANNEL, f"worker {m.rank} of {m.engine_id} has not opened its page channel "
+                                                f"with its engine's secret")
         engine.workers[m.rank] = identity
         engine.worker_devices[m.rank] = device
         log.info("engine %s: worker %d registered (pid %d)", m.engine_id, m.rank, m.pid)
@@ -325,12 +354,11 @@ class Allocator:
                             pages_per_worker=engine.pages_per_worker)
 
     def _on_heartbeat(self, identity: bytes, m: p.Heartbeat) -> None:
-        engine = self._engine(m.engine_id)
+        engine = self._own_engine(identity, m.engine_id)
         engine.last_seen = self._now
-        engine.identity = identity
 
     def _on_unregister(self, identity: bytes, m: p.Unregister) -> p.Msg:
-        self._drop(self._engine(m.engine_id), "unregistered")
+        self._drop(self._own_engine(identity, m.engine_id), "unregistered")
         return p.Ok()
 
     def _on_set_limit(self, identity: bytes, m: p.SetLimit) -> p.Msg:
@@ -357,7 +385,7 @@ class Allocator:
 
     # ================================================================ journal
     def _on_journal(self, identity: bytes, m: p.Journal) -> None:
-        engine = self._engine(m.engine_id)
+        engine = self._own_engine(identity, m.engine_id)
         # Decoding checked every op's shape and types; what is left to check
         # whole, before anything is applied, is that they name held slabs.
         known = set(engine.slabs) | {op.slab for op in m.ops if isinstance(op, p.AddSlab)}
@@ -387,7 +415,7 @@ class Allocator:
 
     # ================================================================ grow
     def _on_grow(self, identity: bytes, m: p.Grow) -> None:
-        engine = self._engine(m.engine_id)
+        engine = self._own_engine(identity, m.engine_id)
         if not 1 <= m.slabs <= MAX_GROW:
             raise Rejected(p.Reason.BAD_REQUEST, f"grow by {m.slabs} slabs (1..{MAX_GROW})")
         if engine.pending_grows >= MAX_PENDING_GROWS:
@@ -522,13 +550,16 @@ class Allocator:
         for rank in range(engine.num_workers):
             mine = pages[rank * engine.pages_per_worker:(rank + 1) * engine.pages_per_worker]
             offsets = engine.worker_offsets(slab_id, rank)
-            self._out.append(fx.SendPages(engine.engine_id, rank, engine.worker_devices[rank], tuple(mine)))
+            self._out.append(fx.SendPages(engine.engine_id, rank, engine.worker_devices[rank], tuple(mine),
+                                          engine.token))
             self._command(engine.workers[rank], p.MapSlab(slab=slab_id, pages=list(zip(mine, offsets))))
         if not slab.waiting:
             self._mapped(engine, slab)
 
     def _on_mapped(self, identity: bytes, m: p.Mapped) -> None:
         engine = self._engine(m.engine_id)
+        if engine.workers.get(m.rank) != identity:
+            raise Rejected(p.Reason.NOT_OWNER, f"worker {m.rank} of {m.engine_id} registered on another connection")
         slab = engine.slabs.get(m.slab)
         if slab is None or slab.phase is not Phase.MAPPING or m.rank not in slab.waiting:
             raise Rejected(p.Reason.UNEXPECTED_ACK, f"engine {m.engine_id} worker {m.rank}: no map of slab {m.slab} pending")
@@ -560,7 +591,7 @@ class Allocator:
 
     # ====================================================== return / reclaim
     def _on_return(self, identity: bytes, m: p.Return) -> p.Msg | None:
-        engine = self._engine(m.engine_id)
+        engine = self._own_engine(identity, m.engine_id)
         for slab_id in m.slabs:
             slab = engine.slabs.get(slab_id)
             if slab is None or slab.phase is not Phase.HELD:
@@ -594,6 +625,7 @@ class Allocator:
                      requester.engine_id)
 
     def _on_reclaim_done(self, identity: bytes, m: p.ReclaimDone) -> None:
+        self._own_engine(identity, m.engine_id)
         rec = self.reclaims.get(m.req_id)
         if rec is None or rec.engine_id != m.engine_id:
             raise Rejected(p.Reason.UNEXPECTED_ACK, f"engine {m.engine_id}: no reclaim {m.req_id} pending")
@@ -614,7 +646,7 @@ class Allocator:
 
     def _start_unmap(self, engine: EngineRecord, slab: SlabRecord) -> None:
         slab.begin_unmap({rank for rank in range(engine.num_workers)
-                          if rank in engine.workers and (engine.engine_id, rank) in self.peers},
+                          if rank in engine.workers and self._alive(engine, rank)},
                          self._now + self.timing.ack_timeout)
         engine.mirror.slabs.pop(slab.slab_id, None)
         for rank in sorted(slab.waiting):
@@ -625,6 +657,8 @@ class Allocator:
 
     def _on_unmapped(self, identity: bytes, m: p.Unmapped) -> None:
         engine = self.engines.get(m.engine_id) or self.departing.get(m.engine_id)
+        if engine is not None and engine.workers.get(m.rank) != identity:
+            raise Rejected(p.Reason.NOT_OWNER, f"worker {m.rank} of {m.engine_id} registered on another connection")
         slab = engine.slabs.get(m.slab) if engine else None
         if slab is None or slab.phase is not Phase.UNMAPPING or m.rank not in slab.waiting or engine.failed:
             raise Rejected(p.Reason.UNEXPECTED_ACK, f"engine {m.engine_id} worker {m.rank}: no unmap of slab {m.slab} pending")
@@ -699,7 +733,8 @@ class Allocator:
     def _settle_departed(self, engine: EngineRecord) -> None:
         """Slabs of a departed engine wait only for workers that still exist;
         a failed engine's pages come back only once none does."""
-        alive = {rank for (eid, rank) in self.peers if eid == engine.engine_id and rank >= 0}
+        alive = {rank for (eid, rank) in self.peers if eid == engine.engine_id and rank >= 0
+                 and self._alive(engine, rank)}
         for slab in list(engine.slabs.values()):
             slab.waiting = set(alive) if engine.failed else slab.waiting & alive
             if not slab.waiting:

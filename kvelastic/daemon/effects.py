@@ -30,6 +30,7 @@ class SendPages:
     rank: int
     device: str
     pages: tuple[int, ...]
+    token: bytes                       # only a channel that showed this secret gets them
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import socket
+import struct
 
 import msgspec
 import zmq
@@ -34,6 +36,37 @@ class Peer:
     engine_id: str
     rank: int           # -1: the engine itself
     since: float = 0.0  # greeted at
+    token: bytes = b""  # the secret its hello showed
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """Who may open a page channel (checked with ``SO_PEERCRED``): root, the
+    daemon's own user, and members of ``group`` (default: the daemon's group)."""
+
+    uid: int = dataclasses.field(default_factory=os.geteuid)
+    group: int = dataclasses.field(default_factory=os.getegid)
+
+    def allows(self, conn: socket.socket) -> bool:
+        pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
+        if uid in (0, self.uid) or gid == self.group or self.group in _groups_of(pid):
+            return True
+        log.warning("page channel: refused pid %d (uid %d, gid %d): not the daemon's user nor in group %d",
+                    pid, uid, gid, self.group)
+        return False
+
+
+def _groups_of(pid: int) -> set[int]:
+    """Supplementary groups of a process (``SO_PEERCRED`` gives only the primary)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except OSError:
+        pass
+    return set()
 
 
 @dataclasses.dataclass
@@ -44,7 +77,9 @@ class Greeting:
 
 
 class PeerTable:
-    def __init__(self, path: str, poller: zmq.Poller) -> None:
+    def __init__(self, path: str, poller: zmq.Poller, access: Access | None = None) -> None:
+        self.access = access or Access()
+        self.refused = 0          # connections refused for their credentials (counted by the loop)
         self.listener = fdchannel.listen(path, backlog=64)
         self.listener.setblocking(False)
         self.poller = poller
@@ -84,6 +119,10 @@ class PeerTable:
                 self.accept_paused_until = now + 0.5
                 self._listen(False)
                 return
+            if not self.access.allows(conn):
+                self.refused += 1
+                conn.close()
+                continue
             conn.setblocking(False)
             self.greeting[conn.fileno()] = Greeting(conn, now + p.HELLO_TIMEOUT)
             self.poller.register(conn.fileno(), zmq.POLLIN)
@@ -108,7 +147,7 @@ class PeerTable:
             hello, why = self._parse(g.data)
             if hello is not None:
                 del self.greeting[fd]
-                peer = Peer(fdchannel.FdChannel(g.sock), hello.engine_id, hello.rank, now)
+                peer = Peer(fdchannel.FdChannel(g.sock), hello.engine_id, hello.rank, now, hello.token)
                 self.by_fd[fd] = peer
                 opened.append(peer)
             elif why or now > g.deadline:
@@ -149,9 +188,11 @@ class PeerTable:
         finally:
             peer.channel.sock.setblocking(False)
 
-    def find(self, engine_id: str, rank: int) -> Peer | None:
+    def find(self, engine_id: str, rank: int, token: bytes) -> Peer | None:
+        """The channel of that worker that showed its engine's secret (an
+        impostor's hello for the same engine and rank never gets descriptors)."""
         for peer in self.by_fd.values():
-            if peer.engine_id == engine_id and peer.rank == rank:
+            if peer.engine_id == engine_id and peer.rank == rank and peer.token == token:
                 return peer
         return None
 

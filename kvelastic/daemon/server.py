@@ -26,7 +26,7 @@ from kvelastic.daemon import effects as fx
 from kvelastic.daemon.allocator import Allocator, Timing
 from kvelastic.daemon.devices import Device
 from kvelastic.daemon.events import KVEventPublisher
-from kvelastic.daemon.peers import PeerTable
+from kvelastic.daemon.peers import Access, PeerTable
 from kvelastic.metrics import DaemonMetrics
 from kvelastic.vmm.errors import FdChannelError
 
@@ -42,7 +42,8 @@ _UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError
 class Daemon:
     def __init__(self, devices: list[Device], socket_path: str, *,
                  clock: Callable[[], float] = time.monotonic,
-                 kv_events: tuple[str, str, int] | None = None, timing: Timing = Timing()) -> None:
+                 kv_events: tuple[str, str, int] | None = None, timing: Timing = Timing(),
+                 access: Access | None = None) -> None:
         self.devices = {d.name: d for d in devices}
         self.clock = clock
         self.allocator = Allocator({d.name: d.budget_pages for d in devices}, devices[0].page_size,
@@ -55,10 +56,16 @@ class Daemon:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, 16 * p.MAX_MESSAGE_BYTES)
+        access = access or Access()
+        # The same who-may-connect rule as the page channel, checked by libzmq
+        # with the peer's credentials (root, the daemon's user, its group).
+        for uid in sorted({0, access.uid}):
+            self.router.setsockopt(zmq.IPC_FILTER_UID, uid)
+        self.router.setsockopt(zmq.IPC_FILTER_GID, access.group)
         self.router.bind(f"ipc://{socket_path}")
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
-        self.peers = PeerTable(p.fd_socket_path(socket_path), self.poller)
+        self.peers = PeerTable(p.fd_socket_path(socket_path), self.poller, access)
         self.events = KVEventPublisher(self.ctx, *kv_events) if kv_events else None
         if self.events is not None:
             self.poller.register(self.events.replay, zmq.POLLIN)
@@ -116,11 +123,14 @@ class Daemon:
         opened, bad = self.peers.read_greetings(set(self.peers.greeting) if eager else ready, now)
         for _ in range(bad):
             self.metrics.rejected.labels(p.Reason.BAD_HELLO.value).inc()
+        for _ in range(self.peers.refused):
+            self.metrics.rejected.labels(p.Reason.NOT_ALLOWED.value).inc()
+        self.peers.refused = 0
         for peer in opened:
-            self._perform(self.allocator.peer_opened(peer.engine_id, peer.rank, now))
+            self._perform(self.allocator.peer_opened(peer.engine_id, peer.rank, now, peer.token))
         for fd in [fd for fd in ready if fd in self.peers.by_fd and self.peers.closed(fd)]:
             peer = self.peers.drop(fd)
-            self._perform(self.allocator.peer_closed(peer.engine_id, peer.rank, now))
+            self._perform(self.allocator.peer_closed(peer.engine_id, peer.rank, now, peer.token))
 
     def _close_unclaimed(self, now: float) -> None:
         known = set(self.allocator.engines) | set(self.allocator.departing)
@@ -128,7 +138,7 @@ class Daemon:
             peer = self.peers.drop(fd)
             log.warning("page channel of %s rank %d closed: no such engine registered within %g s",
                         peer.engine_id, peer.rank, p.REGISTER_TIMEOUT)
-            self._perform(self.allocator.peer_closed(peer.engine_id, peer.rank, now))
+            self._perform(self.allocator.peer_closed(peer.engine_id, peer.rank, now, peer.token))
 
     def _dispatch(self, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -201,7 +211,7 @@ class Daemon:
         return []
 
     def _send_pages(self, effect: fx.SendPages, now: float) -> list[fx.Effect]:
-        peer = self.peers.find(effect.engine_id, effect.rank)
+        peer = self.peers.find(effect.engine_id, effect.rank, effect.token)
         if peer is None:
             return self.allocator.channel_failed(effect.engine_id, effect.rank, "no page channel", now)
         device = self.devices[effect.device]

@@ -80,6 +80,7 @@ class EngineRecord:
     stats: dict[str, int] = dataclasses.field(default_factory=dict)
     last_seen: float = 0.0
     failed: bool = False                                    # missed a deadline: pages quarantined
+    token: bytes = b""                                      # its secret (its workers show it too)
     pending_grows: int = 0
     grants: int = 0
     returns: int = 0

@@ -85,7 +85,7 @@ class KvEngine:
                                    shrink_grace=3600).start()
         self.keeping = KeepingBackend(get_backend(self.backend_name, PAGE))
         self.worker = WorkerClient(self.keeping, socket_path=cfg["socket"],  # type: ignore[arg-type]
-                                   engine_id=cfg["engine_id"], rank=0).start()
+                                   engine_id=cfg["engine_id"], rank=0, token=self.engine.token).start()
         arena = self.worker.arena
         shape = (arena.size // block_bytes, LAYERS, 2, BLOCK_TOKENS, HEADS, HEAD_DIM)
         self.kv = arena.tensor(self.dtype, shape)                  # over the whole virtual range

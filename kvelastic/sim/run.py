@@ -86,7 +86,7 @@ def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = 
             w.restart_daemon(corrupt)
         elif r < 0.88 and engine.alive and engine.workers:
             injected["stuck_worker"] += 1
-            rng.choice(engine.workers).stuck_until = w.now + rng.choice([0.2, 1.0, 8.0])
+            rng.choice(engine.workers).stuck_until = w.now + rng.choice([0.2, 1.0, 8.0, 30.0])
         elif r < 0.90:
             injected["creation_failure"] += 1
             w.device.fail_creation = not w.device.fail_creation
@@ -166,7 +166,20 @@ def check(w: World) -> None:
 
 
 def settle(w: World) -> None:
-    """End of the run: every engine exits; then nothing may be held or leak."""
+    """End of the run: first some quiet seconds (longer than any deadline: what
+    waits must be answered, with the invariants checked all along), then every
+    engine exits; then nothing may be held or leak."""
+    for i in range(int((p.GROW_TIMEOUT + GROW_SLACK) / 0.05) + 20):
+        w.now += 0.05
+        if i % 10 == 0:                        # engines alive: their heartbeats go on
+            for engine in w.engines:
+                if engine.alive:
+                    w.client_send(engine.identity, p.Heartbeat(engine_id=engine.name))
+        w.deliver()
+        w.perform(w.allocator.tick(w.now))
+        check(w)
+        if w.violations:
+            return
     for engine in w.engines:
         if engine.alive:
             engine.crash()

@@ -56,6 +56,7 @@ class SimWorker:
     mapped: dict[int, list[int]] = dataclasses.field(default_factory=dict)   # slab -> pages
     channel: deque = dataclasses.field(default_factory=deque)                  # page ids sent, not yet taken
     stuck_until: float = 0.0          # withholds every answer until then (a hung worker)
+    token: bytes = b""                # the secret its page channel showed
     deferred: list = dataclasses.field(default_factory=list)                   # unmaps waiting for the step
     registered: bool = False
 
@@ -75,6 +76,7 @@ class SimEngine:
         self.stepping = False                  # a model step in flight: unmaps wait for its end
         self.demand_share = demand_share
         self.next_req = 0
+        self.token = b""                       # its secret, from its first registration
         self.identity = b""
         self.max_slabs = 0
 
@@ -89,43 +91,49 @@ class SimEngine:
                                    namespace="ns", page_size=PAGE, pages_per_worker=1, num_workers=len(self.workers),
                                    blocks_per_slab=BLOCKS_PER_SLAB, block_bytes=PAGE // BLOCKS_PER_SLAB,
                                    held=self.pool.slab_ids() if held is None else held,
-                                   occupancy=self.pool.occupancies()))
+                                   occupancy=self.pool.occupancies(), token=self.token))
         if self.pool.slab_ids():     # as the real client: a new daemon gets the whole index
             self.pool.take_journal()
             self.world.client_send(self.identity, p.Journal(
                 engine_id=self.name, ops=[p.StoreKey(key=key, block=block) for key, block in self.pool.cached_keys()],
                 occupancy=self.pool.occupancies()))
-        for w in self.workers:
-            self.start_worker(w)
+        if self.token:               # workers know the secret already (a reconnect); else they wait for it
+            for w in self.workers:
+                self.start_worker(w)
 
     def start_worker(self, w: SimWorker) -> None:
         w.identity = f"W:{self.name}:{w.rank}:{self.incarnation}:{self.world.rng.random():.6f}".encode()
         w.stuck_until, w.deferred, w.registered = 0.0, [], False
         w.channel.clear()                      # a new connection: what the old one carried is gone
+        w.token = self.token
         self.world.connect(w.identity)
-        self.world.open_peer(self, w.rank)
+        self.world.open_peer(self, w.rank, w.token)
         self.world.client_send(w.identity, p.RegisterWorker(version=p.PROTOCOL_VERSION, engine_id=self.name,
-                                                            rank=w.rank, pid=2000 + w.rank, mapped=sorted(w.mapped)))
+                                                            rank=w.rank, pid=2000 + w.rank, mapped=sorted(w.mapped),
+                                                            token=w.token))
 
     def kill_worker(self, w: SimWorker) -> None:
         """One worker dies (kill -9, OOM): its mappings vanish; the engine is doomed."""
         self.dying = True
-        self.world.close(w.identity)
-        self.world.close_peer(self, w.rank)
+        if w.identity in self.world.wires:
+            self.world.close(w.identity)
+            self.world.close_peer(self, w.rank, w.token)
         w.mapped.clear()
         w.channel.clear()
 
     def disconnect(self) -> None:
         """Close every connection still open (a dead worker's already is)."""
-        for identity, rank in [(self.identity, -1)] + [(w.identity, w.rank) for w in self.workers]:
+        for identity, rank, token in [(self.identity, -1, b"")] + [(w.identity, w.rank, w.token)
+                                                                   for w in self.workers]:
             if identity in self.world.wires:
                 self.world.close(identity)
-                self.world.close_peer(self, rank)
+                self.world.close_peer(self, rank, token)
 
     def crash(self) -> None:
         """kill -9 of the engine and its workers: every connection closes, mappings vanish."""
         self.alive = self.registered = self.dying = False
         self.disconnect()
+        self.token = b""                       # a new process registers afresh
         for w in self.workers:
             w.mapped.clear()
             w.channel.clear()
@@ -164,7 +172,11 @@ class SimEngine:
 
     def on_message(self, msg: p.Msg) -> None:
         if isinstance(msg, p.Registered):
-            self.registered, self.max_slabs = True, msg.max_slabs
+            first = not self.token
+            self.registered, self.max_slabs, self.token = True, msg.max_slabs, msg.token
+            if first:                          # its workers get the secret now (vLLM: with the KV config)
+                for w in self.workers:
+                    self.start_worker(w)
             return
         if isinstance(msg, p.Error) and msg.reason == p.Reason.BAD_ADOPTION.value:
             if not self.dying:                   # refused: reconnect and register what it really holds
@@ -298,7 +310,8 @@ class World:
         self.daemon_epoch = 0
 
     def _new_allocator(self) -> Allocator:
-        allocator = Allocator({"0": self.budget_pages}, PAGE, timing=self.timing, events=False)
+        allocator = Allocator({"0": self.budget_pages}, PAGE, timing=self.timing, events=False,
+                              token_source=lambda: self.rng.randbytes(16))
         # Page ids of a restarted daemon must not collide with pages still mapped.
         allocator._next_page = 1_000_000 * getattr(self, "daemon_epoch", 0)
         return allocator
@@ -321,11 +334,11 @@ class World:
             if isinstance(msg, p.Grow):
                 self.grow_sent[(identity, msg.req_id)] = self.now
 
-    def open_peer(self, engine: SimEngine, rank: int) -> None:
-        self.perform(self.allocator.peer_opened(engine.name, rank, self.now))
+    def open_peer(self, engine: SimEngine, rank: int, token: bytes = b"") -> None:
+        self.perform(self.allocator.peer_opened(engine.name, rank, self.now, token))
 
-    def close_peer(self, engine: SimEngine, rank: int) -> None:
-        self.perform(self.allocator.peer_closed(engine.name, rank, self.now))
+    def close_peer(self, engine: SimEngine, rank: int, token: bytes = b"") -> None:
+        self.perform(self.allocator.peer_closed(engine.name, rank, self.now, token))
 
     # -------------------------------------------------------------- effects
     def perform(self, effects: list[fx.Effect]) -> None:
@@ -340,6 +353,8 @@ class World:
                     self.grow_sent.pop((e.to, e.msg.req_id), None)
             elif isinstance(e, fx.SendPages):
                 worker = self.find_worker(e.engine_id, e.rank)
+                if worker is not None and worker.token != e.token:
+                    worker = None
                 if worker is None:
                     queue.extend(self.allocator.channel_failed(e.engine_id, e.rank, "gone", self.now))
                 else:

@@ -36,7 +36,8 @@ def engine(daemon):
     eng = EngineClient(pool, socket_path=daemon.socket, engine_id="e1", namespace="m1", page_size=PAGE,
                        pages_per_worker=1, num_workers=1, block_bytes=PAGE // 8,
                        low_watermark=0, shrink_grace=60).start()   # no prefetch, no return: exact counts
-    worker = WorkerClient(get_backend("host"), socket_path=daemon.socket, engine_id="e1", rank=0).start()
+    worker = WorkerClient(get_backend("host"), socket_path=daemon.socket, engine_id="e1", rank=0,
+                          token=eng.token).start()
     try:
         assert eng.ensure(16)
         yield eng

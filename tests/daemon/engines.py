@@ -9,6 +9,7 @@ import sys
 class EngineProcess:
     def __init__(self, socket: str, engine_id: str, **cfg) -> None:
         self.engine_id = engine_id
+        self.role = cfg.get("role", "engine")
         cfg.update(socket=socket, engine_id=engine_id)
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.daemon.peer", json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -24,6 +25,13 @@ class EngineProcess:
 
     def state(self) -> dict:
         return self.do("state")["state"]
+
+    def send(self, msg):
+        """A message on this engine's own connection; its reply (None: no answer)."""
+        from kvelastic import protocol as p
+
+        reply = self.do("send", msg=p.encode(msg).hex())["reply"]
+        return None if reply is None else p.decode(bytes.fromhex(reply))
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

@@ -50,6 +50,7 @@ class Driver(EngineProcess):
 
     def __init__(self, socket_path: str, engine_id: str, start_timeout: float = 15.0, **cfg) -> None:
         self.engine_id = engine_id
+        self.role = cfg.get("role", "engine")
         cfg.update(socket=socket_path, engine_id=engine_id)
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.daemon.hostile", json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -364,7 +365,7 @@ def _main() -> None:  # pragma: no cover - runs in the child
     cfg = json.loads(sys.argv[1])
     if cfg.get("role") == "worker":
         worker = WorkerClient(get_backend(TEST_BACKEND), socket_path=cfg["socket"], engine_id=cfg["engine_id"],
-                              rank=cfg.get("rank", 0)).start()
+                              rank=cfg.get("rank", 0), token=bytes.fromhex(cfg.get("token", ""))).start()
         if cfg.get("notice_exit_after"):
             _late_to_notice(worker, cfg["notice_exit_after"])
         print(json.dumps({"ready": True}), flush=True)
@@ -388,7 +389,8 @@ def _main() -> None:  # pragma: no cover - runs in the child
         low_watermark=cfg.get("low_watermark", 0), keep_idle_slabs=cfg.get("keep_idle", 0),
         shrink_grace=cfg.get("grace", 60.0)).start()
     backend = get_backend(TEST_BACKEND) if num_workers else None
-    workers = [WorkerClient(backend, socket_path=cfg["socket"], engine_id=cfg["engine_id"], rank=rank).start()
+    workers = [WorkerClient(backend, socket_path=cfg["socket"], engine_id=cfg["engine_id"], rank=rank,
+                            token=engine.token).start()
                for rank in cfg.get("ranks", range(num_workers))]
     for worker in workers:
         if cfg.get("notice_exit_after"):
@@ -453,7 +455,7 @@ def _main() -> None:  # pragma: no cover - runs in the child
         with engine.lock:
             out["state"] = {"slabs": sorted(pool.slab_ids()), "free": pool.num_free, "cached": pool.num_cached,
                             "live": pool.num_live, "reconnects": engine.conn.reconnects,
-                            **_worker_state(workers)}
+                            "token": engine.token.hex(), **_worker_state(workers)}
         print(json.dumps(out), flush=True)
     engine.close()
     for worker in workers:

@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from kvelastic import protocol as p
+from kvelastic.client.connection import DaemonError, DaemonUnavailable
 from kvelastic.client.engine import EngineClient
 from kvelastic.client.worker import WorkerClient
 from kvelastic.core.pool import SlabPool
@@ -39,7 +41,7 @@ def view_op(workers: list[WorkerClient], op: str, value: int = 0) -> list[int]:
 
 def worker_main(cfg: dict) -> None:
     worker = WorkerClient(get_backend(TEST_BACKEND), socket_path=cfg["socket"], engine_id=cfg["engine_id"],
-                          rank=cfg["rank"]).start()
+                          rank=cfg["rank"], token=bytes.fromhex(cfg.get("token", ""))).start()
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -67,7 +69,8 @@ def main() -> None:
         low_watermark=cfg.get("low_watermark", 0), keep_idle_slabs=cfg.get("keep_idle", 0),
         shrink_grace=cfg.get("grace", 0.3), key_group_suffix=cfg.get("vllm_keys", False)).start()
     backend = get_backend(TEST_BACKEND) if num_workers else None
-    workers = [WorkerClient(backend, socket_path=cfg["socket"], engine_id=cfg["engine_id"], rank=rank).start()
+    workers = [WorkerClient(backend, socket_path=cfg["socket"], engine_id=cfg["engine_id"], rank=rank,
+                            token=engine.token).start()
                for rank in cfg.get("ranks", range(num_workers))]
     live: list = []
 
@@ -104,11 +107,19 @@ def main() -> None:
                 out["keys"] = sorted(k.hex() for k, _ in pool.cached_keys())
         elif op in ("write", "read"):
             out["values"] = view_op(workers, op, cmd.get("value", 0))
+        elif op == "send":       # a message on the engine's own connection (hex msgpack), its reply likewise
+            try:
+                reply = engine.conn.request(p.decode(bytes.fromhex(cmd["msg"])), cmd.get("timeout", 2.0))
+            except DaemonError as exc:
+                reply = p.Error(reason=exc.reason, message=str(exc))
+            except DaemonUnavailable:
+                reply = None
+            out["reply"] = None if reply is None else p.encode(reply).hex()
         with engine.lock:
             out["state"] = {"slabs": sorted(pool.slab_ids()), "free": pool.num_free,
                             "cached": pool.num_cached, "live": pool.num_live,
                             "mapped": sum(len(w.arena.mapped()) for w in workers),
-                            "reconnects": engine.conn.reconnects}
+                            "reconnects": engine.conn.reconnects, "token": engine.token.hex()}
         print(json.dumps(out), flush=True)
     engine.close()
     for worker in workers:

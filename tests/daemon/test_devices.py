@@ -40,7 +40,7 @@ def engine(daemon, engine_id, device):
                           page_size=2 * MiB, pages_per_worker=1, num_workers=1, block_bytes=MiB // 2,
                           low_watermark=0, shrink_grace=60, device=device).start()
     worker = WorkerClient(get_backend("host"), socket_path=daemon.socket_path, engine_id=engine_id, rank=0,
-                          device=device).start()
+                          device=device, token=client.token).start()
     return client, worker
 
 

@@ -80,27 +80,40 @@ def good_engine(**kw):
     return p.RegisterEngine(**fields)
 
 
+# (reason, send): ``send(daemon, e)`` sends one bad input, from a connection of
+# its own (``daemon.request``) or on engine e1's own connection (``e.send``).
 BAD_INPUTS = [
-    ("malformed", lambda d: d.send_raw([b"\x93garbage"])),
-    ("malformed", lambda d: d.send_raw([p.encode(p.Status()), b"extra"])),
-    ("oversize", lambda d: d.send_raw([b"\x00" * (p.MAX_MESSAGE_BYTES + 1)])),
-    ("version", lambda d: d.request(good_engine(version=99))),
-    ("geometry", lambda d: d.request(good_engine(page_size=4096))),
-    ("geometry", lambda d: d.request(good_engine(blocks_per_slab=0))),
-    ("unknown_engine", lambda d: d.request(p.Grow(engine_id="ghost", slabs=1))),
-    ("unknown_engine", lambda d: d.request(p.Journal(engine_id="ghost", ops=[], occupancy={}))),
-    ("bad_request", lambda d: d.request(p.Grow(engine_id="e1", slabs=0))),
-    ("not_held", lambda d: d.request(p.Return(engine_id="e1", slabs=[999]))),
-    ("not_held", lambda d: d.request(p.Return(engine_id="e1", slabs=[0, 0]))),
-    ("malformed", lambda d: d.send_raw([msgspec.msgpack.encode(   # an op that is not one: refused at decoding
+    ("malformed", lambda d, e: d.send_raw([b"\x93garbage"])),
+    ("malformed", lambda d, e: d.send_raw([p.encode(p.Status()), b"extra"])),
+    ("oversize", lambda d, e: d.send_raw([b"\x00" * (p.MAX_MESSAGE_BYTES + 1)])),
+    ("version", lambda d, e: d.request(good_engine(version=99))),
+    ("geometry", lambda d, e: d.request(good_engine(page_size=4096))),
+    ("geometry", lambda d, e: d.request(good_engine(blocks_per_slab=0))),
+    ("unknown_engine", lambda d, e: d.request(p.Grow(engine_id="ghost", slabs=1))),
+    ("unknown_engine", lambda d, e: d.request(p.Journal(engine_id="ghost", ops=[], occupancy={}))),
+    ("bad_request", lambda d, e: e.send(p.Grow(engine_id="e1", slabs=0))),
+    ("not_held", lambda d, e: e.send(p.Return(engine_id="e1", slabs=[999]))),
+    ("not_held", lambda d, e: e.send(p.Return(engine_id="e1", slabs=[0, 0]))),
+    ("malformed", lambda d, e: d.send_raw([msgspec.msgpack.encode(   # an op that is not one: refused at decoding
         {"type": "Journal", "req_id": 1, "engine_id": "e1", "ops": [[7, 1]], "occupancy": {}})])),
-    ("bad_journal", lambda d: d.request(p.Journal(engine_id="e1", ops=[p.StoreKey(key=b"k", block=4000)],
+    ("bad_journal", lambda d, e: e.send(p.Journal(engine_id="e1", ops=[p.StoreKey(key=b"k", block=4000)],
                                                   occupancy={}))),
-    ("bad_journal", lambda d: d.request(p.Journal(engine_id="e1", ops=[], occupancy={0: (9, 9, 9)}))),
-    ("unexpected", lambda d: d.request(p.Granted(slabs=[1]))),
-    ("unexpected_ack", lambda d: d.request(p.Mapped(engine_id="e1", rank=0, slab=0))),
-    ("unknown_target", lambda d: d.request(p.Invalidate(target="nothing"))),
-    ("limit", lambda d: d.request(p.SetLimit(engine_id="e1", min_bytes=8, max_bytes=4))),
+    ("bad_journal", lambda d, e: e.send(p.Journal(engine_id="e1", ops=[], occupancy={0: (9, 9, 9)}))),
+    ("unexpected", lambda d, e: d.request(p.Granted(slabs=[1]))),
+    ("unexpected_ack", lambda d, e: e.send(p.ReclaimDone(engine_id="e1", given=[], refused=[]))),
+    ("unknown_target", lambda d, e: d.request(p.Invalidate(target="nothing"))),
+    ("limit", lambda d, e: d.request(p.SetLimit(engine_id="e1", min_bytes=8, max_bytes=4))),
+    # Another connection acting for e1: refused, whatever it asks (Step 7: identity).
+    ("not_owner", lambda d, e: d.request(p.Return(engine_id="e1", slabs=[0]))),
+    ("not_owner", lambda d, e: d.request(p.Grow(engine_id="e1", slabs=1))),
+    ("not_owner", lambda d, e: d.request(p.Unregister(engine_id="e1"))),
+    ("not_owner", lambda d, e: d.request(p.Journal(engine_id="e1", ops=[p.ClearKeys()], occupancy={}))),
+    ("not_owner", lambda d, e: d.request(p.Heartbeat(engine_id="e1"))),
+    ("not_owner", lambda d, e: d.request(p.Mapped(engine_id="e1", rank=0, slab=0))),
+    ("engine_exists", lambda d, e: d.request(good_engine(engine_id="e1"))),        # no secret: no takeover
+    ("engine_exists", lambda d, e: d.request(good_engine(engine_id="e1", token=b"guess" * 3))),
+    ("bad_token", lambda d, e: d.request(p.RegisterWorker(version=p.PROTOCOL_VERSION, engine_id="e1", rank=0,
+                                                          pid=1, token=b"guess"))),
 ]
 
 
@@ -110,7 +123,7 @@ def test_bad_input_gets_a_typed_error_is_counted_and_changes_nothing(daemon, eng
     assert e.do("ensure", n=4)["ok"]
     before = wait_for(lambda: quiet_status(daemon), what="a quiet daemon")
     counted = rejected(daemon).get(reason, 0)
-    reply = send(daemon)
+    reply = send(daemon, e)
     assert isinstance(reply, p.Error) and reply.reason == reason, reply
     assert daemon.status() == before
     assert rejected(daemon)[reason] == counted + 1
@@ -122,10 +135,10 @@ def test_slab_returned_twice_is_rejected(daemon, engines):
     e = engines(daemon, "e1", workers=0, grace=60)
     assert e.do("ensure", n=4)["ok"]
     slab = e.state()["slabs"][0]
-    # the engine's own client returned nothing yet: a forged return by another client
-    ok = daemon.request(p.Return(engine_id="e1", slabs=[slab]))
-    assert isinstance(ok, p.Ok)
-    again = daemon.request(p.Return(engine_id="e1", slabs=[slab]))
+    forged = daemon.request(p.Return(engine_id="e1", slabs=[slab]))   # another client: not e1's to return
+    assert isinstance(forged, p.Error) and forged.reason == "not_owner"
+    assert isinstance(e.send(p.Return(engine_id="e1", slabs=[slab])), p.Ok)
+    again = e.send(p.Return(engine_id="e1", slabs=[slab]))
     assert isinstance(again, p.Error) and again.reason == "not_held"
 
 

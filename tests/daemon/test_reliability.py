@@ -46,6 +46,9 @@ def drivers():
     started: list[Driver] = []
 
     def make(daemon, engine_id: str, **cfg) -> Driver:
+        if cfg.get("role") == "worker" and "token" not in cfg:    # its engine's secret, as vLLM hands it over
+            cfg["token"] = next(d for d in reversed(started) if d.engine_id == engine_id
+                                and d.role == "engine").state()["token"]
         proc = Driver(daemon.socket, engine_id, **cfg)
         started.append(proc)
         return proc

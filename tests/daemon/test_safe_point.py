@@ -17,7 +17,8 @@ def test_unmap_waits_for_the_step_to_end(daemon):
     engine = EngineClient(pool, socket_path=daemon.socket, engine_id="e1", namespace="ns",
                           page_size=2 * MiB, pages_per_worker=1, num_workers=1, block_bytes=MiB // 2,
                           low_watermark=0, keep_idle_slabs=0, shrink_grace=0.1).start()
-    worker = WorkerClient(get_backend(TEST_BACKEND), socket_path=daemon.socket, engine_id="e1", rank=0).start()
+    worker = WorkerClient(get_backend(TEST_BACKEND), socket_path=daemon.socket, engine_id="e1", rank=0,
+                          token=engine.token).start()
     try:
         assert engine.ensure(8)
         view = worker.arena.tensor(torch.uint8, (worker.arena.size,))

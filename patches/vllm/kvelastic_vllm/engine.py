@@ -133,6 +133,11 @@ def wrap_get_kv_cache_configs(original):
         link = register(vllm_config, first, Config.from_env())
         vllm_config.cache_config.num_gpu_blocks_override = link.num_blocks
         configs = original(vllm_config, kv_cache_specs, available_memory, *rest)
+        # The engine's secret travels to its workers with their KV cache config
+        # (pickled to worker processes); in-process workers also find it here.
+        for config in configs:
+            config.kvelastic_token = link.client.token
+        os.environ["KVELASTIC_ENGINE_TOKEN"] = link.client.token.hex()
         t = configs[0].kv_cache_tensors[0]
         if configs[0].num_blocks != link.num_blocks or t.block_stride != link.geometry.block_stride:
             raise RuntimeError(f"kvelastic: vLLM laid out {configs[0].num_blocks} blocks of {t.block_stride} "

@@ -30,14 +30,18 @@ def _rank() -> int:
     return 0
 
 
-def worker_client(device: torch.device) -> WorkerClient:
+def worker_client(device: torch.device, token: bytes = b"") -> WorkerClient:
+    """This worker's link, opened with its engine's secret (``token``: from the
+    KV cache config the EngineCore sent, see ``engine.wrap_get_kv_cache_configs``)."""
     global _client
     if _client is None:
         config = Config.from_env()
         backend = get_backend("cuda" if device.type == "cuda" else "host", config.page_size,
                               **({"device": device.index or 0} if device.type == "cuda" else {}))
         engine_id = config.engine_id or os.environ["KVELASTIC_ENGINE_ID"]
-        _client = WorkerClient(backend, socket_path=config.socket, engine_id=engine_id, rank=_rank()).start(30.0)
+        token = token or bytes.fromhex(os.environ.get("KVELASTIC_ENGINE_TOKEN", ""))
+        _client = WorkerClient(backend, socket_path=config.socket, engine_id=engine_id, rank=_rank(),
+                               token=token).start(30.0)
         log.info("kvelastic: worker %d of engine %s reserved %d MiB of virtual KV space",
                  _client.rank, engine_id, _client.arena.size >> 20)
     return _client
@@ -50,7 +54,7 @@ def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
     if not kv_cache_config.kv_cache_tensors:
         return {}
     size = kv_cache_config.kv_cache_tensors[0].size
-    arena = worker_client(device).arena
+    arena = worker_client(device, getattr(kv_cache_config, "kvelastic_token", b"")).arena
     if size > arena.size:
         raise RuntimeError(f"kvelastic: vLLM wants {size} bytes of KV space, the arena has {arena.size}")
     buf = arena.tensor(torch.int8, (size,))
