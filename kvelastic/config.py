@@ -164,6 +164,9 @@ VARIABLES: tuple[Variable, ...] = (
              "vLLM plugin: the most this engine may hold; `0` means up to the device budget."),
     Variable("KVELASTIC_TENANT_SALT", "tenant_salt", "", str,
              "vLLM plugin: a tenant's salt, part of the namespace, so blocks of different tenants never match."),
+    Variable("KVELASTIC_SOCKET_GROUP", "socket_group", "", str,
+             "Daemon: the group (name or id) whose members may connect besides the daemon's own user and root; "
+             "its sockets are given to it. Default: the daemon's own group."),
     Variable("KVELASTIC_ACK_TIMEOUT", "ack_timeout", "5s", parse_duration,
              "Daemon: every worker of an engine must acknowledge a map or unmap within this; an engine that "
              "misses it is failed and its pages are quarantined (never re-lent) until its processes are gone."),
@@ -195,6 +198,7 @@ class Config:
     engine_min_memory: int
     engine_max_memory: int
     tenant_salt: str
+    socket_group: str
     ack_timeout: float
     grow_timeout: float
     log_level: str

@@ -11,6 +11,7 @@ import sys
 from kvelastic import protocol as p
 from kvelastic.config import Config
 from kvelastic.daemon.allocator import Timing
+from kvelastic.daemon.peers import Access
 from kvelastic.daemon.devices import Device
 from kvelastic.daemon.server import Daemon, sd_notify
 from kvelastic.protocol import fd_socket_path
@@ -71,6 +72,20 @@ def prepare_socket_dir(path: str) -> None:
             pass
 
 
+def socket_group(name: str) -> int:
+    """``KVELASTIC_SOCKET_GROUP`` as a group id (default: the daemon's own group)."""
+    if not name:
+        return os.getegid()
+    if name.isdigit():
+        return int(name)
+    import grp
+
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise KvelasticError(f"KVELASTIC_SOCKET_GROUP={name!r}: no such group") from None
+
+
 def check_socket_dir(folder: str) -> None:
     """Refuse a socket folder that someone else could use to squat or delete
     the daemon's sockets: it must be the daemon user's (or root's) and not
@@ -108,13 +123,16 @@ def main() -> int:
         kv_events = ((config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_buffer)
                      if config.kv_events_endpoint else None)
         timing = Timing(ack_timeout=config.ack_timeout or p.ACK_TIMEOUT, grow_timeout=config.grow_timeout or p.GROW_TIMEOUT)
-        daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing)
+        group = socket_group(config.socket_group)
+        daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing, access=Access(group=group))
     except KvelasticError as exc:
         print(f"kvelastic daemon: {exc}", file=sys.stderr)
         return 1
     events = daemon.events.ipc_paths() if daemon.events else []
     for path in (config.socket, fd_socket_path(config.socket), *events):
         os.chmod(path, 0o660)   # owner and the kvelastic group only
+        if group != os.getegid():
+            os.chown(path, -1, group)
     if config.metrics_port:
         from prometheus_client import start_http_server
 
