@@ -167,6 +167,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVELASTIC_SOCKET_GROUP", "socket_group", "", str,
              "Daemon: the group (name or id) whose members may connect besides the daemon's own user and root; "
              "its sockets are given to it. Default: the daemon's own group."),
+    Variable("KVELASTIC_MAX_ENGINES", "max_engines", "256", lambda t: _positive_int(t),
+             "Daemon: the most engines it registers at once (each costs a little memory and a few descriptors)."),
     Variable("KVELASTIC_ACK_TIMEOUT", "ack_timeout", "5s", parse_duration,
              "Daemon: every worker of an engine must acknowledge a map or unmap within this; an engine that "
              "misses it is failed and its pages are quarantined (never re-lent) until its processes are gone."),
@@ -199,6 +201,7 @@ class Config:
     engine_max_memory: int
     tenant_salt: str
     socket_group: str
+    max_engines: int
     ack_timeout: float
     grow_timeout: float
     log_level: str

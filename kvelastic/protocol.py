@@ -78,6 +78,7 @@ Stats = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], int], msgspe
 # shown by its workers (RegisterWorker, the page channel's Hello) and by its
 # own re-registrations. Nobody else can act for that engine without it.
 Token = Annotated[bytes, msgspec.Meta(max_length=64)]
+SlabIds = Annotated[list[int], msgspec.Meta(max_length=1 << 16)]        # more slabs than any device has
 
 
 class Msg(msgspec.Struct, tag=True, kw_only=True, array_like=False):
@@ -100,7 +101,7 @@ class RegisterEngine(Msg):
     key_group_suffix: bool = False  # keys are vLLM's hash + 4-byte group id
     min_bytes: int = 0           # guaranteed: never reclaimed below this
     max_bytes: int = 0           # 0: no cap beyond the budget
-    held: list[int] = []         # slab ids still held (re-register after a daemon restart)
+    held: SlabIds = []           # slab ids still held (re-register after a daemon restart)
     occupancy: dict[int, tuple[int, int, int]] = {}
     token: Token = b""           # its secret, when it re-registers (after a reconnect or a daemon restart)
 
@@ -111,7 +112,7 @@ class RegisterWorker(Msg):
     rank: int
     pid: int
     device: str = ""             # where this rank's pages live; "": the engine's device
-    mapped: list[int] = []       # slab ids mapped (re-register after a daemon restart)
+    mapped: SlabIds = []         # slab ids mapped (re-register after a daemon restart)
     token: Token = b""           # its engine's secret
 
 
@@ -126,7 +127,7 @@ class Grow(Msg):
 
 class Return(Msg):
     engine_id: Name
-    slabs: list[int]             # already taken back by the engine's pool
+    slabs: SlabIds               # already taken back by the engine's pool
 
 
 # Journal ops on the wire: tagged arrays (``["store", key, block]``), so that
@@ -181,7 +182,7 @@ def journal_ops(ops: list[tuple]) -> list[JournalOp]:
 
 class Journal(Msg):
     engine_id: Name
-    ops: list[JournalOp]
+    ops: Annotated[list[JournalOp], msgspec.Meta(max_length=20_000)]   # the client sends larger journals in parts
     occupancy: dict[int, tuple[int, int, int]]
     stats: Stats = {}            # cumulative pool counters (lookups, hits, evictions_*)
 

@@ -125,7 +125,10 @@ class EngineClient:
         ops = [p.StoreKey(key=wire_key(k), block=b) for k, b in self.pool.cached_keys()]
         self.pool.take_journal()
         occupancy = self.pool.occupancies()
-        conn.notify(p.Journal(engine_id=self.engine_id, ops=ops, occupancy=occupancy))
+        for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):   # the daemon takes journals in parts
+            last = start + JOURNAL_MAX_OPS >= len(ops)
+            conn.notify(p.Journal(engine_id=self.engine_id, ops=ops[start:start + JOURNAL_MAX_OPS],
+                                  occupancy=occupancy if last else {}))
 
     # ---------------------------------------------------- scheduler thread
     def ensure(self, blocks: int, timeout: float = 5.0, *, keep_cache: bool = False) -> bool:

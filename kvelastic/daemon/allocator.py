@@ -98,7 +98,8 @@ class ReclaimRequest:
 class Allocator:
     def __init__(self, budgets: dict[str, int], page_size: int, *, backend: str = "host",
                  timing: Timing = Timing(), events: bool = True,
-                 token_source: Callable[[], bytes] = lambda: secrets.token_bytes(16)) -> None:
+                 token_source: Callable[[], bytes] = lambda: secrets.token_bytes(16),
+                 max_engines: int = 256) -> None:
         """``budgets``: device name -> budget in pages (the first is the default device)."""
         self.pools = {name: PagePool(pages) for name, pages in budgets.items()}
         self.backend = backend
@@ -121,6 +122,8 @@ class Allocator:
         self.peers: dict[tuple[str, int], dict[bytes, int]] = {}
         self._token_source = token_source
         self._next_req = 1 << 32
+        self._logged: set[tuple] = set()
+        self.max_engines = max_engines
         self._next_page = 0
         self._out: list[fx.Effect] = []
 
@@ -134,8 +137,14 @@ class Allocator:
                 raise Rejected(p.Reason.UNEXPECTED, f"{type(msg).__name__} is not a request")
             reply = handler(self, identity, msg)
         except Rejected as exc:
-            log.warning("rejected %s from engine %s: %s (%s)", type(msg).__name__,
-                        getattr(msg, "engine_id", "-"), exc, exc.reason.value)
+            # One line per kind of refusal and sender: a flood does not flood the log.
+            seen = (exc.reason, getattr(msg, "engine_id", "-"), identity)
+            if seen not in self._logged:
+                if len(self._logged) > 4096:
+                    self._logged.clear()
+                self._logged.add(seen)
+                log.warning("rejected %s from engine %s: %s (%s)", type(msg).__name__,
+                            getattr(msg, "engine_id", "-"), exc, exc.reason.value)
             self._out.append(fx.Rejected(exc.reason))
             reply = p.Error(reason=exc.reason.value, message=str(exc))
         if reply is not None:
@@ -290,6 +299,9 @@ class Allocator:
             log.info("engine %s reconnected", m.engine_id)
             return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
                                 max_slabs=old.max_slabs, token=old.token)
+        if len(self.engines) >= self.max_engines:
+            raise Rejected(p.Reason.LIMIT, f"{len(self.engines)} engines registered, the most this daemon takes "
+                                           f"(KVELASTIC_MAX_ENGINES)")
         max_slabs = cap // (slab_pages * self.page_size)
         held = self._check_adoption(m, pool, slab_pages, max_slabs)
         engine = EngineRecord(

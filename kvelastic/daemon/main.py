@@ -124,7 +124,8 @@ def main() -> int:
                      if config.kv_events_endpoint else None)
         timing = Timing(ack_timeout=config.ack_timeout or p.ACK_TIMEOUT, grow_timeout=config.grow_timeout or p.GROW_TIMEOUT)
         group = socket_group(config.socket_group)
-        daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing, access=Access(group=group))
+        daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing, access=Access(group=group),
+                        max_engines=config.max_engines)
     except KvelasticError as exc:
         print(f"kvelastic daemon: {exc}", file=sys.stderr)
         return 1
