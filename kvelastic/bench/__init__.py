@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, str] = {
     "grant": "kvelastic.bench.grant",
     "vllm": "kvelastic.bench.vllm",
     "sim": "kvelastic.bench.sim",
+    "fuzz": "kvelastic.bench.fuzz",
 }
 
 
