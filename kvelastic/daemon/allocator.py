@@ -137,14 +137,9 @@ class Allocator:
                 raise Rejected(p.Reason.UNEXPECTED, f"{type(msg).__name__} is not a request")
             reply = handler(self, identity, msg)
         except Rejected as exc:
-            # One line per kind of refusal and sender: a flood does not flood the log.
-            seen = (exc.reason, getattr(msg, "engine_id", "-"), identity)
-            if seen not in self._logged:
-                if len(self._logged) > 4096:
-                    self._logged.clear()
-                self._logged.add(seen)
-                log.warning("rejected %s from engine %s: %s (%s)", type(msg).__name__,
-                            getattr(msg, "engine_id", "-"), exc, exc.reason.value)
+            engine_id = getattr(msg, "engine_id", "-")
+            self._log_once(exc.reason, engine_id, identity, "rejected %s from engine %s: %s (%s)",
+                           type(msg).__name__, engine_id, exc, exc.reason.value)
             self._out.append(fx.Rejected(exc.reason))
             reply = p.Error(reason=exc.reason.value, message=str(exc))
         if reply is not None:
@@ -154,8 +149,19 @@ class Allocator:
 
     def reject(self, identity: bytes, reason: p.Reason, message: str, req_id: int = 0) -> list[fx.Effect]:
         """A frame that could not be decoded: the loop's verdict, counted here too."""
-        log.warning("rejected a frame: %s (%s)", message, reason.value)
+        self._log_once(reason, "-", identity, "rejected a frame: %s (%s)", message, reason.value)
         return [fx.Rejected(reason), fx.Send(identity, p.Error(req_id=req_id, reason=reason.value, message=message))]
+
+    def _log_once(self, reason: p.Reason, engine_id: str, identity: bytes, fmt: str, *args: object) -> None:
+        """One line per kind of refusal, engine and sender: a flood does not
+        flood the log (every refusal is still counted in the metric)."""
+        seen = (reason, engine_id, identity)
+        if seen in self._logged:
+            return
+        if len(self._logged) > 4096:
+            self._logged.clear()
+        self._logged.add(seen)
+        log.warning(fmt, *args)
 
     def peer_opened(self, engine_id: str, rank: int, now: float, token: bytes = b"") -> list[fx.Effect]:
         self._now = now
