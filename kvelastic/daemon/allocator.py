@@ -34,6 +34,9 @@ from kvelastic.core.journal import JournalBatch
 from kvelastic.core.stats import COUNTER_NAMES
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.events import journal_events
+from kvelastic.daemon.rejected import Rejected
+from kvelastic.daemon.registration import Registration
+from kvelastic.daemon.report import Reporting
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag, pick_victims
 
 log = logging.getLogger("kvelastic.daemon")
@@ -50,14 +53,6 @@ class Timing:
     reclaim_timeout: float = p.RECLAIM_TIMEOUT
     ack_timeout: float = p.ACK_TIMEOUT
     grow_timeout: float = p.GROW_TIMEOUT
-
-
-class Rejected(Exception):
-    """A client error: reply ``Error(reason, message)``; nothing was changed."""
-
-    def __init__(self, reason: p.Reason, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclasses.dataclass(eq=False)
@@ -95,7 +90,7 @@ class ReclaimRequest:
     deadline: float
 
 
-class Allocator:
+class Allocator(Registration, Reporting):
     def __init__(self, budgets: dict[str, int], page_size: int, *, backend: str = "host",
                  timing: Timing = Timing(), events: bool = True,
                  token_source: Callable[[], bytes] = lambda: secrets.token_bytes(16),
@@ -274,102 +269,6 @@ class Allocator:
         if identity != engine.identity:
             raise Rejected(p.Reason.NOT_OWNER, f"engine {engine_id!r} was registered by another connection")
         return engine
-
-    def _on_register_engine(self, identity: bytes, m: p.RegisterEngine) -> p.Msg:
-        if m.version != p.PROTOCOL_VERSION:
-            raise Rejected(p.Reason.VERSION, f"protocol version {m.version}; this daemon speaks {p.PROTOCOL_VERSION}")
-        if m.page_size != self.page_size:
-            raise Rejected(p.Reason.GEOMETRY, f"page size {m.page_size}; this daemon's pages are {self.page_size} bytes")
-        if not m.engine_id or m.pages_per_worker < 1 or m.num_workers < 0 or m.blocks_per_slab < 1 \
-                or m.block_bytes < 1 or m.min_bytes < 0 or m.max_bytes < 0 \
-                or (m.max_bytes and m.min_bytes > m.max_bytes):
-            raise Rejected(p.Reason.GEOMETRY, "engine id, pages_per_worker, blocks_per_slab, block_bytes must be "
-                                       "positive and min_bytes <= max_bytes")
-        old = self.engines.get(m.engine_id)
-        if old is not None and (not m.token or m.token != old.token):
-            raise Rejected(p.Reason.ENGINE_EXISTS, f"engine {m.engine_id!r} is registered by another process "
-                                                   f"(pid {old.pid}); a re-registration needs its secret")
-        device = m.device or self.default_device
-        if device not in self.pools:
-            raise Rejected(p.Reason.UNKNOWN_DEVICE, f"device {device!r}; this daemon has {', '.join(self.pools)}")
-        pool = self.pools[device]
-        slab_pages = m.pages_per_worker * max(1, m.num_workers)
-        budget = pool.budget_pages * self.page_size
-        cap = min(budget, m.max_bytes) if m.max_bytes else budget
-        if m.min_bytes > budget:
-            raise Rejected(p.Reason.LIMIT, f"min_bytes {m.min_bytes} exceeds the device budget {budget}")
-        if slab_pages * self.page_size > cap:
-            raise Rejected(p.Reason.GEOMETRY, f"one slab ({slab_pages * self.page_size} bytes) does not fit in {cap} bytes")
-        if old is not None:          # the same engine on a new connection
-            old.identity, old.last_seen = identity, self._now
-            log.info("engine %s reconnected", m.engine_id)
-            return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
-                                max_slabs=old.max_slabs, token=old.token)
-        if len(self.engines) >= self.max_engines:
-            raise Rejected(p.Reason.LIMIT, f"{len(self.engines)} engines registered, the most this daemon takes "
-                                           f"(KVELASTIC_MAX_ENGINES)")
-        max_slabs = cap // (slab_pages * self.page_size)
-        held = self._check_adoption(m, pool, slab_pages, max_slabs)
-        engine = EngineRecord(
-            engine_id=m.engine_id, namespace=m.namespace, pid=m.pid, page_size=self.page_size,
-            pages_per_worker=m.pages_per_worker, num_workers=m.num_workers,
-            blocks_per_slab=m.blocks_per_slab, block_bytes=m.block_bytes, block_tokens=m.block_tokens,
-            key_group_suffix=m.key_group_suffix, min_bytes=m.min_bytes,
-            max_bytes=m.max_bytes, max_slabs=max_slabs, device=device, identity=identity, last_seen=self._now,
-            stats=dict.fromkeys(sorted(COUNTER_NAMES), 0),   # every counter from registration on
-            # A re-registration after a daemon restart keeps the secret its workers already hold.
-            token=m.token or self._token_source())
-        for slab_id in held:         # re-register after a daemon restart: adopt what it holds
-            engine.slabs[slab_id] = SlabRecord(slab_id, [], [], Phase.HELD, set(), adopted_pages=slab_pages)
-            pool.adopted += slab_pages
-            engine.mirror.slabs[slab_id] = tuple(m.occupancy.get(slab_id, (0, 0, m.blocks_per_slab)))
-        self.engines[m.engine_id] = engine
-        log.info("engine %s registered: namespace %s, pid %d, %d worker(s), slab %d bytes, "
-                 "virtual capacity %d slabs%s", m.engine_id, m.namespace, m.pid, m.num_workers,
-                 engine.slab_bytes, max_slabs, f", adopted {len(held)} slab(s)" if held else "")
-        return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
-                            max_slabs=max_slabs, token=engine.token)
-
-    def _check_adoption(self, m: p.RegisterEngine, pool: PagePool, slab_pages: int, max_slabs: int) -> list[int]:
-        """Slabs a re-registering engine says it holds: each once, inside its
-        virtual range, and within what the budget has room for."""
-        held = m.held
-        if len(set(held)) != len(held):
-            raise Rejected(p.Reason.BAD_ADOPTION, f"engine {m.engine_id}: a slab appears twice in its held list")
-        if held and (min(held) < 0 or max(held) >= max_slabs):
-            raise Rejected(p.Reason.BAD_ADOPTION, f"engine {m.engine_id}: held slab ids must lie in 0..{max_slabs - 1}")
-        if len(held) * slab_pages > pool.creatable():
-            raise Rejected(p.Reason.BAD_ADOPTION, f"engine {m.engine_id}: {len(held)} held slab(s) need "
-                                           f"{len(held) * slab_pages} pages, the budget has room for "
-                                           f"{pool.creatable()}")
-        for slab_id, occ in m.occupancy.items():
-            if slab_id not in held:
-                continue
-            if len(occ) != 3 or min(occ) < 0 or sum(occ) != m.blocks_per_slab:
-                raise Rejected(p.Reason.BAD_ADOPTION, f"slab {slab_id}: occupancy {occ} does not add up")
-        return sorted(held)
-
-    def _on_register_worker(self, identity: bytes, m: p.RegisterWorker) -> p.Msg:
-        if m.version != p.PROTOCOL_VERSION:
-            raise Rejected(p.Reason.VERSION, f"protocol version {m.version}; this daemon speaks {p.PROTOCOL_VERSION}")
-        engine = self._engine(m.engine_id)
-        if m.token != engine.token:      # first: without the secret, nothing else about the engine is told
-            raise Rejected(p.Reason.BAD_TOKEN, f"worker {m.rank} of {m.engine_id}: not its engine's secret")
-        if not 0 <= m.rank < engine.num_workers:
-            raise Rejected(p.Reason.BAD_RANK, f"rank {m.rank} of engine {m.engine_id} with {engine.num_workers} workers")
-        device = m.device or engine.device
-        if device not in self.pools:
-            raise Rejected(p.Reason.UNKNOWN_DEVICE, f"device {device!r}; this daemon has {', '.join(self.pools)}")
-        if not self._alive(engine, m.rank):
-            raise Rejected(p.Reason.NO_CHANNEL, f"worker {m.rank} of {m.engine_id} has not opened its page channel "
-                                                f"with its engine's secret")
-        engine.workers[m.rank] = identity
-        engine.worker_devices[m.rank] = device
-        log.info("engine %s: worker %d registered (pid %d)", m.engine_id, m.rank, m.pid)
-        self._progress_grows()
-        return p.Registered(engine_id=engine.engine_id, budget_bytes=self.pools[device].budget_pages * self.page_size,
-                            page_size=self.page_size, max_slabs=engine.max_slabs,
-                            pages_per_worker=engine.pages_per_worker)
 
     def _on_heartbeat(self, identity: bytes, m: p.Heartbeat) -> None:
         engine = self._own_engine(identity, m.engine_id)
@@ -784,53 +683,8 @@ class Allocator:
         out, self._out = self._out, []
         return out
 
-    # ================================================================ status
-    def status(self) -> p.StatusReport:
-        held = dict.fromkeys(self.pools, 0)
-        cached = dict.fromkeys(self.pools, 0)
-        quarantined = dict.fromkeys(self.pools, 0)
-        for e in (*self.engines.values(), *self.departing.values()):
-            for slab in e.slabs.values():
-                for device in slab.page_devices or [e.device] * slab.adopted_pages:
-                    held[device] += e.page_size
-                    quarantined[device] += e.failed
-        engines = []
-        for e in self.engines.values():
-            e_cached = e.cached_bytes()
-            cached[e.device] += e_cached
-            engines.append(p.EngineStatus(
-                engine_id=e.engine_id, namespace=e.namespace, pid=e.pid, device=e.device,
-                workers=len(e.workers), slabs=len(e.slabs), slab_bytes=e.slab_bytes,
-                held_bytes=e.held_bytes(), cached_bytes=e_cached,
-                live_blocks=sum(o[0] for o in e.mirror.slabs.values()),
-                cached_blocks=sum(o[1] for o in e.mirror.slabs.values()),
-                min_bytes=e.min_bytes, max_bytes=e.max_bytes,
-                grants=e.grants, returns=e.returns, reclaims=e.reclaims, stats=dict(e.stats)))
-        devices = [pool.status(name, self.backend, held[name], cached[name], self.page_size, quarantined[name])
-                   for name, pool in self.pools.items()]
-        return p.StatusReport(
-            device=devices[0].device, backend=self.backend, page_size=self.page_size,
-            budget_bytes=sum(d.budget_bytes for d in devices),
-            memory=p.MemoryStatus(**{k: sum(getattr(d.memory, k) for d in devices)
-                                     for k in ("held", "cached", "free", "unallocated")}),
-            pages=p.PageCounts(**{k: sum(getattr(d.pages, k) for d in devices)
-                                  for k in ("created", "free", "adopted", "quarantined")}),
-            devices=devices, engines=engines)
-
-    def check(self) -> None:
-        """Invariants 1 and 2 on every device (the tests and the simulator call it)."""
-        in_slabs: dict[str, list[int]] = {name: [] for name in self.pools}
-        adopted = dict.fromkeys(self.pools, 0)
-        for e in (*self.engines.values(), *self.departing.values()):
-            for s in e.slabs.values():
-                for page_id, device in zip(s.pages, s.page_devices):
-                    in_slabs[device].append(page_id)
-                adopted[e.device] += s.adopted_pages
-        for name, pool in self.pools.items():
-            pool.check(in_slabs[name], adopted[name])
-
     _HANDLERS = {
-        p.RegisterEngine: _on_register_engine, p.RegisterWorker: _on_register_worker,
+        p.RegisterEngine: Registration._on_register_engine, p.RegisterWorker: Registration._on_register_worker,
         p.Grow: _on_grow, p.Return: _on_return, p.Journal: _on_journal,
         p.Heartbeat: _on_heartbeat, p.Unregister: _on_unregister,
         p.ReclaimDone: _on_reclaim_done, p.Mapped: _on_mapped,

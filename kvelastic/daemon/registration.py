@@ -1,0 +1,115 @@
+"""Registration of engines and workers: the allocator's part that admits
+them (geometry, limits, the engine's secret, adoption after a daemon restart).
+
+A mixin of ``Allocator`` (``allocator.py``): it reads and writes the same
+books and raises the same ``Rejected``; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvelastic import protocol as p
+from kvelastic.core.stats import COUNTER_NAMES
+from kvelastic.daemon.rejected import Rejected
+from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord
+
+log = logging.getLogger("kvelastic.daemon")
+
+
+class Registration:
+    def _on_register_engine(self, identity: bytes, m: p.RegisterEngine) -> p.Msg:
+        if m.version != p.PROTOCOL_VERSION:
+            raise Rejected(p.Reason.VERSION, f"protocol version {m.version}; this daemon speaks {p.PROTOCOL_VERSION}")
+        if m.page_size != self.page_size:
+            raise Rejected(p.Reason.GEOMETRY, f"page size {m.page_size}; this daemon's pages are {self.page_size} bytes")
+        if not m.engine_id or m.pages_per_worker < 1 or m.num_workers < 0 or m.blocks_per_slab < 1 \
+                or m.block_bytes < 1 or m.min_bytes < 0 or m.max_bytes < 0 \
+                or (m.max_bytes and m.min_bytes > m.max_bytes):
+            raise Rejected(p.Reason.GEOMETRY, "engine id, pages_per_worker, blocks_per_slab, block_bytes must be "
+                                       "positive and min_bytes <= max_bytes")
+        old = self.engines.get(m.engine_id)
+        if old is not None and (not m.token or m.token != old.token):
+            raise Rejected(p.Reason.ENGINE_EXISTS, f"engine {m.engine_id!r} is registered by another process "
+                                                   f"(pid {old.pid}); a re-registration needs its secret")
+        device = m.device or self.default_device
+        if device not in self.pools:
+            raise Rejected(p.Reason.UNKNOWN_DEVICE, f"device {device!r}; this daemon has {', '.join(self.pools)}")
+        pool = self.pools[device]
+        slab_pages = m.pages_per_worker * max(1, m.num_workers)
+        budget = pool.budget_pages * self.page_size
+        cap = min(budget, m.max_bytes) if m.max_bytes else budget
+        if m.min_bytes > budget:
+            raise Rejected(p.Reason.LIMIT, f"min_bytes {m.min_bytes} exceeds the device budget {budget}")
+        if slab_pages * self.page_size > cap:
+            raise Rejected(p.Reason.GEOMETRY, f"one slab ({slab_pages * self.page_size} bytes) does not fit in {cap} bytes")
+        if old is not None:          # the same engine on a new connection
+            old.identity, old.last_seen = identity, self._now
+            log.info("engine %s reconnected", m.engine_id)
+            return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
+                                max_slabs=old.max_slabs, token=old.token)
+        if len(self.engines) >= self.max_engines:
+            raise Rejected(p.Reason.LIMIT, f"{len(self.engines)} engines registered, the most this daemon takes "
+                                           f"(KVELASTIC_MAX_ENGINES)")
+        max_slabs = cap // (slab_pages * self.page_size)
+        held = self._check_adoption(m, pool, slab_pages, max_slabs)
+        engine = EngineRecord(
+            engine_id=m.engine_id, namespace=m.namespace, pid=m.pid, page_size=self.page_size,
+            pages_per_worker=m.pages_per_worker, num_workers=m.num_workers,
+            blocks_per_slab=m.blocks_per_slab, block_bytes=m.block_bytes, block_tokens=m.block_tokens,
+            key_group_suffix=m.key_group_suffix, min_bytes=m.min_bytes,
+            max_bytes=m.max_bytes, max_slabs=max_slabs, device=device, identity=identity, last_seen=self._now,
+            stats=dict.fromkeys(sorted(COUNTER_NAMES), 0),   # every counter from registration on
+            # A re-registration after a daemon restart keeps the secret its workers already hold.
+            token=m.token or self._token_source())
+        for slab_id in held:         # re-register after a daemon restart: adopt what it holds
+            engine.slabs[slab_id] = SlabRecord(slab_id, [], [], Phase.HELD, set(), adopted_pages=slab_pages)
+            pool.adopted += slab_pages
+            engine.mirror.slabs[slab_id] = tuple(m.occupancy.get(slab_id, (0, 0, m.blocks_per_slab)))
+        self.engines[m.engine_id] = engine
+        log.info("engine %s registered: namespace %s, pid %d, %d worker(s), slab %d bytes, "
+                 "virtual capacity %d slabs%s", m.engine_id, m.namespace, m.pid, m.num_workers,
+                 engine.slab_bytes, max_slabs, f", adopted {len(held)} slab(s)" if held else "")
+        return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
+                            max_slabs=max_slabs, token=engine.token)
+
+    def _check_adoption(self, m: p.RegisterEngine, pool: PagePool, slab_pages: int, max_slabs: int) -> list[int]:
+        """Slabs a re-registering engine says it holds: each once, inside its
+        virtual range, and within what the budget has room for."""
+        held = m.held
+        if len(set(held)) != len(held):
+            raise Rejected(p.Reason.BAD_ADOPTION, f"engine {m.engine_id}: a slab appears twice in its held list")
+        if held and (min(held) < 0 or max(held) >= max_slabs):
+            raise Rejected(p.Reason.BAD_ADOPTION, f"engine {m.engine_id}: held slab ids must lie in 0..{max_slabs - 1}")
+        if len(held) * slab_pages > pool.creatable():
+            raise Rejected(p.Reason.BAD_ADOPTION, f"engine {m.engine_id}: {len(held)} held slab(s) need "
+                                           f"{len(held) * slab_pages} pages, the budget has room for "
+                                           f"{pool.creatable()}")
+        for slab_id, occ in m.occupancy.items():
+            if slab_id not in held:
+                continue
+            if len(occ) != 3 or min(occ) < 0 or sum(occ) != m.blocks_per_slab:
+                raise Rejected(p.Reason.BAD_ADOPTION, f"slab {slab_id}: occupancy {occ} does not add up")
+        return sorted(held)
+
+    def _on_register_worker(self, identity: bytes, m: p.RegisterWorker) -> p.Msg:
+        if m.version != p.PROTOCOL_VERSION:
+            raise Rejected(p.Reason.VERSION, f"protocol version {m.version}; this daemon speaks {p.PROTOCOL_VERSION}")
+        engine = self._engine(m.engine_id)
+        if m.token != engine.token:      # first: without the secret, nothing else about the engine is told
+            raise Rejected(p.Reason.BAD_TOKEN, f"worker {m.rank} of {m.engine_id}: not its engine's secret")
+        if not 0 <= m.rank < engine.num_workers:
+            raise Rejected(p.Reason.BAD_RANK, f"rank {m.rank} of engine {m.engine_id} with {engine.num_workers} workers")
+        device = m.device or engine.device
+        if device not in self.pools:
+            raise Rejected(p.Reason.UNKNOWN_DEVICE, f"device {device!r}; this daemon has {', '.join(self.pools)}")
+        if not self._alive(engine, m.rank):
+            raise Rejected(p.Reason.NO_CHANNEL, f"worker {m.rank} of {m.engine_id} has not opened its page channel "
+                                                f"with its engine's secret")
+        engine.workers[m.rank] = identity
+        engine.worker_devices[m.rank] = device
+        log.info("engine %s: worker %d registered (pid %d)", m.engine_id, m.rank, m.pid)
+        self._progress_grows()
+        return p.Registered(engine_id=engine.engine_id, budget_bytes=self.pools[device].budget_pages * self.page_size,
+                            page_size=self.page_size, max_slabs=engine.max_slabs,
+                            pages_per_worker=engine.pages_per_worker)

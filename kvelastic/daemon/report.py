@@ -1,0 +1,54 @@
+"""What the allocator shows: the status report and its own invariant check.
+
+A mixin of ``Allocator`` (``allocator.py``); read-only over its books.
+"""
+
+from __future__ import annotations
+
+from kvelastic import protocol as p
+
+
+class Reporting:
+    def status(self) -> p.StatusReport:
+        held = dict.fromkeys(self.pools, 0)
+        cached = dict.fromkeys(self.pools, 0)
+        quarantined = dict.fromkeys(self.pools, 0)
+        for e in (*self.engines.values(), *self.departing.values()):
+            for slab in e.slabs.values():
+                for device in slab.page_devices or [e.device] * slab.adopted_pages:
+                    held[device] += e.page_size
+                    quarantined[device] += e.failed
+        engines = []
+        for e in self.engines.values():
+            e_cached = e.cached_bytes()
+            cached[e.device] += e_cached
+            engines.append(p.EngineStatus(
+                engine_id=e.engine_id, namespace=e.namespace, pid=e.pid, device=e.device,
+                workers=len(e.workers), slabs=len(e.slabs), slab_bytes=e.slab_bytes,
+                held_bytes=e.held_bytes(), cached_bytes=e_cached,
+                live_blocks=sum(o[0] for o in e.mirror.slabs.values()),
+                cached_blocks=sum(o[1] for o in e.mirror.slabs.values()),
+                min_bytes=e.min_bytes, max_bytes=e.max_bytes,
+                grants=e.grants, returns=e.returns, reclaims=e.reclaims, stats=dict(e.stats)))
+        devices = [pool.status(name, self.backend, held[name], cached[name], self.page_size, quarantined[name])
+                   for name, pool in self.pools.items()]
+        return p.StatusReport(
+            device=devices[0].device, backend=self.backend, page_size=self.page_size,
+            budget_bytes=sum(d.budget_bytes for d in devices),
+            memory=p.MemoryStatus(**{k: sum(getattr(d.memory, k) for d in devices)
+                                     for k in ("held", "cached", "free", "unallocated")}),
+            pages=p.PageCounts(**{k: sum(getattr(d.pages, k) for d in devices)
+                                  for k in ("created", "free", "adopted", "quarantined")}),
+            devices=devices, engines=engines)
+
+    def check(self) -> None:
+        """Invariants 1 and 2 on every device (the tests and the simulator call it)."""
+        in_slabs: dict[str, list[int]] = {name: [] for name in self.pools}
+        adopted = dict.fromkeys(self.pools, 0)
+        for e in (*self.engines.values(), *self.departing.values()):
+            for s in e.slabs.values():
+                for page_id, device in zip(s.pages, s.page_devices):
+                    in_slabs[device].append(page_id)
+                adopted[e.device] += s.adopted_pages
+        for name, pool in self.pools.items():
+            pool.check(in_slabs[name], adopted[name])
