@@ -1,6 +1,6 @@
 import pytest
 
-from tests.daemon.engines import EngineProcess
+from tests.daemon.engines import EngineProcess, with_engine_token
 
 
 @pytest.fixture
@@ -8,10 +8,7 @@ def engines():
     started = []
 
     def make(daemon, engine_id, **cfg):
-        if cfg.get("role") == "worker" and "token" not in cfg:    # its engine's secret, as vLLM hands it over
-            cfg["token"] = next(e for e in reversed(started) if e.engine_id == engine_id
-                                and e.role == "engine").state()["token"]
-        proc = EngineProcess(daemon.socket, engine_id, **cfg)
+        proc = EngineProcess(daemon.socket, engine_id, **with_engine_token(started, engine_id, cfg))
         started.append(proc)
         return proc
 

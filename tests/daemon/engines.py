@@ -6,6 +6,15 @@ import subprocess
 import sys
 
 
+def with_engine_token(started: list, engine_id: str, cfg: dict) -> dict:
+    """A lone worker process's config gets its engine's secret (the latest
+    engine of that id started), as vLLM hands it over with the KV config."""
+    if cfg.get("role") == "worker" and "token" not in cfg:
+        engine = next(e for e in reversed(started) if e.engine_id == engine_id and e.role == "engine")
+        cfg = {**cfg, "token": engine.state()["token"]}
+    return cfg
+
+
 class EngineProcess:
     def __init__(self, socket: str, engine_id: str, **cfg) -> None:
         self.engine_id = engine_id

@@ -19,6 +19,7 @@ import pytest
 
 from kvelastic import protocol as p
 from kvelastic.core.journal import STORE
+from tests.daemon.engines import with_engine_token
 from tests.daemon.hostile import (
     PAGE,
     Driver,
@@ -46,10 +47,7 @@ def drivers():
     started: list[Driver] = []
 
     def make(daemon, engine_id: str, **cfg) -> Driver:
-        if cfg.get("role") == "worker" and "token" not in cfg:    # its engine's secret, as vLLM hands it over
-            cfg["token"] = next(d for d in reversed(started) if d.engine_id == engine_id
-                                and d.role == "engine").state()["token"]
-        proc = Driver(daemon.socket, engine_id, **cfg)
+        proc = Driver(daemon.socket, engine_id, **with_engine_token(started, engine_id, cfg))
         started.append(proc)
         return proc
 
