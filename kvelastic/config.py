@@ -175,6 +175,12 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVELASTIC_GROW_TIMEOUT", "grow_timeout", "5s", parse_duration,
              "Daemon: every grow request is answered within this, with the slabs granted so far (slabs mapped "
              "later are still granted, on their own)."),
+    Variable("KVELASTIC_IDLE_GRACE", "idle_grace", "5s", parse_duration,
+             "Daemon: an engine with no model activity for this long is idle: its reserve (empty slabs) goes "
+             "back, it grows no more until it has demand, and its cached memory is the first to yield."),
+    Variable("KVELASTIC_HOLD_DOWN", "hold_down", "2s", parse_duration,
+             "Daemon: memory moved from one engine to another is not moved back within this, unless the first "
+             "has demand its own cache cannot meet (no ping-pong)."),
     Variable("KVELASTIC_LOG_LEVEL", "log_level", "info", parse_choice("debug", "info", "warning", "error"),
              "Log level of the daemon and the client."),
 )
@@ -204,6 +210,8 @@ class Config:
     max_engines: int
     ack_timeout: float
     grow_timeout: float
+    idle_grace: float
+    hold_down: float
     log_level: str
 
     @classmethod

@@ -24,6 +24,7 @@ PREFIX = "kvelastic"
 # start-up and rate() sees the first rejection.
 REJECT_REASONS = tuple(reason.value for reason in Reason)
 GRANT_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+DEMAND_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class DaemonMetrics:
@@ -35,12 +36,18 @@ class DaemonMetrics:
             f"{PREFIX}_grant_latency_seconds",
             "Time from a grow request to the grant, workers' map acknowledgements included.",
             ["device"], buckets=GRANT_LATENCY_BUCKETS, registry=self.registry)
+        self.demand_wait = Histogram(
+            f"{PREFIX}_demand_wait_seconds",
+            "Time an engine's demand grow (a request waiting for memory) took to be answered, "
+            "reclaims from other engines included.",
+            ["device"], buckets=DEMAND_WAIT_BUCKETS, registry=self.registry)
         self.rejected = Counter(
             f"{PREFIX}_rejected_messages",
             "Messages the daemon refused (malformed, wrong version, unknown engine, ...).",
             ["reason"], registry=self.registry)
         for device in devices:
             self.grant_latency.labels(device)
+            self.demand_wait.labels(device)
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
         self.registry.register(DaemonCollector(snapshot))
@@ -67,13 +74,27 @@ class DaemonCollector(Collector):
                 memory.add_metric([d.device, state], getattr(d.memory, state))
             engines.add_metric([d.device], sum(1 for e in s.engines if e.device == d.device))
             quarantined.add_metric([d.device], d.pages.quarantined * s.page_size)
-        yield from (budget, memory, engines, quarantined)
+        moves = CounterMetricFamily(f"{PREFIX}_slab_moves",
+                                    "Slabs one engine gave up for another engine's demand.", labels=["device"])
+        thrash = CounterMetricFamily(f"{PREFIX}_slab_thrash",
+                                     "Moves back to an engine within 1 s of a move away from it (ping-pong).",
+                                     labels=["device"])
+        for d in s.devices:
+            moves.add_metric([d.device], d.slab_moves)
+            thrash.add_metric([d.device], d.thrash)
+        yield from (budget, memory, engines, quarantined, moves, thrash)
 
         held = GaugeMetricFamily(f"{PREFIX}_engine_held_bytes", "Memory held by an engine.",
                                  labels=["device", "engine", "namespace"])
         cached = GaugeMetricFamily(f"{PREFIX}_engine_cached_bytes",
                                    "Memory in an engine's cached (evictable) prefix blocks.",
                                    labels=["device", "engine", "namespace"])
+        idle = GaugeMetricFamily(f"{PREFIX}_engine_idle",
+                                 "1 while an engine is idle (no activity for KVELASTIC_IDLE_GRACE): its reserve "
+                                 "is gone and its cache yields first.", labels=["device", "engine"])
+        starved = GaugeMetricFamily(f"{PREFIX}_engine_starved_seconds",
+                                    "How long an engine's demand for memory has gone unmet (0: it has not).",
+                                    labels=["device", "engine"])
         limit = GaugeMetricFamily(f"{PREFIX}_engine_limit_bytes", "An engine's guaranteed minimum and cap.",
                                   labels=["device", "engine", "bound"])
         slabs = {name: CounterMetricFamily(f"{PREFIX}_slab_{name}", help_, labels=["device", "engine"])
@@ -101,6 +122,8 @@ class DaemonCollector(Collector):
         for e in s.engines:
             eid, ns, dev = e.engine_id, e.namespace, e.device
             held.add_metric([dev, eid, ns], e.held_bytes)
+            idle.add_metric([dev, eid], int(e.idle))
+            starved.add_metric([dev, eid], e.starved_seconds)
             cached.add_metric([dev, eid, ns], e.cached_bytes)
             limit.add_metric([dev, eid, "min"], e.min_bytes)
             limit.add_metric([dev, eid, "max"], e.max_bytes)
@@ -112,4 +135,4 @@ class DaemonCollector(Collector):
             hit_blocks.add_metric([dev, eid], e.stats.get("hit_blocks", 0))
             for reason in EVICTION_REASONS:  # every series from registration on
                 evictions.add_metric([dev, eid, reason], e.stats.get(f"evictions_{reason}", 0))
-        yield from (held, cached, limit, *slabs.values(), queries, hits, lookup_blocks, hit_blocks, evictions)
+        yield from (held, cached, idle, starved, limit, *slabs.values(), queries, hits, lookup_blocks, hit_blocks, evictions)

@@ -37,6 +37,9 @@ GROW_TIMEOUT = 5.0           # every grow is answered within this (with what cou
 HELLO_TIMEOUT = 2.0          # a page channel's greeting must be complete within this
 REGISTER_TIMEOUT = 10.0      # a page channel whose engine is not registered by then is closed
 SEND_PAGES_TIMEOUT = 1.0     # a worker takes its page descriptors within this
+IDLE_GRACE = 5.0             # an engine inactive this long is idle (configurable)
+HOLD_DOWN = 2.0              # memory moved away from an engine is not moved back within this (configurable)
+THRASH_WINDOW = 1.0          # a move back within this of a move away counts as thrash
 
 
 class Reason(str, enum.Enum):
@@ -247,6 +250,7 @@ class Registered(Msg):
     max_slabs: int               # virtual capacity of the engine, in slabs
     pages_per_worker: int = 1    # a worker's arena: page_size * max_slabs * pages_per_worker
     token: Token = b""           # to an engine: its secret (keep it; give it to its workers)
+    idle_grace: float = IDLE_GRACE  # to an engine: inactive this long, it is idle (its reserve decays)
 
 
 class Granted(Msg):
@@ -291,6 +295,8 @@ class DeviceStatus(msgspec.Struct, kw_only=True):
     budget_bytes: int
     memory: MemoryStatus
     pages: PageCounts
+    slab_moves: int = 0          # slabs given up by one engine for another's demand
+    thrash: int = 0              # moves back to an engine within THRASH_WINDOW of a move away from it
 
 
 class EngineStatus(msgspec.Struct, kw_only=True):
@@ -311,6 +317,8 @@ class EngineStatus(msgspec.Struct, kw_only=True):
     returns: int
     reclaims: int
     stats: dict[str, int]        # the engine's cumulative pool counters (lookups, hits, evictions_*)
+    idle: bool = False           # no activity for the idle grace: reserve decayed, never grows
+    starved_seconds: float = 0.0 # how long its demand has gone unmet (0: it has not)
 
 
 class StatusReport(msgspec.Struct, kw_only=True):

@@ -6,11 +6,12 @@ sends heartbeats. ``lock`` guards the pool between the two: the scheduler
 holds it around each pool operation (uncontended: ~100 ns).
 
 Two kinds of grow: a *reserve* refill (the I/O thread, when free blocks fall
-under ``low_watermark``: ahead of need, from the daemon's free memory only)
-and *demand* (``ensure``: the scheduler needs N blocks for a request now; the
-daemon may reclaim from other engines for it, and the caller waits, bounded).
-Slabs that stay idle (no live, no cached block) beyond ``keep_idle_slabs``
-for ``shrink_grace`` seconds go back.
+under ``low_watermark`` while the engine is active: ahead of need, from the
+daemon's free memory only) and *demand* (``ensure``: the scheduler needs N
+blocks for a request now; the daemon may reclaim from other engines for it,
+and the caller waits, bounded). When to refill and which empty slabs go back
+is ``ReservePolicy``'s call (``reserve.py``): an idle engine's reserve decays
+to nothing.
 
 Grants have one path (``_grants``, drained by ``apply_grants``): adding a
 slab is safe at any point of a scheduling step, so a slab that arrived is
@@ -32,6 +33,7 @@ import msgspec
 
 from kvelastic import protocol as p
 from kvelastic.client.connection import Connection, DaemonError, DaemonUnavailable
+from kvelastic.client.reserve import ReservePolicy
 from kvelastic.core.journal import REMOVE, STORE
 from kvelastic.core.pool import SlabPool
 from kvelastic.errors import PoolError
@@ -62,10 +64,10 @@ class EngineClient:
                              num_workers=num_workers, blocks_per_slab=pool.blocks_per_slab,
                              block_bytes=block_bytes, min_bytes=min_bytes, max_bytes=max_bytes,
                              block_tokens=pool.block_size, key_group_suffix=key_group_suffix, device=device)
-        self.low_watermark = pool.blocks_per_slab if low_watermark is None else low_watermark
+        self.reserve = ReservePolicy(pool.blocks_per_slab if low_watermark is None else low_watermark,
+                                     keep_idle_slabs=keep_idle_slabs, shrink_grace=shrink_grace,
+                                     active_at=time.monotonic())
         self.bytes_keys = key_group_suffix  # vLLM's keys are bytes already: no conversion
-        self.keep_idle_slabs = keep_idle_slabs
-        self.shrink_grace = shrink_grace
         self.lock = threading.RLock()
         self.max_slabs = 0
         self.budget_bytes = 0
@@ -74,7 +76,6 @@ class EngineClient:
         self._grow_in_flight = False       # a reserve grow awaits its answer
         self._grow_answered = threading.Event()
         self._grants: collections.deque[p.Msg] = collections.deque()
-        self._idle_since: dict[int, float] = {}
         self._inbox: collections.deque = collections.deque()
         self._last_heartbeat = 0.0
         self._now = 0.0
@@ -84,6 +85,14 @@ class EngineClient:
         self.conn = Connection(socket_path, engine_id, -1, handshake=self._register,
                                on_command=self._on_command, on_tick=self._tick,
                                tick_interval=tick_interval, name=f"kvelastic-engine-{engine_id}")
+
+    @property
+    def low_watermark(self) -> int:
+        return self.reserve.low_watermark
+
+    @low_watermark.setter
+    def low_watermark(self, blocks: int) -> None:
+        self.reserve.low_watermark = blocks
 
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 10.0) -> EngineClient:
@@ -112,6 +121,7 @@ class EngineClient:
             version=p.PROTOCOL_VERSION, engine_id=self.engine_id, pid=os.getpid(),
             namespace=self.namespace, held=held, occupancy=occupancy, token=self.token, **self.geometry))
         self.max_slabs, self.budget_bytes = reply.max_slabs, reply.budget_bytes
+        self.reserve.idle_grace = reply.idle_grace   # the daemon's clock for "idle"
         # Kept for good: a re-registration (also with a restarted daemon) shows
         # it, and so do this engine's workers (``WorkerClient(token=...)``).
         self.token = reply.token
@@ -140,6 +150,7 @@ class EngineClient:
         False: the daemon could not supply them (device full, engine at its cap)."""
         pool = self.pool
         deadline = time.monotonic() + timeout
+        self.reserve.touch(time.monotonic())
 
         def missing() -> int:
             self.apply_grants()
@@ -273,9 +284,10 @@ class EngineClient:
             self.apply_grants()
             self._run_inbox()
             pool = self.pool
-            if not self._grow_in_flight and pool.num_free < self.low_watermark and now >= self.refused_until \
-                    and len(pool.slab_ids()) < self.max_slabs:
-                want = max(1, math.ceil((self.low_watermark - pool.num_free) / pool.blocks_per_slab))
+            if pool.journal.ops or pool.journal.dirty:
+                self.reserve.touch(now)
+            want = self.reserve.refill(pool, now, self.max_slabs)
+            if want and not self._grow_in_flight and now >= self.refused_until:
                 self._grow_answered.clear()   # before the flag: ensure() must never see a stale answer
                 self._grow_in_flight = True
                 self.conn.request_async(p.Grow(engine_id=self.engine_id, slabs=want), self._on_grow_reply)
@@ -291,25 +303,10 @@ class EngineClient:
             self.lock.release()
 
     def _shrink(self, now: float) -> list[int]:
-        idle = self.pool.idle_slabs()
-        idle_set = set(idle)
-        for slab_id in list(self._idle_since):
-            if slab_id not in idle_set:
-                del self._idle_since[slab_id]
-        for slab_id in idle:
-            self._idle_since.setdefault(slab_id, now)
-        if len(idle) <= self.keep_idle_slabs or self.pool.num_free - self.pool.blocks_per_slab < self.low_watermark:
-            return []
-        # Return the highest slab ids first: the arena stays compact at its low end.
-        expired = sorted((s for s in idle if now - self._idle_since[s] >= self.shrink_grace), reverse=True)
-        excess = len(idle) - self.keep_idle_slabs
-        returned = []
-        for slab_id in expired[:excess]:
-            if self.pool.num_free - self.pool.blocks_per_slab < self.low_watermark:
-                break
+        returned = self.reserve.to_return(self.pool, now)
+        for slab_id in returned:
             self.pool.take_slab_back(slab_id, reason="return")
-            del self._idle_since[slab_id]
-            returned.append(slab_id)
+        self.reserve.forget(returned)
         return returned
 
     def _flush_journal(self, send) -> None:
@@ -318,6 +315,7 @@ class EngineClient:
         batch = self.pool.take_journal()
         if not batch:
             return
+        self.reserve.touch(time.monotonic())
         stats = self.pool.stats
         counters = {"lookups": stats.lookups, "lookup_blocks": stats.lookup_blocks,
                     "hit_blocks": stats.hit_blocks, "query_tokens": stats.query_tokens,

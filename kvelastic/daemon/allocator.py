@@ -37,12 +37,14 @@ from kvelastic.daemon.events import journal_events
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.registration import Registration
 from kvelastic.daemon.report import Reporting
-from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag, pick_victims
+from kvelastic.daemon.arbiter import Rules, is_hard, is_idle, pick_victims
+from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag
 
 log = logging.getLogger("kvelastic.daemon")
 
 MAX_GROW = 4096              # slabs in one grow request
 MAX_PENDING_GROWS = 8        # grow requests one engine may have waiting
+STARVED_RESET = 2.0          # no unmet demand for this long: the engine is no longer starved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,8 @@ class Timing:
     reclaim_timeout: float = p.RECLAIM_TIMEOUT
     ack_timeout: float = p.ACK_TIMEOUT
     grow_timeout: float = p.GROW_TIMEOUT
+    idle_grace: float = p.IDLE_GRACE
+    hold_down: float = p.HOLD_DOWN
 
 
 @dataclasses.dataclass(eq=False)
@@ -102,6 +106,9 @@ class Allocator(Registration, Reporting):
         self.default_device = next(iter(budgets))
         self.page_size = page_size
         self.timing = timing
+        self.rules = Rules(idle_grace=timing.idle_grace, hold_down=timing.hold_down)
+        self.moves = dict.fromkeys(budgets, 0)     # device -> slabs moved between engines
+        self.thrash = dict.fromkeys(budgets, 0)    # device -> moves back within THRASH_WINDOW
         self.events = events
         self.engines: dict[str, EngineRecord] = {}
         # Engines gone from the books whose slabs still wait for their workers
@@ -120,6 +127,7 @@ class Allocator(Registration, Reporting):
         self._logged: set[tuple] = set()
         self.max_engines = max_engines
         self._next_page = 0
+        self._now = 0.0
         self._out: list[fx.Effect] = []
 
     # ================================================================ inputs
@@ -232,6 +240,8 @@ class Allocator(Registration, Reporting):
                 self._drop(engine, f"no heartbeat for {now - engine.last_seen:.1f} s")
             elif any(s.phase is not Phase.HELD and now > s.deadline for s in engine.slabs.values()):
                 self._fail(engine, f"no map/unmap acknowledgement within {t.ack_timeout:g} s")
+            if engine.starved_since is not None and now - engine.last_unmet > STARVED_RESET:
+                engine.starved_since = None   # it stopped asking: its demand went away
         for gone in list(self.departing.values()):
             if not gone.failed and any(now > s.deadline for s in gone.slabs.values()):
                 self._quarantine(gone, f"no unmap acknowledgement within {t.ack_timeout:g} s")
@@ -322,6 +332,8 @@ class Allocator(Registration, Reporting):
                 raise Rejected(p.Reason.BAD_JOURNAL, f"slab {slab_id}: occupancy {occ} does not add up to "
                                               f"{engine.blocks_per_slab} blocks")
         ops = [op.core() for op in m.ops]
+        if ops or m.occupancy:
+            engine.active_at = self._now
         engine.apply_journal(JournalBatch(ops, m.occupancy), self._now)
         engine.stats.update(m.stats)
         if self.events:
@@ -337,6 +349,13 @@ class Allocator(Registration, Reporting):
             raise Rejected(p.Reason.BAD_REQUEST, f"grow by {m.slabs} slabs (1..{MAX_GROW})")
         if engine.pending_grows >= MAX_PENDING_GROWS:
             raise Rejected(p.Reason.BUSY, f"engine {engine.engine_id} has {MAX_PENDING_GROWS} grows pending")
+        if m.demand:
+            engine.active_at = self._now
+        elif is_idle(engine, self._now, self.rules):
+            # An idle engine keeps no reserve: a late refill is answered with nothing.
+            log.info("engine %s: reserve grow refused: idle for %.1f s", engine.engine_id,
+                     self._now - engine.active_at)
+            return p.Granted(slabs=[])
         self._grow_seq += 1
         engine.pending_grows += 1
         self.grows[self._grow_seq] = GrowRequest(self._grow_seq, engine.engine_id, identity, m.req_id, m.slabs,
@@ -396,7 +415,9 @@ class Allocator(Registration, Reporting):
         if waiting and not expired:
             return False
         latency = self._now - req.started
-        self._out.append(fx.GrantLatency(engine.device, latency))
+        self._out.append(fx.GrantLatency(engine.device, latency, req.demand))
+        if req.demand:
+            self._starvation(engine, req, short)
         self._out.append(fx.Send(req.identity, p.Granted(req_id=req.req_id, slabs=req.slabs)))
         for slab_id in req.mapping:     # answered at its deadline: the late ones are granted on their own
             engine.slabs[slab_id].late_grant = True
@@ -407,6 +428,19 @@ class Allocator(Registration, Reporting):
             log.info("engine %s: grow of %d slab(s) refused: %s", engine.engine_id, req.wanted,
                      "deadline passed" if expired else "device budget exhausted")
         return True
+
+    def _starvation(self, engine: EngineRecord, req: GrowRequest, short: int) -> None:
+        """A demand grow was answered: the engine is starved while its hard demand goes unmet."""
+        if short <= 0 or req.slabs:
+            if engine.starved_since is not None:
+                log.info("engine %s: demand met again after %.1f s", engine.engine_id,
+                         self._now - engine.starved_since)
+            engine.starved_since = None
+        elif is_hard(engine, short):
+            if engine.starved_since is None:
+                engine.starved_since = req.started
+                log.warning("engine %s: starved: demand for %d slab(s) unmet", engine.engine_id, short)
+            engine.last_unmet = self._now
 
     def _on_its_way(self, engine_id: str, slab_id: int) -> bool:
         """A reclaimed slab still unmapping by an engine that is not failed."""
@@ -528,8 +562,8 @@ class Allocator(Registration, Reporting):
 
     def _reclaim_for(self, req: GrowRequest, requester: EngineRecord, short: int) -> None:
         outstanding = {(r.engine_id, s) for r in self.reclaims.values() for s in r.slabs}
-        victims = [(e, s) for e, s in pick_victims(list(self.engines.values()), requester,
-                                                   short * requester.slab_bytes)
+        victims = [(e, s) for e, s in pick_victims(list(self.engines.values()), requester, short, self._now,
+                                                   self.rules)
                    if (e.engine_id, s) not in outstanding]
         by_engine: dict[str, list[int]] = {}
         for engine, slab_id in victims:
@@ -555,11 +589,24 @@ class Allocator(Registration, Reporting):
             if slab is not None and slab.phase is Phase.HELD:
                 engine.reclaims += 1
                 rec.grow.incoming.add((engine.engine_id, slab_id))
+                self._moved(engine, rec.grow.engine_id)
                 self._start_unmap(engine, slab)
         if m.refused:
             log.info("engine %s: refused %d slab(s) (in use again)", m.engine_id, len(m.refused))
         rec.grow.reclaims.discard(m.req_id)
         self._progress_grows()
+
+    def _moved(self, source: EngineRecord, to_id: str) -> None:
+        """A slab of ``source`` goes to engine ``to_id``: counted, and thrash if it
+        is a move back (``source`` got memory from ``to_id`` moments ago)."""
+        self.moves[source.device] += 1
+        if self._now - source.received_from.get(to_id, -1e18) < p.THRASH_WINDOW:
+            self.thrash[source.device] += 1
+            log.warning("engine %s: memory moved back to engine %s within %g s (thrash)", source.engine_id,
+                        to_id, p.THRASH_WINDOW)
+        target = self.engines.get(to_id)
+        if target is not None:
+            target.received_from[source.engine_id] = self._now
 
     def _start_unmap(self, engine: EngineRecord, slab: SlabRecord) -> None:
         slab.begin_unmap({rank for rank in range(engine.num_workers)

@@ -67,8 +67,11 @@ class Rejected:
 
 @dataclasses.dataclass(frozen=True)
 class GrantLatency:
+    """A grow was answered after ``seconds`` (``demand``: a demand grow)."""
+
     device: str
     seconds: float
+    demand: bool = False
 
 
 Effect = Send | SendPages | CreatePages | ReleasePages | Publish | Rejected | GrantLatency

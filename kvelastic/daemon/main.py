@@ -122,7 +122,8 @@ def main() -> int:
         prepare_socket_dir(config.socket)
         kv_events = ((config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_buffer)
                      if config.kv_events_endpoint else None)
-        timing = Timing(ack_timeout=config.ack_timeout or p.ACK_TIMEOUT, grow_timeout=config.grow_timeout or p.GROW_TIMEOUT)
+        timing = Timing(ack_timeout=config.ack_timeout or p.ACK_TIMEOUT, grow_timeout=config.grow_timeout or p.GROW_TIMEOUT,
+                        idle_grace=config.idle_grace, hold_down=config.hold_down)
         group = socket_group(config.socket_group)
         daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing, access=Access(group=group),
                         max_engines=config.max_engines)

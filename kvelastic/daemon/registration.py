@@ -47,7 +47,7 @@ class Registration:
             old.identity, old.last_seen = identity, self._now
             log.info("engine %s reconnected", m.engine_id)
             return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
-                                max_slabs=old.max_slabs, token=old.token)
+                                max_slabs=old.max_slabs, token=old.token, idle_grace=self.rules.idle_grace)
         if len(self.engines) >= self.max_engines:
             raise Rejected(p.Reason.LIMIT, f"{len(self.engines)} engines registered, the most this daemon takes "
                                            f"(KVELASTIC_MAX_ENGINES)")
@@ -59,6 +59,7 @@ class Registration:
             blocks_per_slab=m.blocks_per_slab, block_bytes=m.block_bytes, block_tokens=m.block_tokens,
             key_group_suffix=m.key_group_suffix, min_bytes=m.min_bytes,
             max_bytes=m.max_bytes, max_slabs=max_slabs, device=device, identity=identity, last_seen=self._now,
+            active_at=self._now,
             stats=dict.fromkeys(sorted(COUNTER_NAMES), 0),   # every counter from registration on
             # A re-registration after a daemon restart keeps the secret its workers already hold.
             token=m.token or self._token_source())
@@ -71,7 +72,7 @@ class Registration:
                  "virtual capacity %d slabs%s", m.engine_id, m.namespace, m.pid, m.num_workers,
                  engine.slab_bytes, max_slabs, f", adopted {len(held)} slab(s)" if held else "")
         return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
-                            max_slabs=max_slabs, token=engine.token)
+                            max_slabs=max_slabs, token=engine.token, idle_grace=self.rules.idle_grace)
 
     def _check_adoption(self, m: p.RegisterEngine, pool: PagePool, slab_pages: int, max_slabs: int) -> list[int]:
         """Slabs a re-registering engine says it holds: each once, inside its

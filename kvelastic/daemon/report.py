@@ -6,6 +6,7 @@ A mixin of ``Allocator`` (``allocator.py``); read-only over its books.
 from __future__ import annotations
 
 from kvelastic import protocol as p
+from kvelastic.daemon.arbiter import is_idle
 
 
 class Reporting:
@@ -29,9 +30,13 @@ class Reporting:
                 live_blocks=sum(o[0] for o in e.mirror.slabs.values()),
                 cached_blocks=sum(o[1] for o in e.mirror.slabs.values()),
                 min_bytes=e.min_bytes, max_bytes=e.max_bytes,
-                grants=e.grants, returns=e.returns, reclaims=e.reclaims, stats=dict(e.stats)))
+                grants=e.grants, returns=e.returns, reclaims=e.reclaims, stats=dict(e.stats),
+                idle=is_idle(e, self._now, self.rules),
+                starved_seconds=0.0 if e.starved_since is None else self._now - e.starved_since))
         devices = [pool.status(name, self.backend, held[name], cached[name], self.page_size, quarantined[name])
                    for name, pool in self.pools.items()]
+        for d in devices:
+            d.slab_moves, d.thrash = self.moves[d.device], self.thrash[d.device]
         return p.StatusReport(
             device=devices[0].device, backend=self.backend, page_size=self.page_size,
             budget_bytes=sum(d.budget_bytes for d in devices),

@@ -209,6 +209,8 @@ class Daemon:
             self.metrics.rejected.labels(effect.reason.value).inc()
         elif isinstance(effect, fx.GrantLatency):
             self.metrics.grant_latency.labels(effect.device).observe(effect.seconds)
+            if effect.demand:
+                self.metrics.demand_wait.labels(effect.device).observe(effect.seconds)
         return []
 
     def _send_pages(self, effect: fx.SendPages, now: float) -> list[fx.Effect]:

@@ -82,6 +82,10 @@ class EngineRecord:
     failed: bool = False                                    # missed a deadline: pages quarantined
     token: bytes = b""                                      # its secret (its workers show it too)
     pending_grows: int = 0
+    active_at: float = 0.0                                  # last journal with changes, or demand
+    received_from: dict[str, float] = dataclasses.field(default_factory=dict)  # engine -> last move to us
+    starved_since: float | None = None                      # its hard demand went unmet since then
+    last_unmet: float = 0.0                                 # the last time it did
     grants: int = 0
     returns: int = 0
     reclaims: int = 0
@@ -199,38 +203,3 @@ class PagePool:
 def owner_tag(engine: EngineRecord) -> str:
     return f"{engine.engine_id}\0{engine.namespace}"
 
-
-def pick_victims(engines: list[EngineRecord], requester: EngineRecord,
-                 bytes_needed: int) -> list[tuple[EngineRecord, int]]:
-    """Slabs to reclaim so that ``bytes_needed`` bytes come free.
-
-    Candidates hold no live block by the daemon's mirror (the owner may still
-    refuse one that turned live meanwhile) and live on the requester's device. Empty slabs first, then fully
-    cached ones, least recently active first; no engine goes below its
-    guaranteed minimum.
-    """
-    candidates = []
-    for engine in engines:
-        if engine is requester or engine.device != requester.device:
-            continue
-        for slab_id, slab in engine.slabs.items():
-            if slab.phase is not Phase.HELD:
-                continue
-            live, cached, _free = engine.mirror.slabs.get(slab_id, (0, 0, 0))
-            if live:
-                continue
-            candidates.append((cached > 0, engine.active.get(slab_id, 0.0), engine.engine_id, slab_id, engine))
-    candidates.sort(key=lambda c: c[:4])
-    chosen: list[tuple[EngineRecord, int]] = []
-    remaining = dict.fromkeys((id(e) for e in engines), 0)
-    freed = 0
-    for _cached, _t, _eid, slab_id, engine in candidates:
-        if freed >= bytes_needed:
-            break
-        owned_after = engine.owned_slabs() - remaining[id(engine)] - 1
-        if owned_after * engine.slab_bytes < engine.min_bytes:
-            continue
-        remaining[id(engine)] += 1
-        chosen.append((engine, slab_id))
-        freed += engine.slab_bytes
-    return chosen

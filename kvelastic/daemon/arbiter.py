@@ -1,0 +1,92 @@
+"""Who gives up memory for whose demand: the reclaim order. No I/O, no clock.
+
+Only a *demand* grow (the scheduler cannot admit or continue a request)
+reclaims from other engines; a reserve refill never does. Candidates are
+held slabs with no live block (by the daemon's mirror; the owner refuses a
+slab that turned live meanwhile) on the requester's device, never taking an
+engine below its guaranteed minimum. In this order (``Tier``):
+
+1. empty slabs of idle engines (a reserve nobody uses);
+2. empty slabs of active engines (their reserve);
+3. cached slabs of idle engines, least recently used across the node;
+4. cached slabs of active engines, least recently used, and only for *hard*
+   demand: when the requester's own cached blocks cannot cover it. An engine
+   that can meet its demand by evicting its own cache does so; moving another
+   active engine's cache costs an unmap and a map on both sides for no gain.
+
+(Free pages come before all of these: the allocator looks for them first.)
+
+No ping-pong: memory moved from engine A to engine B is not taken back from
+B for A within ``hold_down`` seconds unless A's demand is hard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from kvelastic.daemon.state import EngineRecord, Phase
+
+
+class Tier(enum.IntEnum):
+    IDLE_EMPTY = 1
+    ACTIVE_EMPTY = 2
+    IDLE_CACHED = 3
+    ACTIVE_CACHED = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    idle_grace: float        # no activity for this long: idle
+    hold_down: float         # no move back within this, unless hard demand
+
+
+def is_idle(engine: EngineRecord, now: float, rules: Rules) -> bool:
+    return now - engine.active_at >= rules.idle_grace
+
+
+def is_hard(requester: EngineRecord, slabs: int) -> bool:
+    """The requester cannot meet a demand of ``slabs`` by evicting its own cache."""
+    cached = sum(occ[1] for occ in requester.mirror.slabs.values())
+    return cached < slabs * requester.blocks_per_slab
+
+
+def pick_victims(engines: list[EngineRecord], requester: EngineRecord, slabs: int, now: float,
+                 rules: Rules) -> list[tuple[EngineRecord, int]]:
+    """Slabs to reclaim so that ``slabs`` of the requester's size come free."""
+    hard = is_hard(requester, slabs)
+    candidates = []
+    for engine in engines:
+        if engine is requester or engine.device != requester.device or engine.failed:
+            continue
+        if not hard and now - engine.received_from.get(requester.engine_id, -1e18) < rules.hold_down:
+            continue          # it got this memory from the requester moments ago
+        idle = is_idle(engine, now, rules)
+        for slab_id, slab in engine.slabs.items():
+            if slab.phase is not Phase.HELD:
+                continue
+            live, cached, _free = engine.mirror.slabs.get(slab_id, (0, 0, 0))
+            if live:
+                continue
+            if cached:
+                tier = Tier.IDLE_CACHED if idle else Tier.ACTIVE_CACHED
+                if tier is Tier.ACTIVE_CACHED and not hard:
+                    continue
+            else:
+                tier = Tier.IDLE_EMPTY if idle else Tier.ACTIVE_EMPTY
+            candidates.append((tier, engine.active.get(slab_id, 0.0), engine.engine_id, slab_id, engine))
+    candidates.sort(key=lambda c: c[:4])
+    bytes_needed = slabs * requester.slab_bytes
+    chosen: list[tuple[EngineRecord, int]] = []
+    taken: dict[str, int] = {}
+    freed = 0
+    for _tier, _t, engine_id, slab_id, engine in candidates:
+        if freed >= bytes_needed:
+            break
+        owned_after = engine.owned_slabs() - taken.get(engine_id, 0) - 1
+        if owned_after * engine.slab_bytes < engine.min_bytes:
+            continue
+        taken[engine_id] = taken.get(engine_id, 0) + 1
+        chosen.append((engine, slab_id))
+        freed += engine.slab_bytes
+    return chosen
