@@ -76,6 +76,7 @@ class EngineClient:
         self._grow_in_flight = False       # a reserve grow awaits its answer
         self._grow_answered = threading.Event()
         self._grants: collections.deque[p.Msg] = collections.deque()
+        self._block_ops = 0                # the pool's activity counter when last looked at
         self._inbox: collections.deque = collections.deque()
         self._last_heartbeat = 0.0
         self._now = 0.0
@@ -166,6 +167,9 @@ class EngineClient:
             if short <= 0:
                 return True
             want = min(math.ceil(short / pool.blocks_per_slab), self.max_slabs - pool.num_slabs)
+            # The daemon judges the demand by its mirror (is the cache ours to
+            # evict first?): bring it up to date ahead of the grow.
+            self._flush_journal(self.conn.notify)
         if want <= 0:
             return False  # the engine's whole virtual range is held
         try:
@@ -284,7 +288,8 @@ class EngineClient:
             self.apply_grants()
             self._run_inbox()
             pool = self.pool
-            if pool.journal.ops or pool.journal.dirty:
+            if pool.stats.block_ops != self._block_ops:
+                self._block_ops = pool.stats.block_ops
                 self.reserve.touch(now)
             want = self.reserve.refill(pool, now, self.max_slabs)
             if want and not self._grow_in_flight and now >= self.refused_until:
@@ -315,11 +320,11 @@ class EngineClient:
         batch = self.pool.take_journal()
         if not batch:
             return
-        self.reserve.touch(time.monotonic())
         stats = self.pool.stats
         counters = {"lookups": stats.lookups, "lookup_blocks": stats.lookup_blocks,
                     "hit_blocks": stats.hit_blocks, "query_tokens": stats.query_tokens,
-                    "hit_tokens": stats.hit_tokens, "token_mismatches": stats.token_mismatches}
+                    "hit_tokens": stats.hit_tokens, "token_mismatches": stats.token_mismatches,
+                    "block_ops": stats.block_ops}
         counters.update({f"evictions_{k}": v for k, v in stats.evictions.items()})
         ops = p.journal_ops(batch.ops if self.bytes_keys else [
             (op[0], wire_key(op[1]), op[2]) if op[0] in (STORE, REMOVE) else op for op in batch.ops])

@@ -194,6 +194,7 @@ class SlabPool:
                 f"asked for {n} blocks, {self.num_free} free + {len(self._lru)} evictable held")
         out: list[Any] = []
         dirty = self.journal.dirty
+        self.stats.block_ops += 1
         while len(out) < n and self.num_free:
             slab = self._fullest_with_free()
             free = slab.free
@@ -234,6 +235,7 @@ class SlabPool:
 
     def touch(self, blocks: Sequence[Any]) -> None:
         """A cache hit: each block gains a reference; a cached block turns live."""
+        self.stats.block_ops += 1
         for blk in blocks:
             slab = getattr(blk, "slab", None)
             if slab is None or slab.owner is not self:
@@ -257,6 +259,7 @@ class SlabPool:
         """Drop one reference per block, in eviction order (first evicted
         first). A block reaching 0 becomes cached if it has a key, else free."""
         dirty, lru = self.journal.dirty, self._lru
+        self.stats.block_ops += 1
         done: list[Any] = []
         released = 0
         ttl = self.ttl

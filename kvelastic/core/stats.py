@@ -18,6 +18,9 @@ class PoolStats:
     query_tokens: int = 0
     hit_tokens: int = 0
     token_mismatches: int = 0  # hash hits refused because the token ids differed
+    # allocate/touch/free calls: the engine's activity (one that makes none is
+    # idle; slabs coming and going are not activity).
+    block_ops: int = 0
     evictions: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
 

@@ -332,8 +332,8 @@ class Allocator(Registration, Reporting):
                 raise Rejected(p.Reason.BAD_JOURNAL, f"slab {slab_id}: occupancy {occ} does not add up to "
                                               f"{engine.blocks_per_slab} blocks")
         ops = [op.core() for op in m.ops]
-        if ops or m.occupancy:
-            engine.active_at = self._now
+        if m.stats.get("block_ops", engine.stats["block_ops"]) != engine.stats["block_ops"]:
+            engine.active_at = self._now      # blocks allocated, touched or freed: not slabs coming and going
         engine.apply_journal(JournalBatch(ops, m.occupancy), self._now)
         engine.stats.update(m.stats)
         if self.events:

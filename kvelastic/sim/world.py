@@ -168,7 +168,8 @@ class SimEngine:
         batch = self.pool.take_journal()
         if batch:
             self.world.client_send(self.identity, p.Journal(engine_id=self.name, ops=p.journal_ops(batch.ops),
-                                                            occupancy=batch.occupancy))
+                                                            occupancy=batch.occupancy,
+                                                            stats={"block_ops": self.pool.stats.block_ops}))
 
     def on_message(self, msg: p.Msg) -> None:
         if isinstance(msg, p.Registered):

@@ -11,6 +11,7 @@ runs one worker alone, as a separate process of an engine whose geometry has
 import hashlib
 import json
 import sys
+import time
 
 import torch
 
@@ -84,7 +85,9 @@ def main() -> None:
         cmd = json.loads(line)
         op, out = cmd["op"], {}
         if op == "ensure":
-            out["ok"] = engine.ensure(cmd["n"], timeout=cmd.get("timeout", 5.0))
+            t0 = time.monotonic()
+            out["ok"] = engine.ensure(cmd["n"], timeout=cmd.get("timeout", 5.0), keep_cache=cmd.get("keep_cache", False))
+            out["seconds"] = time.monotonic() - t0
         elif op == "alloc":
             with engine.lock:
                 try:
