@@ -21,18 +21,22 @@ def find(tool: str) -> str | None:
 
 
 class PrometheusProcess:
-    def __init__(self, tmp: pathlib.Path, targets: list[str], binary: str, scrape_interval: str = "1s") -> None:
+    def __init__(self, tmp: pathlib.Path, targets: list[str], binary: str, scrape_interval: str = "1s",
+                 rule_files: list[pathlib.Path] | None = None) -> None:
         self.binary = binary
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = tmp / "prometheus.yml"
         self.data = tmp / "prometheus-data"
         self.log_path = tmp / "prometheus.log"
-        self.config.write_text(json.dumps({   # JSON is YAML
+        config = {
             "global": {"scrape_interval": scrape_interval, "scrape_timeout": scrape_interval,
                        "evaluation_interval": scrape_interval},
             "scrape_configs": [{"job_name": "kvelastic", "static_configs": [{"targets": targets}]}],
-        }, indent=2))
+        }
+        if rule_files:   # alerting and recording rules, evaluated every scrape interval
+            config["rule_files"] = [str(pathlib.Path(f).resolve()) for f in rule_files]
+        self.config.write_text(json.dumps(config, indent=2))   # JSON is YAML
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
 

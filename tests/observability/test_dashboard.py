@@ -13,6 +13,8 @@ from tests.observability.dashboard import (DASHBOARD, DATASOURCES, PROVIDERS, ex
                                            variable_query, variables)
 from tests.observability.prometheus_proc import find
 
+RULES = DASHBOARD.parents[2] / "daemon" / "prometheus" / "kvelastic-alerts.yml"
+
 # Panel title -> the metrics it must read.
 REQUIRED_PANELS = {
     "Device memory": {"kvelastic_budget_bytes", "kvelastic_memory_bytes"},
@@ -25,7 +27,17 @@ REQUIRED_PANELS = {
     "Prefix-cache evictions by reason": {"kvelastic_prefix_cache_evictions_total"},
     "Engines connected": {"kvelastic_engines_connected"},
     "Rejected messages": {"kvelastic_rejected_messages_total"},
+    "Slab moves and thrash per second": {"kvelastic_slab_moves_total", "kvelastic_slab_thrash_total"},
+    "Demand wait": {"kvelastic_demand_wait_seconds_bucket"},
+    "Starved engines": {"kvelastic_engine_starved_seconds"},
+    "Idle engines": {"kvelastic_engine_idle"},
+    "Quarantined memory": {"kvelastic_quarantined_bytes"},
 }
+# Per-engine panels: they follow the Engine variable.
+ENGINE_PANELS = ("Memory per engine", "Slab grants, returns and reclaims per second", "Prefix-cache hit rate per engine",
+                 "Prefix-cache evictions by reason", "Starved engines", "Idle engines")
+# Panels that query no data source (Grafana's alert list reads the alerting API).
+QUERYLESS = {"alertlist"}
 DS = "${DS_PROMETHEUS}"
 
 
@@ -63,6 +75,9 @@ def test_every_target_has_an_expr_on_the_datasource_variable(dash):
     v = variables(dash)
     assert v["DS_PROMETHEUS"]["type"] == "datasource" and v["DS_PROMETHEUS"]["query"] == "prometheus"
     for p in panels(dash):
+        if p["type"] in QUERYLESS:
+            assert p["targets"] == [] and "datasource" not in p, p["title"]
+            continue
         assert p["datasource"] == {"type": "prometheus", "uid": DS}, p["title"]
         assert p["targets"], f"{p['title']} has no query"
         refs = [t["refId"] for t in p["targets"]]
@@ -96,8 +111,7 @@ def test_template_variables_are_used(dash):
     assert "$instance" in variable_query(v["engine"])   # engines of the selected daemons only
     for title, ref, expr in targets(dash):
         assert 'instance=~"$instance"' in expr, (title, ref)
-        if title in ("Memory per engine", "Slab grants, returns and reclaims per second",
-                     "Prefix-cache hit rate per engine", "Prefix-cache evictions by reason"):
+        if title in ENGINE_PANELS:
             assert 'engine=~"$engine"' in expr, (title, ref)
 
 
@@ -108,6 +122,26 @@ def test_rates_use_rate_interval(dash):
         if "_total" in expr or "_bucket" in expr:
             if title != "Rejected messages":
                 assert "rate(" in expr, (title, ref, expr)
+
+
+def test_alert_list_shows_the_shipped_alerts(dash):
+    """The alert list (on top) shows every alert of daemon/prometheus/kvelastic-alerts.yml,
+    firing or pending, and only those: Grafana filters by a case-insensitive substring of the name."""
+    (alerts,) = [p for p in panels(dash) if p["type"] == "alertlist"]
+    assert alerts["gridPos"]["y"] == 0 and alerts["gridPos"]["w"] == 24
+    o = alerts["options"]
+    (group,) = yaml.safe_load(RULES.read_text())["groups"]
+    names = [r["alert"] for r in group["rules"]]
+    assert names and all(o["alertName"].lower() in n.lower() for n in names), (o["alertName"], names)
+    assert o["alertName"].lower() == "kvelastic"
+    assert o["stateFilter"]["firing"] and o["stateFilter"]["pending"] and not o["stateFilter"]["normal"]
+    assert not o["dashboardAlerts"] and not o.get("datasource") and not o.get("alertInstanceLabelFilter")
+    assert {"type": "panel", "id": "alertlist", "name": "Alert list", "version": ""} in dash["__requires"]
+
+
+def test_every_panel_type_is_required(dash):
+    required = {r["id"] for r in dash["__requires"] if r["type"] == "panel"}
+    assert {p["type"] for p in panels(dash)} == required
 
 
 def test_queries_are_valid_promql():

@@ -1,0 +1,225 @@
+"""The Prometheus alerting rules shipped in ``daemon/prometheus/``.
+
+- ``promtool check rules`` accepts the rule file and ``promtool test rules``
+  passes its unit tests (``kvelastic-alerts.test.yml``), where every alert both
+  fires and, below its threshold or before its ``for:`` has elapsed, does not;
+- every metric a rule reads is one a real daemon exports on ``/metrics``;
+- a real Prometheus loads the rules against a real daemon: every rule healthy,
+  no alert for the healthy daemon, KvelasticDaemonDown pending for a target
+  that does not answer, and each rule's signal carries the labels its
+  annotations name;
+- the README's Alerts table and grafana/README.md keep up with the file.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+
+import pytest
+import yaml
+
+from tests.daemon.engines import EngineProcess
+from tests.daemon.test_observe import parse_metrics
+from tests.daemon_proc import DaemonProcess, free_port, wait_for
+from tests.observability.dashboard import ROOT, is_defined, metric_definitions, metric_names_in
+from tests.observability.prometheus_proc import PrometheusProcess, find
+
+RULES_DIR = ROOT / "daemon" / "prometheus"
+RULES = RULES_DIR / "kvelastic-alerts.yml"
+RULES_TEST = RULES_DIR / "kvelastic-alerts.test.yml"
+JOB = "kvelastic"          # the scrape job the rules name, as in grafana/README.md and prometheus_proc.py
+SEVERITIES = {"critical", "warning"}
+IDENTIFYING = {"instance", "device", "engine", "reason"}   # labels that say *what* is wrong
+PROMETHEUS, PROMTOOL = find("prometheus"), find("promtool")
+NO_PROMTOOL = "promtool is not installed (Debian package `prometheus`; `make setup` installs it)"
+
+
+def rules() -> list[dict]:
+    (group,) = yaml.safe_load(RULES.read_text())["groups"]
+    assert group["name"] == "kvelastic"
+    return group["rules"]
+
+
+def promtool(*args: str) -> str:
+    if PROMTOOL is None:
+        pytest.skip(NO_PROMTOOL)
+    out = subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60, cwd=RULES_DIR)
+    report = out.stdout + out.stderr
+    assert out.returncode == 0, f"promtool {' '.join(args)} (exit {out.returncode}):\n{report}"
+    return report
+
+
+def signal_of(expr: str) -> str | None:
+    """The part of ``expr`` that is compared to a threshold (None for ``absent()``)."""
+    m = re.fullmatch(r"\s*(.*?)\s*(?:>|==)\s*[0-9.]+\s*", expr, re.S)
+    return m.group(1) if m else None
+
+
+def labels_named(rule: dict) -> set[str]:
+    text = " ".join(rule["annotations"].values())
+    return set(re.findall(r"\$labels\.(\w+)", text))
+
+
+# ------------------------------------------------------------------- promtool
+def test_promtool_check_rules():
+    report = promtool("check", "rules", RULES.name)
+    assert f"SUCCESS: {len(rules())} rules found" in report, report
+
+
+def test_promtool_unit_tests_pass():
+    report = promtool("test", "rules", RULES_TEST.name)
+    assert "SUCCESS" in report, report
+
+
+# ----------------------------------------------------------------- structure
+def test_every_rule_is_an_alert_an_operator_can_act_on():
+    names = [r.get("alert") for r in rules()]
+    assert len(names) == len(set(names)) >= 6 and all(n and n.startswith("Kvelastic") for n in names), names
+    for r in rules():
+        assert "record" not in r, r
+        assert re.fullmatch(r"\d+[smh]", r.get("for", "")), f"{r['alert']}: no `for:`"
+        assert r["labels"]["severity"] in SEVERITIES, r["alert"]
+        assert set(r["annotations"]) >= {"summary", "description"}, r["alert"]
+        assert len(r["annotations"]["description"]) > 150, f"{r['alert']}: say what to do"
+        if 'up{job="' in r["expr"]:
+            assert f'up{{job="{JOB}"}}' in r["expr"], r["expr"]
+    wanted = {"KvelasticEngineStarved", "KvelasticThrash", "KvelasticPagesQuarantined", "KvelasticDaemonDown",
+              "KvelasticRejectedSpike"}
+    assert wanted <= set(names), wanted - set(names)
+
+
+def test_every_alert_has_firing_and_silent_unit_tests():
+    """Each alert is proven both ways: some case expects it to fire, some case
+    (an evaluation before ``for:`` has elapsed, or a series under the threshold
+    next to one that fires) expects it silent."""
+    spec = yaml.safe_load(RULES_TEST.read_text())
+    assert spec["rule_files"] == [RULES.name]
+    fires, silent = set(), set()
+    for test in spec["tests"]:
+        for case in test["alert_rule_test"]:
+            (fires if case.get("exp_alerts") else silent).add(case["alertname"])
+            for alert in case.get("exp_alerts") or []:
+                # the rendered text, compared by promtool
+                assert alert["exp_annotations"]["summary"] and alert["exp_annotations"]["description"], case
+    names = {r["alert"] for r in rules()}
+    assert fires == names, f"alerts never seen firing: {sorted(names - fires)}"
+    assert silent == names, f"alerts never seen staying silent: {sorted(names - silent)}"
+
+
+def test_every_rule_reads_metrics_that_metrics_py_defines():
+    defined = metric_definitions()
+    for r in rules():
+        used = metric_names_in(r["expr"]) - {"up"}
+        unknown = {n for n in used if not is_defined(n, defined)}
+        assert not unknown, f"{r['alert']} reads {sorted(unknown)}, which kvelastic/metrics.py does not define"
+
+
+def test_readme_and_grafana_readme_document_the_alerts():
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"^### Alerts\n(.*?)(?=^##? )", readme, re.S | re.M)
+    assert m, "README.md has no '### Alerts' section"
+    section = m.group(1)
+    assert "daemon/prometheus/kvelastic-alerts.yml" in section
+    assert "://" not in section, "the README links only inside the repository"
+    for link in re.findall(r"\]\(([^)#]*)(?:#[^)]*)?\)", section):
+        assert not link or (ROOT / link).exists(), f"README links to {link!r}, which is not in the repository"
+    for r in rules():
+        row = next((line for line in section.splitlines() if f"`{r['alert']}`" in line), None)
+        assert row, f"README's Alerts table lacks {r['alert']}"
+        assert r["for"] in row and r["labels"]["severity"] in row, (r["alert"], row)
+    grafana = (ROOT / "grafana" / "README.md").read_text()
+    assert "rule_files" in grafana and "kvelastic-alerts.yml" in grafana
+
+
+# ------------------------------------------------------------- a real daemon
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    """A daemon with one registered engine, so its per-engine series exist."""
+    tmp = tmp_path_factory.mktemp("alerts")
+    daemon = DaemonProcess(tmp, memory="16MiB").start()
+    engine = None
+    try:
+        engine = EngineProcess(daemon.socket, "a", grace=1.0, namespace="llama")
+        assert engine.do("ensure", n=4)["ok"]               # one demand grow: a demand-wait sample
+        # /metrics reads the loop's latest published snapshot
+        wait_for(lambda: 'kvelastic_engine_starved_seconds{device="0",engine="a"}' in daemon.metrics(),
+                 interval=0.1, what="engine a's series on /metrics")
+        yield dict(daemon=daemon, tmp=tmp)
+    except BaseException:
+        print("--- daemon log ---\n" + daemon.log())
+        raise
+    finally:
+        if engine is not None:
+            engine.close()
+        daemon.stop()
+
+
+def test_every_metric_a_rule_reads_is_exported_by_the_daemon(node):
+    exported = {name for name, _ in parse_metrics(node["daemon"].metrics())}
+    read = set()
+    for r in rules():
+        used = metric_names_in(r["expr"]) - {"up"}        # `up` is Prometheus's own
+        missing = used - exported
+        assert not missing, f"{r['alert']} reads {sorted(missing)}; /metrics has no such series"
+        read |= used
+    assert {"kvelastic_engine_starved_seconds", "kvelastic_slab_thrash_total", "kvelastic_quarantined_bytes",
+            "kvelastic_rejected_messages_total", "kvelastic_demand_wait_seconds_bucket"} <= read, read
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus server is not installed "
+                    "(/usr/bin/prometheus, Debian package `prometheus`; `make setup` installs it)")
+def test_prometheus_loads_the_rules_against_a_real_daemon(node):
+    daemon = node["daemon"]
+    target = f"127.0.0.1:{daemon.metrics_port}"
+    dead = f"127.0.0.1:{free_port()}"                        # nothing listens there: up == 0
+    prom = PrometheusProcess(node["tmp"], [target, dead], PROMETHEUS, rule_files=[RULES]).start()
+    try:
+        by_name = {r["alert"]: r for r in rules()}
+
+        def loaded():
+            groups = prom.api("rules")["groups"]
+            got = {r["name"]: r for g in groups if g["name"] == "kvelastic" for r in g["rules"]}
+            evaluated = all(not r["lastEvaluation"].startswith("0001") and r["health"] != "unknown"
+                            for r in got.values())
+            return got if set(got) == set(by_name) and evaluated else None
+
+        got = wait_for(loaded, timeout=15, interval=0.2, what="Prometheus to load and evaluate the rules")
+        for name, r in got.items():
+            assert r["type"] == "alerting" and r["health"] == "ok", (name, r.get("lastError"), r["health"])
+
+        # two scrapes of each target, so increase() and rate() have samples to work on
+        wait_for(lambda: len(prom.query(f'count_over_time(up{{job="{JOB}"}}[1m]) >= 3')) == 2,
+                 timeout=10, interval=0.2, what="three scrapes of each target")
+
+        def down_pending():
+            alerts = prom.api("alerts")["alerts"]
+            return alerts if any(a["labels"]["alertname"] == "KvelasticDaemonDown" for a in alerts) else None
+
+        alerts = wait_for(down_pending, timeout=10, interval=0.2, what="KvelasticDaemonDown for the dead target")
+        active = {(a["labels"]["alertname"], a["labels"].get("instance"), a["state"]) for a in alerts}
+        # the healthy daemon raises nothing; the dead target is down for less than `for:`
+        assert active == {("KvelasticDaemonDown", dead, "pending")}, active
+
+        # Each rule's signal, evaluated on the real series, carries what its annotations name.
+        for name, r in by_name.items():
+            signal = signal_of(r["expr"])
+            if signal is None:
+                assert prom.query(r["expr"]) == [], name           # absent(): the job has targets
+                continue
+            samples = [s for s in prom.query(signal) if s["metric"].get("instance") == target]
+            assert samples, f"{name}: {signal} has no series for the daemon"
+            for s in samples:
+                have = set(s["metric"])
+                assert labels_named(r) <= have, f"{name}: annotations name {labels_named(r) - have}, not in {have}"
+                assert have & IDENTIFYING <= labels_named(r), \
+                    f"{name}: annotations never name {(have & IDENTIFYING) - labels_named(r)}"
+                if "histogram_quantile" not in signal:               # no demand grow in the window: NaN
+                    assert math.isfinite(s["value"]), (name, s)
+    except BaseException:
+        print("--- prometheus log ---\n" + prom.log())
+        raise
+    finally:
+        prom.stop()
