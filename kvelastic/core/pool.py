@@ -235,13 +235,13 @@ class SlabPool:
 
     def touch(self, blocks: Sequence[Any]) -> None:
         """A cache hit: each block gains a reference; a cached block turns live."""
-        self.stats.block_ops += 1
         for blk in blocks:
             slab = getattr(blk, "slab", None)
             if slab is None or slab.owner is not self:
                 raise UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds")
             if blk.ref_cnt == 0 and blk._block_hash is None:
                 raise BlockNotCached(f"block {blk.block_id} is free, not cached: it cannot be touched")
+        self.stats.block_ops += 1
         lru, dirty, cached_at = self._lru, self.journal.dirty, self._cached_at
         for blk in blocks:
             if blk.ref_cnt == 0:
@@ -259,7 +259,6 @@ class SlabPool:
         """Drop one reference per block, in eviction order (first evicted
         first). A block reaching 0 becomes cached if it has a key, else free."""
         dirty, lru = self.journal.dirty, self._lru
-        self.stats.block_ops += 1
         done: list[Any] = []
         released = 0
         ttl = self.ttl
@@ -288,6 +287,7 @@ class SlabPool:
             if slab is not last:  # a request's blocks mostly share slabs (best fit)
                 dirty.add(slab.slab_id)
                 last = slab
+        self.stats.block_ops += 1
         for slab, old in grown.items():
             self.num_free += len(slab.free) - old
             self._rebucket(slab, old)

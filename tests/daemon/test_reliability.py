@@ -133,6 +133,7 @@ def test_a_slow_peer_on_the_page_channel_does_not_freeze_the_loop(daemon, driver
     its worker's pages mapped and intact, still served) after 5 s of the slow peer."""
     a = drivers(daemon, "a")
     assert a.do("ensure", n=8)["ok"]
+    a.do("alloc", n=8)                                          # in use: kept through the idle grace
     assert a.do("write", value=9)["values"] == [9, 9]
     stop = threading.Event()
     slow = slow_hello(daemon.socket, "slowpoke", 0.7, stop)
