@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, str] = {
     "vllm": "kvelastic.bench.vllm",
     "sim": "kvelastic.bench.sim",
     "fuzz": "kvelastic.bench.fuzz",
+    "elastic": "kvelastic.bench.elastic",
 }
 
 
