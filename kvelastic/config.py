@@ -150,12 +150,6 @@ VARIABLES: tuple[Variable, ...] = (
              "Maximum size of cached (evictable) prefix blocks per engine; `0` means bounded only by memory."),
     Variable("KVELASTIC_PREFIX_CACHE_TTL", "prefix_cache_ttl", "0", parse_duration,
              "Cached blocks unused for longer than this are evicted; `0` disables the TTL."),
-    Variable("KVELASTIC_HASH", "hash", "sha256", parse_choice("sha256", "xxh3_128"),
-             "Block hash of `kvelastic.core.hashing` for engines that hash with kvelastic: `sha256` or the faster "
-             "`xxh3_128` (vLLM engines use vLLM's own `--prefix-caching-hash-algo`)."),
-    Variable("KVELASTIC_VERIFY_TOKENS", "verify_tokens", "0", parse_bool,
-             "For engines that give the core pool token ids (vLLM's lookups carry only hashes): keep them for cached "
-             "blocks and compare them on every hit, so a hash collision can never serve wrong KV."),
     Variable("KVELASTIC_ENGINE_ID", "engine_id", "", str,
              "vLLM plugin: this engine's name in the daemon, metrics and logs (default: host name and process id)."),
     Variable("KVELASTIC_ENGINE_MIN_MEMORY", "engine_min_memory", "0", parse_size,
@@ -200,8 +194,6 @@ class Config:
     kv_events_buffer: int
     prefix_cache_max_size: int | None
     prefix_cache_ttl: float
-    hash: str
-    verify_tokens: bool
     engine_id: str
     engine_min_memory: int
     engine_max_memory: int
