@@ -186,6 +186,7 @@ def run_mode(name: str, model: pathlib.Path, folder: pathlib.Path, workload: loa
         finished = [r for r in results if r.ok]
         t_end = max((t0 + r.sent + r.e2e for r in finished), default=time.monotonic())
         out: dict[str, Any] = {"server_start_seconds": round(startup, 1), "server_rss_bytes": rss,
+                               "load_start_wall": round(time.time() - (time.monotonic() - t0), 3),
                                "bench_process_worst_stall": {"ms": round(stalls.worst * 1e3, 1),
                                                              "at_s": round(stalls.worst_at - t0, 2),
                                                              "over_1s": stalls.over_1s}}
@@ -250,6 +251,8 @@ def summarize(mode: dict[str, Any], workload: load.Workload) -> dict[str, Any]:
         "server_start_seconds": mode["server_start_seconds"],
         "servers_died": mode["servers_died"],
         "bench_process_worst_stall": mode["bench_process_worst_stall"],
+        "load_start": time.strftime("%H:%M:%S", time.localtime(mode["load_start_wall"]))
+        + f'.{int(mode["load_start_wall"] % 1 * 1000):03d}',
     }
 
 

@@ -88,7 +88,8 @@ def test_summary_and_plot(tmp_path):
                      "num_preemptions_total": 0.0, "prefix_cache_hits_total": 10.0,
                      "prefix_cache_queries_total": 100.0}]
         modes[name] = {"results": results, "t_end": 30.0, "counters": counters, "server_start_seconds": 1.0,
-                       "servers_died": [], "bench_process_worst_stall": {"ms": 1.0, "at_s": 0.0, "over_1s": 0}}
+                       "servers_died": [], "bench_process_worst_stall": {"ms": 1.0, "at_s": 0.0, "over_1s": 0},
+                       "load_start_wall": 0.0}
     modes["elastic"]["status_samples"] = [(t / 2, {"e0": (8 + t) * MiB, "e1": 4 * MiB, "e2": 4 * MiB})
                                           for t in range(40)]
     out = elastic.summarize(modes["static"], workload)
