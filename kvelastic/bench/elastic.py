@@ -392,7 +392,9 @@ def run(quick: bool = False, png: str | None = None, workdir: str | None = None)
     elastic_plot.plot(out["plot"], workload, modes, total // n)
     warnings = el.get("daemon_warnings", [])
     out["daemon_warnings"] = {"count": len(warnings), "engines_dropped": sum("gone (" in w for w in warnings),
-                              "engines_failed": sum("failed (" in w for w in warnings), "last": warnings[-8:]}
+                              "engines_failed": sum("failed (" in w for w in warnings),
+                              "drops": [w for w in warnings if "gone (" in w or "failed (" in w][:5],
+                              "first": warnings[:5]}
     out["seconds"] = round(time.monotonic() - began, 1)
     return out
 
