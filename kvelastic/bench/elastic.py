@@ -292,7 +292,7 @@ def handoff(folder: pathlib.Path, quick: bool) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     slab = elastic_handoff.PAGE * elastic_handoff.PAGES_PER_SLAB
     with daemon(folder, HANDOFF_SLABS * slab) as (sock, port, _log):
-        got = elastic_handoff.measure(sock, HANDOFF_SLABS, cycles=4 if quick else 8)
+        got = elastic_handoff.measure(sock, HANDOFF_SLABS, cycles=8 if quick else 16)
         metrics = vllm_serve.http_get(f"http://127.0.0.1:{port}/metrics")
     ms = [s * 1e3 for s in got["samples"]]
     return {"handoff_samples": len(ms), "handoff_refused": got["refused"], "handoff_slab_bytes": slab,
