@@ -12,12 +12,20 @@ from kvelastic.errors import ConfigError
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    try:
-        result = bench.run(args.name, quick=args.quick)
-    except KeyError:
-        print(f"kvelastic bench: unknown benchmark {args.name!r}; "
-              f"choose one of: {', '.join(sorted(bench.BENCHMARKS))}", file=sys.stderr)
+    if args.scale is not None and args.name != "sim":
+        print(f"kvelastic bench: --scale applies to the sim benchmark only, not {args.name!r}", file=sys.stderr)
         return 2
+    if args.scale is not None:
+        from kvelastic.bench import sim
+
+        result = sim.run(quick=args.quick, scale=args.scale)
+    else:
+        try:
+            result = bench.run(args.name, quick=args.quick)
+        except KeyError:
+            print(f"kvelastic bench: unknown benchmark {args.name!r}; "
+                  f"choose one of: {', '.join(sorted(bench.BENCHMARKS))}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:
@@ -111,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help=f"one of: {', '.join(sorted(bench.BENCHMARKS))}")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.add_argument("--quick", action="store_true", help="a shorter run (used by the test suite)")
+    p.add_argument("--scale", choices=("seeds", "node"), default=None,
+                   help="sim only: 'seeds' (default) many small seeded runs with faults; 'node' one "
+                        "trace-driven day of 8 engines on an 80 GiB device")
     p.set_defaults(func=_cmd_bench)
 
     socket_opt = argparse.ArgumentParser(add_help=False)

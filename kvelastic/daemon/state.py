@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
+from collections.abc import ItemsView, Iterator, KeysView, MutableMapping, ValuesView
 
 from kvelastic import protocol as p
 from kvelastic.core.journal import JournalBatch, Mirror
@@ -133,6 +135,83 @@ class EngineRecord:
             del self.mirror.slabs[slab_id]
 
 
+class FreePages(MutableMapping):
+    """``PagePool.free``: page id -> last owner tag ("" when never used), as a
+    dict, plus an index by owner kept in step with it, so that finding an
+    owner's (or clean) pages costs O(pages wanted), not O(free pages).
+
+    Iteration, ``items()`` and ``values()`` follow the order pages became free
+    (as a dict's); each owner's pages are handed out in that order too.
+    """
+
+    __slots__ = ("_owner", "_by_owner", "_owned")
+
+    def __init__(self) -> None:
+        self._owner: dict[int, str] = {}
+        self._by_owner: dict[str, dict[int, None]] = {}    # owner -> its free pages, in order
+        self._owned: dict[int, None] = {}                   # pages with an owner ("" excluded), in order
+
+    def __getitem__(self, page: int) -> str:
+        return self._owner[page]
+
+    def __setitem__(self, page: int, owner: str) -> None:
+        old = self._owner.get(page)
+        if old is not None:
+            if old == owner:
+                return
+            self._unindex(page, old)
+        self._owner[page] = owner
+        mine = self._by_owner.get(owner)
+        if mine is None:
+            mine = self._by_owner[owner] = {}
+        mine[page] = None
+        if owner:
+            self._owned[page] = None
+
+    def __delitem__(self, page: int) -> None:
+        self._unindex(page, self._owner.pop(page))
+
+    def _unindex(self, page: int, owner: str) -> None:
+        mine = self._by_owner[owner]
+        del mine[page]
+        if not mine:
+            del self._by_owner[owner]
+        if owner:
+            del self._owned[page]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._owner)
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __contains__(self, page: object) -> bool:
+        return page in self._owner
+
+    def keys(self) -> KeysView[int]:
+        return self._owner.keys()
+
+    def items(self) -> ItemsView[int, str]:
+        return self._owner.items()
+
+    def values(self) -> ValuesView[str]:
+        return self._owner.values()
+
+    def count(self, owner: str) -> int:
+        """Free pages whose last owner is ``owner``."""
+        mine = self._by_owner.get(owner)
+        return len(mine) if mine else 0
+
+    def first(self, owner: str, n: int) -> list[int]:
+        """Up to ``n`` of ``owner``'s free pages, oldest first."""
+        mine = self._by_owner.get(owner)
+        return list(itertools.islice(mine, n)) if mine and n > 0 else []
+
+    def first_owned(self, n: int) -> list[int]:
+        """Up to ``n`` free pages that have an owner, oldest first."""
+        return list(itertools.islice(self._owned, n)) if n > 0 else []
+
+
 class PagePool:
     """One device pool's books: free pages and the budget they are created under."""
 
@@ -141,7 +220,7 @@ class PagePool:
         self.created = 0                     # pages that exist in the daemon
         self.creating = 0                    # asked of the loop, not yet reported
         self.adopted = 0                     # pages that exist only in engines (after a restart)
-        self.free: dict[int, str] = {}       # page id -> last owner ("" when never used)
+        self.free = FreePages()              # page id -> last owner ("" when never used)
         self.creation_failed_at = -1e9
 
     @property
@@ -153,34 +232,31 @@ class PagePool:
 
     def usable(self, owner: str, n: int) -> int:
         """How many of ``n`` pages ``owner`` can take now (its own or clean ones)."""
-        count = 0
-        for page_owner in self.free.values():
-            if page_owner == owner or page_owner == "":
-                count += 1
-                if count == n:
-                    break
-        return count
+        free = self.free
+        return min(n, free.count(owner) + (free.count("") if owner else 0))
 
     def take(self, n: int, owner: str) -> list[int]:
         """``n`` free pages of ``owner`` or clean (the caller checked ``usable``)."""
-        pages = [pg for pg, o in self.free.items() if o == owner][:n]
-        if len(pages) < n:
-            pages += [pg for pg, o in self.free.items() if o == ""][:n - len(pages)]
+        free = self.free
+        pages = free.first(owner, n)
+        if len(pages) < n and owner:
+            pages += free.first("", n - len(pages))
         for page in pages:
-            del self.free[page]
+            del free[page]
         return pages
 
     def take_stale(self, n: int) -> list[int]:
         """Up to ``n`` free pages of other owners, to release (they leave the books)."""
-        stale = [pg for pg, o in self.free.items() if o][:n]
+        stale = self.free.first_owned(n)
         for page in stale:
             del self.free[page]
         self.created -= len(stale)
         return stale
 
     def put_back(self, pages: list[int], owner: str) -> None:
+        free = self.free
         for page in pages:
-            self.free[page] = owner
+            free[page] = owner
 
     def status(self, name: str, backend: str, held: int, cached: int, page_size: int,
                quarantined: int) -> p.DeviceStatus:
