@@ -292,18 +292,22 @@ class EngineClient:
                 self._block_ops = pool.stats.block_ops
                 self.reserve.touch(now)
             want = self.reserve.refill(pool, now, self.max_slabs)
-            if want and not self._grow_in_flight and now >= self.refused_until:
-                self._grow_answered.clear()   # before the flag: ensure() must never see a stale answer
-                self._grow_in_flight = True
-                self.conn.request_async(p.Grow(engine_id=self.engine_id, slabs=want), self._on_grow_reply)
+            if want and (self._grow_in_flight or now < self.refused_until):
+                want = 0
             if pool.ttl or pool.max_cached_blocks is not None:
                 pool.expire()
             returned = self._shrink(now)
-            if returned or now - self._last_flush >= self.journal_interval:
+            # The journal goes first: the daemon judges a grow (is this engine
+            # idle?) on the activity the journal carries.
+            if returned or want or now - self._last_flush >= self.journal_interval:
                 self._last_flush = now
                 self._flush_journal(self.conn.send_now)
             if returned:
                 self.conn.send_now(p.Return(engine_id=self.engine_id, slabs=returned))
+            if want:
+                self._grow_answered.clear()   # before the flag: ensure() must never see a stale answer
+                self._grow_in_flight = True
+                self.conn.request_async(p.Grow(engine_id=self.engine_id, slabs=want), self._on_grow_reply)
         finally:
             self.lock.release()
 

@@ -237,8 +237,17 @@ class Allocator(Registration, Reporting):
         t = self.timing
         for engine in list(self.engines.values()):
             if now - engine.last_seen > t.heartbeat_timeout:
-                self._drop(engine, f"no heartbeat for {now - engine.last_seen:.1f} s")
-            elif any(s.phase is not Phase.HELD and now > s.deadline for s in engine.slabs.values()):
+                # A stalled engine is not a dead one: while its lifeline is
+                # open its process lives and maps its pages, and unmapping
+                # them under it would crash it. Only the lifeline's end drops it.
+                if not self._alive(engine, -1):
+                    self._drop(engine, f"no heartbeat for {now - engine.last_seen:.1f} s and no lifeline")
+                    continue
+                if not engine.unresponsive:
+                    engine.unresponsive = True
+                    log.warning("engine %s: no heartbeat for %.1f s, but its process is alive (lifeline open): "
+                                "kept, with its memory", engine.engine_id, now - engine.last_seen)
+            if any(s.phase is not Phase.HELD and now > s.deadline for s in engine.slabs.values()):
                 self._fail(engine, f"no map/unmap acknowledgement within {t.ack_timeout:g} s")
             if engine.starved_since is not None and now - engine.last_unmet > STARVED_RESET:
                 engine.starved_since = None   # it stopped asking: its demand went away
@@ -283,6 +292,9 @@ class Allocator(Registration, Reporting):
     def _on_heartbeat(self, identity: bytes, m: p.Heartbeat) -> None:
         engine = self._own_engine(identity, m.engine_id)
         engine.last_seen = self._now
+        if engine.unresponsive:
+            engine.unresponsive = False
+            log.info("engine %s: heartbeats again", engine.engine_id)
 
     def _on_unregister(self, identity: bytes, m: p.Unregister) -> p.Msg:
         self._drop(self._own_engine(identity, m.engine_id), "unregistered")
@@ -397,17 +409,19 @@ class Allocator(Registration, Reporting):
             return False  # every worker must be there to map the pages
         cap = engine.max_slabs if not engine.max_bytes else min(engine.max_slabs,
                                                                 engine.max_bytes // engine.slab_bytes)
-        while not expired and len(req.slabs) + len(req.mapping) < req.wanted and engine.owned_slabs() < cap:
+        owned = engine.owned_slabs()
+        while not expired and len(req.slabs) + len(req.mapping) < req.wanted and owned < cap:
             slab_id = engine.free_slab_id()
             pages = None if slab_id is None else self._take_pages(engine)
             if pages is None:
                 break
             self._start_map(engine, slab_id, *pages, req)
+            owned += 1
         short = req.wanted - len(req.slabs) - len(req.mapping)
         req.incoming = {(eid, s) for eid, s in req.incoming if self._on_its_way(eid, s)}
         creating = any(self.pools[d].creating for d in self._devices_of(engine))
         # A reserve refill never takes memory from another engine (no ping-pong).
-        if not expired and short > 0 and req.demand and engine.owned_slabs() < cap and not req.reclaims \
+        if not expired and short > 0 and req.demand and owned < cap and not req.reclaims \
                 and not req.incoming and req.reclaim_rounds < 3 and not creating:
             req.reclaim_rounds += 1
             self._reclaim_for(req, engine, short)
@@ -424,9 +438,10 @@ class Allocator(Registration, Reporting):
         if req.slabs:
             log.info("engine %s: granted %d slab(s) in %.1f ms (asked %d)", engine.engine_id,
                      len(req.slabs), latency * 1e3, req.wanted)
-        else:
-            log.info("engine %s: grow of %d slab(s) refused: %s", engine.engine_id, req.wanted,
-                     "deadline passed" if expired else "device budget exhausted")
+        else:   # a refused reserve refill is routine when the budget is full: not an operator's event
+            log.log(logging.INFO if req.demand else logging.DEBUG, "engine %s: %s grow of %d slab(s) refused: %s",
+                    engine.engine_id, "demand" if req.demand else "reserve", req.wanted,
+                    "deadline passed" if expired else "device budget exhausted")
         return True
 
     def _starvation(self, engine: EngineRecord, req: GrowRequest, short: int) -> None:
@@ -561,10 +576,11 @@ class Allocator(Registration, Reporting):
         return None
 
     def _reclaim_for(self, req: GrowRequest, requester: EngineRecord, short: int) -> None:
-        outstanding = {(r.engine_id, s) for r in self.reclaims.values() for s in r.slabs}
-        victims = [(e, s) for e, s in pick_victims(list(self.engines.values()), requester, short, self._now,
-                                                   self.rules)
-                   if (e.engine_id, s) not in outstanding]
+        # Not twice, and not a slab mapped for a grow still in progress: its
+        # engine does not hold it yet and would refuse.
+        exclude = frozenset({(r.engine_id, s) for r in self.reclaims.values() for s in r.slabs}
+                            | {(r.engine_id, s) for r in self.grows.values() for s in r.slabs})
+        victims = pick_victims(list(self.engines.values()), requester, short, self._now, self.rules, exclude)
         by_engine: dict[str, list[int]] = {}
         for engine, slab_id in victims:
             by_engine.setdefault(engine.engine_id, []).append(slab_id)

@@ -16,9 +16,14 @@ class Reporting:
         quarantined = dict.fromkeys(self.pools, 0)
         for e in (*self.engines.values(), *self.departing.values()):
             for slab in e.slabs.values():
-                for device in slab.page_devices or [e.device] * slab.adopted_pages:
-                    held[device] += e.page_size
-                    quarantined[device] += e.failed
+                if not slab.page_devices:                    # adopted: its pages live in the engine
+                    held[e.device] += e.page_size * slab.adopted_pages
+                    quarantined[e.device] += e.failed * slab.adopted_pages
+                    continue
+                for device in set(slab.page_devices):
+                    n = slab.page_devices.count(device)
+                    held[device] += e.page_size * n
+                    quarantined[device] += e.failed * n
         engines = []
         for e in self.engines.values():
             e_cached = e.cached_bytes()

@@ -86,6 +86,7 @@ class EngineRecord:
     pending_grows: int = 0
     active_at: float = 0.0                                  # last journal with changes, or demand
     received_from: dict[str, float] = dataclasses.field(default_factory=dict)  # engine -> last move to us
+    unresponsive: bool = False                              # heartbeats stopped, lifeline still open
     starved_since: float | None = None                      # its hard demand went unmet since then
     last_unmet: float = 0.0                                 # the last time it did
     grants: int = 0

@@ -67,14 +67,21 @@ def test_never_a_live_slab_never_the_requester_never_another_device_never_below_
     assert victims == [("min", 5)]                           # one of three: it keeps its minimum of two
 
 
-def test_hold_down_keeps_memory_where_it_just_went_unless_the_demand_is_hard():
+def test_hold_down_keeps_memory_where_it_just_went_whatever_the_demand():
     soft = engine("a", {0: (0, 4, 0)})                       # could evict its own cache instead
     took = engine("b", {1: EMPTY}, active_at=IDLE)
+    other = engine("c", {2: CACHED}, lru={2: 5.0})
     took.received_from["a"] = NOW - 1.0                      # b got a slab of a's a second ago
     assert pick_victims([soft, took], soft, 1, NOW, RULES) == []
-    assert names(pick_victims([soft, took], soft, 2, NOW, RULES)) == [("b", 1)]     # hard: allowed
+    assert names(pick_victims([soft, took, other], soft, 2, NOW, RULES)) == [("c", 2)]   # hard: from others
     took.received_from["a"] = NOW - RULES.hold_down - 0.1    # the hold-down is over
     assert names(pick_victims([soft, took], soft, 1, NOW, RULES)) == [("b", 1)]
+
+
+def test_excluded_slabs_are_not_asked_for():
+    requester = engine("r", {0: LIVE})
+    idle = engine("idle", {1: EMPTY, 2: EMPTY}, active_at=IDLE)
+    assert names(pick_victims([requester, idle], requester, 2, NOW, RULES, frozenset({("idle", 1)}))) == [("idle", 2)]
 
 
 occupancy = st.sampled_from([EMPTY, CACHED, LIVE, (0, BPS, 0), (BPS, 0, 0)])
@@ -117,7 +124,7 @@ def test_random_books_keep_every_rule(drawn):
     for e, s in victims:
         assert e is not requester and e.mirror.slabs[s][0] == 0          # never the requester, never live
         assert hard or tier_of(e, s) is not Tier.ACTIVE_CACHED           # another's active cache: hard only
-        assert hard or NOW - e.received_from.get("e0", -1e9) >= RULES.hold_down
+        assert NOW - e.received_from.get("e0", -1e9) >= RULES.hold_down      # the hold-down, always
     for e in engines:
         kept = len(e.slabs) - sum(1 for v, _ in victims if v is e)
         assert kept * PAGE >= e.min_bytes or kept == len(e.slabs)        # never below a minimum
@@ -127,7 +134,7 @@ def test_random_books_keep_every_rule(drawn):
     if worst is None or len(victims) < wanted:
         return
     for e in engines[1:]:
-        if not hard and NOW - e.received_from.get("e0", -1e9) < RULES.hold_down:
+        if NOW - e.received_from.get("e0", -1e9) < RULES.hold_down:
             continue
         for s, occ in e.mirror.slabs.items():
             if (e.engine_id, s) in chosen or occ[0] or (not hard and tier_of(e, s) is Tier.ACTIVE_CACHED):

@@ -101,10 +101,11 @@ def test_a_reserve_refill_never_reclaims_only_demand_does():
     assert reclaims_sent(w) == 1 and a.pool.num_slabs == 3        # demand: b's cache yields
 
 
-def test_hold_down_and_thrash():
-    """a takes b's slab with hard demand. b's soft demand (it could evict its
-    own cache) cannot take it back within the hold-down; its hard demand can,
-    and a move back within a second counts as thrash."""
+def test_hold_down_then_a_move_back_without_thrash():
+    """a takes b's slab with hard demand. Within the hold-down nothing moves
+    back to b, not even for its hard demand (its grow comes back short); once
+    the hold-down is over b's hard demand takes it back, and that is not
+    thrash (thrash is a move back within a second)."""
     w = node(pages=4)
     a, b = w.engines
     grow(w, a, 1, demand=True)
@@ -115,10 +116,34 @@ def test_hold_down_and_thrash():
     grow(w, a, 1, demand=True)                                    # hard: a has no cache to evict
     assert (a.pool.num_slabs, b.pool.num_slabs, w.allocator.moves["0"]) == (2, 2, 1)
     grow(w, b, 1, demand=True)                                    # soft: b still caches two slabs
-    assert (a.pool.num_slabs, b.pool.num_slabs, w.allocator.moves["0"]) == (2, 2, 1)
     fill(w, b, b.pool.num_available)                              # b evicts its cache: all live now
-    grow(w, b, 1, demand=True)                                    # hard: allowed, and a move back
+    grow(w, b, 1, demand=True)                                    # hard, but within the hold-down
+    assert (a.pool.num_slabs, b.pool.num_slabs, w.allocator.moves["0"]) == (2, 2, 1)
+    assert w.allocator.status().engines[1].starved_seconds > 0    # b is starved, and it shows
+    advance(w, HOLD)
+    grow(w, b, 1, demand=True)                                    # after the hold-down: allowed
     assert (a.pool.num_slabs, b.pool.num_slabs) == (1, 3)
-    assert w.allocator.moves["0"] == 2 and w.allocator.thrash["0"] == 1
+    assert w.allocator.moves["0"] == 2 and w.allocator.thrash["0"] == 0
     status = w.allocator.status()
-    assert status.devices[0].slab_moves == 2 and status.devices[0].thrash == 1
+    assert status.devices[0].slab_moves == 2 and status.devices[0].thrash == 0
+    assert status.engines[1].starved_seconds == 0                 # fed again
+
+
+def test_a_move_back_within_a_second_counts_as_thrash():
+    """With no hold-down configured, a move back within a second is counted."""
+    w = World(seed=1, engines=0, budget_pages=4, timing=Timing(idle_grace=GRACE, hold_down=0.0))
+    w.delay = lambda: 0.001
+    w.engines = [SimEngine(w, f"e{i}", workers=1, demand_share=0.0) for i in range(2)]
+    for e in w.engines:
+        e.start()
+    advance(w, 0.1)
+    a, b = w.engines
+    grow(w, a, 1, demand=True)
+    grow(w, b, 3, demand=True)
+    fill(w, a, BLOCKS_PER_SLAB)
+    for n in range(3):
+        fill(w, b, BLOCKS_PER_SLAB, cache_as=f"b{n}")
+    grow(w, a, 1, demand=True)
+    fill(w, b, b.pool.num_available)
+    grow(w, b, 1, demand=True)
+    assert w.allocator.moves["0"] == 2 and w.allocator.thrash["0"] == 1

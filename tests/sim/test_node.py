@@ -79,8 +79,6 @@ def test_the_allocator_keeps_up_with_the_node(report):
     assert alloc["headroom_busiest_second"] >= 1.5
 
 
-@pytest.mark.xfail(strict=True, reason="the real allocator moves memory back within THRASH_WINDOW at this "
-                                       "scale: a hard demand bypasses the hold-down (see thrash_examples)")
 def test_no_thrash(report):
     assert report["thrash"] == 0, report["thrash_examples"]
 
