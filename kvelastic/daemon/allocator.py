@@ -247,12 +247,12 @@ class Allocator(Registration, Reporting):
                     engine.unresponsive = True
                     log.warning("engine %s: no heartbeat for %.1f s, but its process is alive (lifeline open): "
                                 "kept, with its memory", engine.engine_id, now - engine.last_seen)
-            if any(s.phase is not Phase.HELD and now > s.deadline for s in engine.slabs.values()):
+            if engine.overdue(now):
                 self._fail(engine, f"no map/unmap acknowledgement within {t.ack_timeout:g} s")
             if engine.starved_since is not None and now - engine.last_unmet > STARVED_RESET:
                 engine.starved_since = None   # it stopped asking: its demand went away
         for gone in list(self.departing.values()):
-            if not gone.failed and any(now > s.deadline for s in gone.slabs.values()):
+            if not gone.failed and gone.overdue(now):
                 self._quarantine(gone, f"no unmap acknowledgement within {t.ack_timeout:g} s")
         for rid, rec in list(self.reclaims.items()):
             if now > rec.deadline:
@@ -510,7 +510,7 @@ class Allocator(Registration, Reporting):
                    req: GrowRequest | None) -> None:
         slab = SlabRecord(slab_id, pages, page_devices, Phase.MAPPING, set(range(engine.num_workers)),
                           deadline=self._now + self.timing.ack_timeout)
-        engine.slabs[slab_id] = slab
+        engine.start_mapping(slab)
         if req is not None:
             req.mapping.add(slab_id)
         for rank in range(engine.num_workers):
@@ -545,7 +545,7 @@ class Allocator(Registration, Reporting):
         if slab.failed:
             self._start_unmap(engine, slab)
         else:
-            slab.mark_held()
+            engine.mark_held(slab)
             engine.mirror.slabs[slab.slab_id] = (0, 0, engine.blocks_per_slab)
             engine.active[slab.slab_id] = self._now
             engine.grants += 1
@@ -625,7 +625,7 @@ class Allocator(Registration, Reporting):
             target.received_from[source.engine_id] = self._now
 
     def _start_unmap(self, engine: EngineRecord, slab: SlabRecord) -> None:
-        slab.begin_unmap({rank for rank in range(engine.num_workers)
+        engine.begin_unmap(slab, {rank for rank in range(engine.num_workers)
                           if rank in engine.workers and self._alive(engine, rank)},
                          self._now + self.timing.ack_timeout)
         engine.mirror.slabs.pop(slab.slab_id, None)
@@ -648,7 +648,7 @@ class Allocator(Registration, Reporting):
 
     def _unmapped(self, engine: EngineRecord, slab: SlabRecord) -> None:
         """Every worker let go of the slab: its pages are free in the daemon."""
-        del engine.slabs[slab.slab_id]
+        engine.remove_slab(slab)
         engine.active.pop(slab.slab_id, None)
         ret = self.returns.get(slab.return_req)
         if ret is not None:
@@ -707,7 +707,7 @@ class Allocator(Registration, Reporting):
         log.error("engine %s failed (%s): %d slab(s) quarantined until its processes are gone",
                   engine.engine_id, why, len(engine.slabs))
         for slab in engine.slabs.values():
-            slab.begin_unmap(set(), float("inf"))    # waits for its processes, not for acks
+            engine.begin_unmap(slab, set(), float("inf"))    # waits for its processes, not for acks
         self._settle_departed(engine)
 
     def _settle_departed(self, engine: EngineRecord) -> None:

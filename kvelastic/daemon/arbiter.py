@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import heapq
 
 from kvelastic.daemon.state import EngineRecord, Phase
 
@@ -69,27 +70,28 @@ def pick_victims(engines: list[EngineRecord], requester: EngineRecord, slabs: in
             continue          # it got this memory from the requester moments ago
         idle = is_idle(engine, now, rules)
         owned[engine.engine_id] = engine.owned_slabs()
-        for slab_id, slab in engine.slabs.items():
-            if slab.phase is not Phase.HELD or (engine.engine_id, slab_id) in exclude:
+        eid, last_used, held = engine.engine_id, engine.active, engine.slabs
+        for slab_id, (live, cached, _free) in engine.mirror.slabs.items():
+            if live or (exclude and (eid, slab_id) in exclude):
                 continue
-            live, cached, _free = engine.mirror.slabs.get(slab_id, (0, 0, 0))
-            if live:
+            slab = held.get(slab_id)
+            if slab is None or slab.phase is not Phase.HELD:
                 continue
             if cached:
-                tier = Tier.IDLE_CACHED if idle else Tier.ACTIVE_CACHED
-                if tier is Tier.ACTIVE_CACHED and not hard:
+                if not idle and not hard:
                     continue
+                tier = Tier.IDLE_CACHED if idle else Tier.ACTIVE_CACHED
             else:
                 tier = Tier.IDLE_EMPTY if idle else Tier.ACTIVE_EMPTY
-            candidates.append((tier, engine.active.get(slab_id, 0.0), engine.engine_id, slab_id, engine))
-    candidates.sort(key=lambda c: c[:4])
+            candidates.append((tier, last_used.get(slab_id, 0.0), eid, slab_id, engine))
+    # Usually a few victims out of thousands of slabs: a heap, not a sort.
+    heapq.heapify(candidates)
     bytes_needed = slabs * requester.slab_bytes
     chosen: list[tuple[EngineRecord, int]] = []
     taken: dict[str, int] = {}
     freed = 0
-    for _tier, _t, engine_id, slab_id, engine in candidates:
-        if freed >= bytes_needed:
-            break
+    while candidates and freed < bytes_needed:
+        _tier, _t, engine_id, slab_id, engine = heapq.heappop(candidates)
         owned_after = owned[engine_id] - taken.get(engine_id, 0) - 1
         if owned_after * engine.slab_bytes < engine.min_bytes:
             continue

@@ -22,7 +22,7 @@ import itertools
 from collections.abc import ItemsView, Iterator, KeysView, MutableMapping, ValuesView
 
 from kvelastic import protocol as p
-from kvelastic.core.journal import JournalBatch, Mirror
+from kvelastic.core.journal import ADD_SLAB, JournalBatch, Mirror
 
 
 class Phase(enum.Enum):
@@ -77,6 +77,8 @@ class EngineRecord:
     worker_devices: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> device
     workers: dict[int, bytes] = dataclasses.field(default_factory=dict)  # rank -> routing id
     slabs: dict[int, SlabRecord] = dataclasses.field(default_factory=dict)
+    in_flight: set[int] = dataclasses.field(default_factory=set)   # slabs mapping or unmapping
+    unmapping: int = 0                                      # slabs unmapping
     mirror: Mirror = dataclasses.field(default_factory=Mirror)
     active: dict[int, float] = dataclasses.field(default_factory=dict)  # slab -> last change
     stats: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -103,7 +105,34 @@ class EngineRecord:
 
     def owned_slabs(self) -> int:
         """Slabs that count against the engine's limits (not those on their way out)."""
-        return sum(1 for s in self.slabs.values() if s.phase is not Phase.UNMAPPING)
+        return len(self.slabs) - self.unmapping
+
+    # Every phase change goes through these four, which keep ``in_flight``
+    # (mapping or unmapping: deadlines to watch) and ``unmapping`` counted,
+    # so the allocator never scans every slab of a large node for them.
+    def start_mapping(self, slab: SlabRecord) -> None:
+        self.slabs[slab.slab_id] = slab
+        self.in_flight.add(slab.slab_id)
+
+    def mark_held(self, slab: SlabRecord) -> None:
+        slab.mark_held()
+        self.in_flight.discard(slab.slab_id)
+
+    def begin_unmap(self, slab: SlabRecord, waiting: set[int], deadline: float) -> None:
+        if slab.phase is not Phase.UNMAPPING:
+            self.unmapping += 1
+        slab.begin_unmap(waiting, deadline)
+        self.in_flight.add(slab.slab_id)
+
+    def remove_slab(self, slab: SlabRecord) -> None:
+        del self.slabs[slab.slab_id]
+        if slab.phase is Phase.UNMAPPING:
+            self.unmapping -= 1
+        self.in_flight.discard(slab.slab_id)
+
+    def overdue(self, now: float) -> bool:
+        """A map or unmap acknowledgement is late."""
+        return any(now > self.slabs[s].deadline for s in self.in_flight)
 
     def held_bytes(self) -> int:
         return len(self.slabs) * self.slab_bytes
@@ -130,10 +159,13 @@ class EngineRecord:
         self.mirror.apply(batch)
         for slab_id in batch.occupancy:
             self.active[slab_id] = now
-        # The daemon, not the journal, says which slabs the engine holds.
-        for slab_id in [s for s in self.mirror.slabs if s not in self.slabs
-                        or self.slabs[s].phase is not Phase.HELD]:
-            del self.mirror.slabs[slab_id]
+        # The daemon, not the journal, says which slabs the engine holds
+        # (only slabs this batch named can have entered the mirror).
+        named = set(batch.occupancy) | {op[1] for op in batch.ops if op[0] == ADD_SLAB}
+        for slab_id in named:
+            slab = self.slabs.get(slab_id)
+            if slab_id in self.mirror.slabs and (slab is None or slab.phase is not Phase.HELD):
+                del self.mirror.slabs[slab_id]
 
 
 class FreePages(MutableMapping):
