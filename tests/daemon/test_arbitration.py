@@ -6,7 +6,7 @@ model step; moves and thrash are counted on /metrics."""
 import time
 
 from kvelastic import protocol as p
-from tests.daemon.test_observe import parse_metrics, value
+from tests.daemon.books import parse_metrics, value
 from tests.daemon_proc import wait_for
 
 SLAB = 2 << 20

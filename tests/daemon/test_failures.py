@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from kvelastic import protocol as p
-from tests.daemon.test_flows import SLAB, held
+from tests.daemon.books import SLAB, held, quiet_status, rejected
 from tests.daemon_proc import DaemonProcess, wait_for
 
 
@@ -55,22 +55,6 @@ def test_daemon_kill_9_and_restart(tmp_path, engines):
         assert s["pages"]["adopted"] == 0 and s["pages"]["created"] == s["pages"]["free"]
     finally:
         daemon.stop()
-
-
-def rejected(daemon) -> dict[str, float]:
-    out = {}
-    for line in daemon.metrics().splitlines():
-        if line.startswith("kvelastic_rejected_messages_total{"):
-            reason = line.split('reason="')[1].split('"')[0]
-            out[reason] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def quiet_status(daemon):
-    """The status once the engine's journal has settled (two equal reads)."""
-    first = daemon.status()
-    time.sleep(0.05)
-    return first if daemon.status() == first else None
 
 
 def good_engine(**kw):

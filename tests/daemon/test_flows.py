@@ -3,9 +3,9 @@
 import threading
 
 
+from tests.daemon.books import SLAB, held
 from tests.daemon_proc import MiB, wait_for
 
-SLAB = 2 * MiB  # peer.py default: one worker, one 2 MiB page per slab, 4 blocks per slab
 
 
 class BudgetSampler:
@@ -33,13 +33,6 @@ class BudgetSampler:
         self._stop.set()
         self._thread.join()
         assert self.samples > 5 and not self.violations, self.violations[:1]
-
-
-def held(daemon, engine_id):
-    for e in daemon.status()["engines"]:
-        if e["engine_id"] == engine_id:
-            return e["held_bytes"]
-    return None
 
 
 def test_grow_maps_pages_into_the_worker(daemon, engines):

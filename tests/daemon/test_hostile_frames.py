@@ -8,7 +8,7 @@ import msgspec
 import zmq
 
 from kvelastic import protocol as p
-from tests.daemon.test_failures import rejected
+from tests.daemon.books import rejected
 
 
 def deep(n: int) -> bytes:

@@ -8,7 +8,7 @@ the stale mapping read the next tenant's data, and could write into it.)
 """
 
 from tests.daemon.hostile import Driver
-from tests.daemon.test_flows import held
+from tests.daemon.books import held
 from tests.daemon_proc import wait_for
 
 
@@ -68,7 +68,7 @@ def test_a_user_outside_the_daemons_user_and_group_cannot_connect():
     import pytest
 
     from kvelastic import protocol as p
-    from tests.daemon.test_failures import rejected
+    from tests.daemon.books import rejected
 
     import shutil
     import tempfile

@@ -1,32 +1,14 @@
 """``kvelastic status --json`` and ``/metrics`` agree with what the test did."""
 
 import json
-import re
 import subprocess
 import sys
 
 from kvelastic import protocol as p
-from tests.daemon.test_failures import quiet_status
-from tests.daemon.test_flows import SLAB, held
+from tests.daemon.books import SLAB, held, parse_metrics, quiet_status, value
 from tests.daemon_proc import wait_for
 
 ALLOWED_LABELS = {"device", "engine", "namespace", "reason", "state", "bound", "le"}
-
-
-def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$", line)
-        assert m, line
-        labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
-        samples[(m.group(1), labels)] = float(m.group(4))
-    return samples
-
-
-def value(samples, name, **labels):
-    return samples[(name, frozenset(labels.items()))]
 
 
 def test_status_and_metrics_agree_with_the_test(daemon_factory, engines):

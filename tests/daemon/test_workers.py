@@ -3,7 +3,7 @@ tensor parallelism (vLLM runs one worker process per rank). Every rank maps its
 own pages of each slab, a slab is granted only once both mapped it, and a
 return or the death of one rank gives the pages of both back."""
 
-from tests.daemon.test_flows import SLAB, held
+from tests.daemon.books import SLAB, held
 from tests.daemon_proc import wait_for
 
 TP_SLAB = 2 * SLAB  # one page per rank

@@ -23,8 +23,7 @@ import pytest
 
 from kvelastic import protocol as p
 from tests.daemon.engines import EngineProcess
-from tests.daemon.test_failures import quiet_status
-from tests.daemon.test_observe import parse_metrics
+from tests.daemon.books import parse_metrics, quiet_status
 from tests.daemon_proc import MiB, DaemonProcess, wait_for
 from tests.observability.dashboard import (expand, is_defined, label_values, load_dashboard, metric_definitions,
                                            panels, variables)
