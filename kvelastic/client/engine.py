@@ -51,6 +51,20 @@ def wire_key(key) -> bytes:
     return key if type(key) is bytes else msgspec.msgpack.encode(key)
 
 
+def give_up(pool: SlabPool, slab_ids: list[int]) -> tuple[list[int], list[int]]:
+    """Answer a reclaim: take each slab back from ``pool`` if it can go.
+    Returns (given, refused); a slab whose block turned live meanwhile, or that
+    the pool does not hold, is refused."""
+    given, refused = [], []
+    for slab_id in slab_ids:
+        try:
+            pool.take_slab_back(slab_id, reason="reclaim")
+            given.append(slab_id)
+        except PoolError:
+            refused.append(slab_id)
+    return given, refused
+
+
 class EngineClient:
     def __init__(self, pool: SlabPool, *, socket_path: str, engine_id: str, namespace: str,
                  page_size: int, pages_per_worker: int, num_workers: int, block_bytes: int,
@@ -260,13 +274,7 @@ class EngineClient:
             self._locked(self._clear_index)
 
     def _reclaim(self, msg: p.Reclaim) -> None:
-        given, refused = [], []
-        for slab_id in msg.slabs:
-            try:
-                self.pool.take_slab_back(slab_id, reason="reclaim")
-                given.append(slab_id)
-            except PoolError:
-                refused.append(slab_id)   # a block turned live meanwhile, or it is gone
+        given, refused = give_up(self.pool, msg.slabs)
         self._flush_journal(self.conn.notify)
         self.conn.notify(p.ReclaimDone(req_id=msg.req_id, engine_id=self.engine_id, given=given, refused=refused))
 

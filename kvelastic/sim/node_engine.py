@@ -14,6 +14,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from kvelastic import protocol as p
+from kvelastic.client.engine import give_up
 from kvelastic.client.reserve import ReservePolicy
 from kvelastic.core.pool import SlabPool
 from kvelastic.errors import PoolError
@@ -184,13 +185,7 @@ class NodeEngine:
             elif self.blocked is not None and msg.req_id == self.blocked.get("req"):
                 self._unblock()
         elif isinstance(msg, p.Reclaim):
-            given, refused = [], []
-            for slab_id in msg.slabs:
-                try:
-                    self.pool.take_slab_back(slab_id, reason="reclaim")
-                    given.append(slab_id)
-                except PoolError:
-                    refused.append(slab_id)
+            given, refused = give_up(self.pool, msg.slabs)
             self.stats["reclaimed_slabs"] += len(given)
             self.stats["refused_slabs"] += len(refused)
             self.flush_journal()

@@ -16,10 +16,10 @@ import random
 from collections import deque
 
 from kvelastic import protocol as p
+from kvelastic.client.engine import give_up
 from kvelastic.core.pool import SlabPool
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.allocator import Allocator, Timing
-from kvelastic.errors import PoolError
 
 PAGE = 2 << 20
 BLOCKS_PER_SLAB = 4
@@ -193,13 +193,7 @@ class SimEngine:
                     if not self.dying:
                         self.world.check_slab_mapped(self, slab_id)
         elif isinstance(msg, p.Reclaim):
-            given, refused = [], []
-            for slab_id in msg.slabs:
-                try:
-                    self.pool.take_slab_back(slab_id)
-                    given.append(slab_id)
-                except PoolError:
-                    refused.append(slab_id)
+            given, refused = give_up(self.pool, msg.slabs)
             self.flush_journal()
             self.world.client_send(self.identity, p.ReclaimDone(req_id=msg.req_id, engine_id=self.name,
                                                                 given=given, refused=refused))
