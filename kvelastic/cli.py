@@ -35,11 +35,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_daemon(args: argparse.Namespace) -> int:
-    try:
-        from kvelastic.daemon.main import main as daemon_main
-    except ImportError:
-        print("kvelastic daemon: the daemon is not built yet in this version", file=sys.stderr)
-        return 1
+    from kvelastic.daemon.main import main as daemon_main
+
     return daemon_main()
 
 

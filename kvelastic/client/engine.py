@@ -332,12 +332,7 @@ class EngineClient:
         batch = self.pool.take_journal()
         if not batch:
             return
-        stats = self.pool.stats
-        counters = {"lookups": stats.lookups, "lookup_blocks": stats.lookup_blocks,
-                    "hit_blocks": stats.hit_blocks, "query_tokens": stats.query_tokens,
-                    "hit_tokens": stats.hit_tokens, "token_mismatches": stats.token_mismatches,
-                    "block_ops": stats.block_ops}
-        counters.update({f"evictions_{k}": v for k, v in stats.evictions.items()})
+        counters = self.pool.stats.counters()
         ops = p.journal_ops(batch.ops if self.bytes_keys else [
             (op[0], wire_key(op[1]), op[2]) if op[0] in (STORE, REMOVE) else op for op in batch.ops])
         for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):

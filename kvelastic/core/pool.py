@@ -56,7 +56,6 @@ class SlabPool:
         block_bytes: int = 0,
         max_cached_bytes: int | None = None,
         ttl: float = 0.0,
-        verify_tokens: bool = False,
         block_factory: Callable[[int], Any] = Block,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -68,7 +67,6 @@ class SlabPool:
         self.block_size = block_size
         self.max_cached_blocks = None if max_cached_bytes is None else max_cached_bytes // block_bytes
         self.ttl = ttl
-        self.verify_tokens = verify_tokens
         # Settable until the first slab arrives (the vLLM adapter binds its blocks to itself).
         self.block_factory = block_factory
         self._clock = clock
@@ -88,7 +86,6 @@ class SlabPool:
         self._cached_at: dict[int, float] = {}
         self._index = HashIndex()
         self.get_cached_block = self._index.get_one  # type: ignore[method-assign]
-        self._tokens: dict[int, tuple[int, ...]] = {}
         self.num_free = 0
         self.num_live = 0
         self.journal = Journal()
@@ -314,15 +311,12 @@ class SlabPool:
         raise BlockNotLive(f"block {bad.block_id} is not allocated (double free?)")
 
     def cache(self, blocks: Sequence[Any], keys: Sequence[Hashable],
-              tokens: Sequence[Sequence[int]] | None = None,
               num_tokens: Sequence[int] | None = None) -> None:
         """Give live blocks their prefix-cache keys (re-keying replaces).
         ``num_tokens[i]``, when given, is the length of the prefix that
         ``keys[i]`` covers (vLLM's ``block_hash_num_tokens``)."""
-        if len(blocks) != len(keys) or (tokens is not None and len(tokens) != len(keys)) \
-                or (num_tokens is not None and len(num_tokens) != len(keys)):
+        if len(blocks) != len(keys) or (num_tokens is not None and len(num_tokens) != len(keys)):
             raise PoolError(f"cache: {len(blocks)} blocks, {len(keys)} keys"
-                            + ("" if tokens is None else f", {len(tokens)} token lists")
                             + ("" if num_tokens is None else f", {len(num_tokens)} prefix lengths"))
         for blk in blocks:
             slab = getattr(blk, "slab", None)
@@ -342,8 +336,6 @@ class SlabPool:
                 blk._block_hash_num_tokens = num_tokens[i]
             self._index.insert(key, blk)
             ops.append((STORE, key, blk.block_id))
-            if self.verify_tokens and tokens is not None:
-                self._tokens[blk.block_id] = tuple(tokens[i])
 
     def uncache(self, blocks: Sequence[Any], reason: str = "explicit") -> int:
         """Drop the keys of these blocks (live ones stay live; cached ones turn
@@ -367,29 +359,31 @@ class SlabPool:
         lookup in ``__init__``: this is the scheduler's most frequent call."""
         return self._index.get_one(key)
 
-    def lookup(self, keys: Sequence[Hashable],
-               tokens: Sequence[Sequence[int]] | None = None) -> list[Any]:
-        """Blocks of the longest cached prefix of ``keys`` (not touched).
-        With ``verify_tokens`` and ``tokens``, a hit whose stored token ids
-        differ ends the prefix: a collision can never serve wrong KV."""
+    def lookup(self, keys: Sequence[Hashable]) -> list[Any]:
+        """Blocks of the longest cached prefix of ``keys`` (not touched), for
+        engines that look up through the pool (the simulators); counted in
+        the stats in whole blocks."""
         hits: list[Any] = []
         get = self._index.get_one
-        check = self.verify_tokens and tokens is not None
-        for i, key in enumerate(keys):
+        for key in keys:
             blk = get(key)
             if blk is None:
                 break
-            if check and self._tokens.get(blk.block_id) != tuple(tokens[i]):
-                self.stats.token_mismatches += 1
-                break
             hits.append(blk)
         stats = self.stats
-        stats.lookups += 1
         stats.lookup_blocks += len(keys)
         stats.hit_blocks += len(hits)
-        stats.query_tokens += len(keys) * self.block_size
-        stats.hit_tokens += len(hits) * self.block_size
+        self.record_query(len(keys) * self.block_size, len(hits) * self.block_size)
         return hits
+
+    def record_query(self, query_tokens: int, hit_tokens: int) -> None:
+        """One request looked up in the prefix cache, in tokens: the figures
+        operators compare with vLLM's ``prefix_cache_queries``/``_hits``
+        (the vLLM plugin reports vLLM's own counts through here)."""
+        stats = self.stats
+        stats.lookups += 1
+        stats.query_tokens += query_tokens
+        stats.hit_tokens += hit_tokens
 
     # ------------------------------------------------------------ eviction
     def evict(self, n: int, reason: str = "explicit") -> int:
@@ -427,7 +421,6 @@ class SlabPool:
         self._index.clear()
         self._lru.clear()
         self._cached_at.clear()
-        self._tokens.clear()
         self.journal.ops.append((CLEAR,))
         self.stats.evictions["invalidate"] += dropped
         if self.on_cleared is not None:
@@ -470,8 +463,6 @@ class SlabPool:
         blk._block_hash = blk._block_hash_num_tokens = None
         if self.on_key_removed is not None:
             self.on_key_removed(key)
-        if self._tokens:
-            self._tokens.pop(blk.block_id, None)
 
     def _evict_cached(self, blk: Any, slab: Slab) -> None:
         del self._lru[blk.block_id]

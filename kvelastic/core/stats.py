@@ -14,15 +14,22 @@ class PoolStats:
     hit_blocks: int = 0       # keys served from the cache
     # The hit rate operators compare with vLLM's: tokens, counted as vLLM
     # counts prefix_cache_queries / prefix_cache_hits (the vLLM plugin feeds
-    # these from vLLM's own figures; lookup() counts whole blocks' tokens).
+    # these from vLLM's own figures through record_query; lookup() counts
+    # whole blocks' tokens).
     query_tokens: int = 0
     hit_tokens: int = 0
-    token_mismatches: int = 0  # hash hits refused because the token ids differed
     # allocate/touch/free calls: the engine's activity (one that makes none is
     # idle; slabs coming and going are not activity).
     block_ops: int = 0
     evictions: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
+
+    def counters(self) -> dict[str, int]:
+        """The counters as an engine reports them (``Journal.stats``), named
+        as in ``COUNTER_NAMES``."""
+        flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "evictions"}
+        flat.update({f"evictions_{reason}": n for reason, n in self.evictions.items()})
+        return flat
 
     def hit_rate(self) -> float:
         """Share of queried tokens served from the cache."""

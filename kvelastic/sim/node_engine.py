@@ -219,11 +219,7 @@ class NodeEngine:
         self.last_flush = self.sim.now
         if self.static:
             return
-        stats = self.pool.stats
-        counters = {"lookups": stats.lookups, "lookup_blocks": stats.lookup_blocks, "hit_blocks": stats.hit_blocks,
-                    "query_tokens": stats.query_tokens, "hit_tokens": stats.hit_tokens,
-                    "token_mismatches": stats.token_mismatches, "block_ops": stats.block_ops}
-        counters.update({f"evictions_{k}": v for k, v in stats.evictions.items()})
+        counters = self.pool.stats.counters()
         ops = p.journal_ops(batch.ops)
         for start in range(0, max(len(ops), 1), 20_000):
             last = start + 20_000 >= len(ops)

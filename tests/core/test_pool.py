@@ -5,6 +5,7 @@ import pytest
 from kvelastic.core.block import Block
 from kvelastic.core.journal import Mirror
 from kvelastic.core.pool import SlabPool
+from kvelastic.core.stats import COUNTER_NAMES
 from kvelastic.errors import (
     BlockNotCached,
     BlockNotLive,
@@ -197,13 +198,16 @@ def test_group_ids_in_keys_keep_groups_apart():
     assert pool.lookup([(b"h", 1)]) == [b]
 
 
-def test_verify_tokens_refuses_a_collision():
-    pool = make_pool(slabs=(0,), bps=4, verify_tokens=True)
+def test_queries_count_in_tokens_whole_blocks_through_lookup():
+    pool = make_pool(slabs=(0,), bps=4)
     [a] = pool.allocate(1)
-    pool.cache([a], keys(0), tokens=[[1, 2, 3]])
-    assert pool.lookup(keys(0), tokens=[[1, 2, 3]]) == [a]
-    assert pool.lookup(keys(0), tokens=[[1, 2, 4]]) == []
-    assert pool.stats.token_mismatches == 1
+    pool.cache([a], keys(0))
+    assert pool.lookup(keys(0, 1)) == [a]
+    pool.record_query(query_tokens=40, hit_tokens=24)       # vLLM's own counts, from the plugin
+    s = pool.stats
+    assert (s.lookups, s.lookup_blocks, s.hit_blocks) == (2, 2, 1)
+    assert (s.query_tokens, s.hit_tokens) == (2 * pool.block_size + 40, pool.block_size + 24)
+    assert s.counters()["hit_tokens"] == s.hit_tokens and set(s.counters()) == COUNTER_NAMES
 
 
 # ------------------------------------------------------------------ limits

@@ -204,9 +204,6 @@ def wrap_record_prefix_cache_stats(original):
         original(self, request, num_hits, *args, **kwargs)
         enabled = getattr(self, "prefix_cache_lookup_enabled", None)
         if _link is not None and (enabled(request) if enabled else self.enable_caching):
-            stats = _link.pool.stats
-            stats.lookups += 1
-            stats.query_tokens += request.num_tokens
-            stats.hit_tokens += num_hits
+            _link.pool.record_query(request.num_tokens, num_hits)
 
     return record_prefix_cache_stats
