@@ -24,7 +24,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             result = bench.run(args.name, quick=args.quick)
         except KeyError:
             print(f"kvelastic bench: unknown benchmark {args.name!r}; "
-                  f"choose one of: {', '.join(sorted(bench.BENCHMARKS))}", file=sys.stderr)
+                  f"choose one of: {', '.join(sorted(bench.available()))}", file=sys.stderr)
             return 2
     if args.json:
         print(json.dumps(result, sort_keys=True))
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser("bench", help="run a benchmark against its baseline")
-    p.add_argument("name", help=f"one of: {', '.join(sorted(bench.BENCHMARKS))}")
+    p.add_argument("name", help=f"one of: {', '.join(sorted(bench.available()))}")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.add_argument("--quick", action="store_true", help="a shorter run (used by the test suite)")
     p.add_argument("--scale", choices=("seeds", "node"), default=None,

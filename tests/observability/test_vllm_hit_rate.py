@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvelastic.bench.tinymodel import build_tiny_llama  # noqa: E402
-from kvelastic.bench.vllm_serve import VllmServer, counter  # noqa: E402
+from kvelastic_vllm.bench.tinymodel import build_tiny_llama  # noqa: E402
+from kvelastic_vllm.bench.vllm_serve import VllmServer, counter  # noqa: E402
 from tests.daemon_proc import DaemonProcess, wait_for  # noqa: E402
 from tests.observability.dashboard import expand, load_dashboard, panels  # noqa: E402
 from tests.observability.prometheus_proc import PrometheusProcess, find  # noqa: E402

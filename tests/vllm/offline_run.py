@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from kvelastic.bench.vllm_serve import VLLM_ENV
+from kvelastic_vllm.bench.vllm_serve import VLLM_ENV
 
 PREFIXES = ["the cache block page memory token prefix " * 12, "alpha beta gamma delta epsilon zeta " * 14]
 PROMPTS = [p + f"question number {i} about slabs" for p in PREFIXES for i in range(3)]

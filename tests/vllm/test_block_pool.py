@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvelastic.bench.vllm_pool import admit, elastic, manager, request  # noqa: E402
+from kvelastic_vllm.bench.vllm_pool import admit, elastic, manager, request  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 BS = 16

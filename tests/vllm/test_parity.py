@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kvelastic.bench.tinymodel import build_tiny_llama  # noqa: E402
+from kvelastic_vllm.bench.tinymodel import build_tiny_llama  # noqa: E402
 from tests.daemon_proc import DaemonProcess  # noqa: E402
 from tests.vllm.parity import BS, admit, elastic_engine, engine_blocks, manager, request, scheduler, step  # noqa: E402
 

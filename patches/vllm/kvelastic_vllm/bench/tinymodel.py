@@ -1,4 +1,4 @@
-"""A tiny random-weight Llama, built offline, for vLLM integration tests.
+"""A tiny random-weight Llama, built offline, for the vLLM benchmarks and tests.
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained in memory
 on a generated corpus, the weights are random (seeded, so the model is the
@@ -6,9 +6,9 @@ same on every machine), and the result is cached in the directory given.
 
 Usage::
 
-    from tests.vllm.tinymodel import build_tiny_llama, assert_varied_greedy
+    from kvelastic_vllm.bench.tinymodel import build_tiny_llama, check_varied_greedy
     path = build_tiny_llama(tmp_path_factory.mktemp("m") / "tiny-llama")
-    assert_varied_greedy(path)
+    check_varied_greedy(path)
 
 The weights use a large std (``INIT_STD``) so that greedy decoding walks
 through varied tokens instead of repeating one: prefix-cache tests compare
@@ -186,7 +186,7 @@ def greedy_tokens(path: pathlib.Path, prompt: str, n: int = 24) -> list[int]:
     return out
 
 
-def assert_varied_greedy(
+def check_varied_greedy(
     path: pathlib.Path,
     prompts: tuple[str, ...] = ("the cache block", "alpha beta gamma delta", "one two"),
     n: int = 24,
@@ -195,13 +195,17 @@ def assert_varied_greedy(
     """Check the model does not collapse to one token under greedy decoding.
 
     Every prompt's continuation must have at least ``min_distinct`` distinct
-    tokens, and the prompts must not all continue the same way.
+    tokens, and the prompts must not all continue the same way; a
+    RuntimeError says which does not (a test would otherwise prove nothing).
     """
     outs = [greedy_tokens(path, p, n) for p in prompts]
     for p, o in zip(prompts, outs):
-        assert EOS_ID not in o, f"greedy output of {p!r} has EOS: {o}"
-        assert len(set(o)) >= min_distinct, f"greedy output of {p!r} too repetitive: {o}"
-    assert len({tuple(o) for o in outs}) == len(outs), f"prompts continue alike: {outs}"
+        if EOS_ID in o:
+            raise RuntimeError(f"tiny model: greedy output of {p!r} has EOS: {o}")
+        if len(set(o)) < min_distinct:
+            raise RuntimeError(f"tiny model: greedy output of {p!r} too repetitive: {o}")
+    if len({tuple(o) for o in outs}) != len(outs):
+        raise RuntimeError(f"tiny model: prompts continue alike: {outs}")
     return outs
 
 
@@ -212,5 +216,5 @@ if __name__ == "__main__":
     t = time.monotonic()
     where = build_tiny_llama(pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/kvelastic-tiny-llama"))
     print(f"built {where} in {time.monotonic() - t:.1f}s")
-    for o in assert_varied_greedy(where):
+    for o in check_varied_greedy(where):
         print(o)

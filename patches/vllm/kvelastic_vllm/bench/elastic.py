@@ -36,8 +36,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvelastic.bench import elastic_load as load
-from kvelastic.bench import vllm_serve
+from kvelastic_vllm.bench import elastic_load as load
+from kvelastic_vllm.bench import vllm_serve
 
 MiB = 1 << 20
 PER_ENGINE = 16 * MiB          # T/N: a hot burst needs ~26 MiB, more than this, less than T
@@ -287,7 +287,7 @@ def compare_tokens(static: list[load.Result], elastic: list[load.Result]) -> dic
 
 
 def handoff(folder: pathlib.Path, quick: bool) -> dict[str, Any]:
-    from kvelastic.bench import elastic_handoff
+    from kvelastic_vllm.bench import elastic_handoff
 
     folder.mkdir(parents=True, exist_ok=True)
     slab = elastic_handoff.PAGE * elastic_handoff.PAGES_PER_SLAB
@@ -321,8 +321,8 @@ def choose_engines() -> tuple[int, int]:
 def run(quick: bool = False, png: str | None = None, workdir: str | None = None) -> dict[str, Any]:
     """``png``: where the plot goes; ``workdir``: a folder kept for the logs
     (default: a temporary one, removed)."""
-    from kvelastic.bench import elastic_plot
-    from kvelastic.bench.tinymodel import build_tiny_llama
+    from kvelastic_vllm.bench import elastic_plot
+    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
 
     began = time.monotonic()
     png = png or os.environ.get("KVELASTIC_BENCH_ELASTIC_PNG") or "elastic.png"
@@ -342,7 +342,7 @@ def run(quick: bool = False, png: str | None = None, workdir: str | None = None)
         hand = handoff(tmp / "handoff", quick)
     static, elastic = (summarize(modes[m], workload) for m in ("static", "elastic"))
     el = modes["elastic"]
-    from kvelastic.bench.elastic_handoff import BLOCKS_PER_SLAB
+    from kvelastic_vllm.bench.elastic_handoff import BLOCKS_PER_SLAB
 
     foot = footprint(el["status_2s_after"], BLOCKS_PER_SLAB)
     device = el["final_status"]["devices"][0] if el.get("final_status") else {}

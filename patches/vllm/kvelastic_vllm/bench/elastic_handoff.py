@@ -3,7 +3,7 @@ from an idle engine that holds the whole budget in cached blocks to a busy
 engine that demands it, on the host backend, with real processes.
 
 A real daemon and two engine processes (``python -m
-kvelastic.bench.elastic_handoff``: an ``EngineClient`` with its ``SlabPool``
+kvelastic_vllm.bench.elastic_handoff``: an ``EngineClient`` with its ``SlabPool``
 and a ``WorkerClient`` that maps real pages, the tiny model's slab geometry)
 driven by JSON lines on stdin. Engine A fills the budget with cached blocks
 and goes idle (the daemon says so); engine B then asks for one slab at a time
@@ -87,7 +87,7 @@ def engine_main(socket_path: str, engine_id: str) -> None:
 
 class _Engine:
     def __init__(self, socket_path: str, engine_id: str, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvelastic.bench.elastic_handoff", socket_path,
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvelastic_vllm.bench.elastic_handoff", socket_path,
                                       engine_id], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env)
         self.call(None)

@@ -24,8 +24,8 @@ import tempfile
 import time
 from typing import Any
 
-from kvelastic.bench import vllm_serve
 from kvelastic.bench.daemon import running_daemon
+from kvelastic_vllm.bench import vllm_serve
 
 BS = 16
 
@@ -37,7 +37,7 @@ def record_trace(num_requests: int, num_blocks: int, seed: int = 0) -> list[tupl
     import vllm.v1.core.kv_cache_coordinator as coordinator
     from vllm.v1.core.block_pool import BlockPool
 
-    from kvelastic.bench.vllm_pool import admit, manager, request
+    from kvelastic_vllm.bench.vllm_pool import admit, manager, request
 
     trace: list[tuple] = []
 
@@ -130,7 +130,7 @@ def hot_path(quick: bool, socket_path: str, num_blocks: int) -> dict[str, Any]:
     the same capacity and make the same eviction decisions on the trace."""
     from vllm.v1.core.block_pool import BlockPool
 
-    from kvelastic.bench.vllm_pool import elastic
+    from kvelastic_vllm.bench.vllm_pool import elastic
     from kvelastic_vllm.block_pool import ElasticBlockPool
 
     trace = record_trace(300 if quick else 3000, num_blocks)
@@ -142,8 +142,12 @@ def hot_path(quick: bool, socket_path: str, num_blocks: int) -> dict[str, Any]:
         for shipping in (False, True):
             with elastic(socket_path, blocks_per_slab=64, engine_id=f"bench-hot-path-{round_}-{shipping}") as link:
                 pool = ElasticBlockPool(link.num_blocks, True, BS)
-                assert link.client.ensure(num_blocks - 1, timeout=30)   # every slab granted before timing
-                assert pool.core.num_blocks == num_blocks
+                # Every slab granted before timing, or the replay would time the daemon.
+                if not link.client.ensure(num_blocks - 1, timeout=30):
+                    raise RuntimeError(f"bench vllm: the daemon did not grant its whole budget ({num_blocks} blocks) in 30 s")
+                if pool.core.num_blocks != num_blocks:
+                    raise RuntimeError(f"bench vllm: the elastic pool holds {pool.core.num_blocks} blocks, "
+                                       f"the stock one {num_blocks}: their evictions would differ")
                 # Without shipping, the journal goes out after the timed window: the
                 # pool's own cost. With it, the I/O thread ships it meanwhile and, on
                 # this 2-core machine, the daemon digests it on the other core.
@@ -202,7 +206,7 @@ def serving(model: pathlib.Path, tmp: pathlib.Path, socket_path: str, quick: boo
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    from kvelastic.bench.tinymodel import build_tiny_llama
+    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = pathlib.Path(tmp_dir)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvelastic.bench.elastic_load import Workload
+from kvelastic_vllm.bench.elastic_load import Workload
 
 MiB = 1 << 20
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red")
