@@ -1,0 +1,43 @@
+"""vLLM's offline ``LLM`` through the plugin, reporting what the daemon sees.
+
+    python tests/vllm/settings_run.py MODEL_DIR SOCKET
+
+Generates a batch with shared prefixes twice (the second run hits), waits
+while the engine idles (so a prefix-cache TTL, when set, expires blocks),
+then prints this engine's entry of the daemon's status, as JSON, while the
+engine is still registered. The plugin's settings come from the environment
+(``KVELASTIC_*``), exactly as an operator sets them.
+"""
+
+import json
+import os
+import sys
+import time
+
+from kvelastic_vllm.bench.vllm_serve import VLLM_ENV
+
+PREFIXES = ["the cache block page memory token prefix " * 12, "alpha beta gamma delta epsilon zeta " * 14]
+PROMPTS = [p + f"question number {i} about slabs" for p in PREFIXES for i in range(3)]
+IDLE = 2.5   # seconds without a step after the second batch
+
+
+def main() -> None:
+    for key, value in VLLM_ENV.items():
+        os.environ.setdefault(key, value)
+    from vllm import LLM, SamplingParams
+
+    from kvelastic.ctl import get_status
+
+    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=1024, enforce_eager=True,
+              enable_prefix_caching=True, block_size=32, max_num_seqs=8, seed=0,
+              kv_cache_memory_bytes=64 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for _ in range(2):
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    time.sleep(IDLE)
+    engines = [e for e in get_status(sys.argv[2])["engines"] if e["pid"] == os.getpid()]
+    print("RESULT " + json.dumps(engines), flush=True)
+
+
+if __name__ == "__main__":
+    main()
