@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvelastic.figures import percentile
 from kvelastic.vmm import get_backend
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE, Backend
 
@@ -31,21 +32,20 @@ SLOTS = 64
 _ROUNDS = {True: 20, False: 800}
 
 
-def _pct(samples: list[int], q: float) -> float:
+def _us(samples_ns: list[int], q: float) -> float:
     """The q-quantile of nanosecond samples, in microseconds."""
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000.0
+    return percentile(samples_ns, q) / 1000.0
 
 
 def _summary(timings: dict[str, list[int]], backend: str, page_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {"backend": backend, "page_size": page_size}
     for op in ("map", "unmap"):
         mine, raw = timings[op], timings["raw_" + op]
-        out[f"{op}_p50_us"] = round(_pct(mine, 0.5), 3)
-        out[f"{op}_p99_us"] = round(_pct(mine, 0.99), 3)
-        out[f"raw_{op}_p50_us"] = round(_pct(raw, 0.5), 3)
-        out[f"raw_{op}_p99_us"] = round(_pct(raw, 0.99), 3)
-        out[f"{op}_ratio_p50"] = round(_pct(mine, 0.5) / _pct(raw, 0.5), 3)
+        out[f"{op}_p50_us"] = round(_us(mine, 0.5), 3)
+        out[f"{op}_p99_us"] = round(_us(mine, 0.99), 3)
+        out[f"raw_{op}_p50_us"] = round(_us(raw, 0.5), 3)
+        out[f"raw_{op}_p99_us"] = round(_us(raw, 0.99), 3)
+        out[f"{op}_ratio_p50"] = round(_us(mine, 0.5) / _us(raw, 0.5), 3)
     out["iterations"] = len(timings["map"])
     return out
 
@@ -175,9 +175,9 @@ def bench_cuda(backend: Backend, rounds: int) -> dict[str, Any]:
             backend.release_page(page)
             release.append(time.perf_counter_ns() - t0)
     out = _summary(timings, "cuda", ps)
-    out["create_p50_us"] = round(_pct(create, 0.5), 3)
-    out["create_p99_us"] = round(_pct(create, 0.99), 3)
-    out["release_p50_us"] = round(_pct(release, 0.5), 3)
+    out["create_p50_us"] = round(_us(create, 0.5), 3)
+    out["create_p99_us"] = round(_us(create, 0.99), 3)
+    out["release_p50_us"] = round(_us(release, 0.5), 3)
     # How many page maps one cuMemCreate costs: why pages are pre-created.
     out["create_over_map_p50"] = round(out["create_p50_us"] / out["map_p50_us"], 1)
     return out

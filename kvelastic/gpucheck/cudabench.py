@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvelastic.figures import percentile
 from kvelastic.vmm import get_backend
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE, Backend
 
@@ -37,8 +38,7 @@ ROUNDS = 4
 
 def pct(samples_ns: list[int], q: float) -> float:
     """The q-quantile of nanosecond samples, in microseconds."""
-    ordered = sorted(samples_ns)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000.0, 3)
+    return round(percentile(samples_ns, q) / 1000.0, 3)
 
 
 def _stats(samples_ns: list[int]) -> dict[str, float]:
@@ -189,7 +189,7 @@ def grant_latency(backend: str, rounds: int, engines: int) -> dict[str, Any]:
         if engines:
             runs[f"{engines}_engines"] = grant._parallel(sock, engines, max(10, rounds // 4), backend)
     for label, data in runs.items():
-        out[label] = {f"{kind}_{q}_us": round(grant._pct(data[kind], p), 1)
+        out[label] = {f"{kind}_{q}_us": round(percentile(data[kind], p), 1)
                       for kind in ("grant", "return") for q, p in (("p50", 0.5), ("p99", 0.99))}
     return out
 

@@ -53,12 +53,14 @@ class Peer:
                "backend": backend}
         self.proc = subprocess.Popen([sys.executable, "-m", "kvelastic.gpucheck.kvpeer", json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self.proc.stdin is None or self.proc.stdout is None:   # never with PIPE; typed for the checker
+            raise PeerError(f"engine {engine_id}: no pipes to its process")
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         self.hello = self._read(CALL_TIMEOUT)
 
     def _read(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
+        ready, _, _ = select.select([self.stdout], [], [], timeout)
+        line = self.stdout.readline() if ready else ""
         if not line:
             self.kill()
             raise PeerError(f"engine {self.name}: no answer within {timeout:.0f} s (exit {self.proc.poll()})")
@@ -68,9 +70,8 @@ class Peer:
         return out
 
     def call(self, op: str, timeout: float = CALL_TIMEOUT, **args: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
+        self.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.stdin.flush()
         return self._read(timeout)
 
     def close(self) -> None:

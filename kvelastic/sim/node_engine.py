@@ -48,13 +48,6 @@ IDLE_SETTLE = 2.0                     # after idle_grace: the client's tick retu
 _cpu = time.thread_time
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 @dataclasses.dataclass
 class Running:
     """A request's state in its engine."""

@@ -6,9 +6,9 @@ import bisect
 import os
 from typing import TYPE_CHECKING, Any
 
+from kvelastic.figures import percentile
+from kvelastic.sim.node_engine import BUDGET_PAGES, DAEMON_TICK, IDLE_SETTLE, SAMPLE, STATUS_EVERY
 from kvelastic.sim.traces import GIB, PAGE
-from kvelastic.sim.node_engine import (BUDGET_PAGES, DAEMON_TICK, IDLE_SETTLE, SAMPLE, STATUS_EVERY,
-                                       _percentile)
 
 if TYPE_CHECKING:
     from kvelastic.sim.node import NodeSim
@@ -37,8 +37,8 @@ def summarize(sim: NodeSim, oracle: list[float], day_samples: int) -> dict[str, 
         "served": sum(e.finished for e in sim.engines),
         "waited": sum(e.stats["waited"] for e in sim.engines),
         "preemptions": sum(e.stats["preemptions"] for e in sim.engines),
-        "queue_delay_s": {"mean": round(_time_mean(delays), 3), "p50": round(_percentile(delays, 0.5), 3),
-                          "p99": round(_percentile(delays, 0.99), 3), "max": round(max(delays, default=0.0), 3)},
+        "queue_delay_s": {"mean": round(_time_mean(delays), 3), "p50": round(percentile(delays, 0.5), 3),
+                          "p99": round(percentile(delays, 0.99), 3), "max": round(max(delays, default=0.0), 3)},
         "scheduler_stall_s": round(sum(e.stalled for e in sim.engines), 2),
         "utilisation_live": round(achieved, 4),
         "utilisation_held": round(_time_mean(held) / budget, 4),
@@ -191,12 +191,12 @@ def report(sim: NodeSim, static: NodeSim, oracle: list[float], per_engine: list[
             "grows": sum(e.stats["demand_grows"] for e in sim.engines),
             "outcomes": dict(sorted(sim.grow_outcomes.items())),
             "client_timeouts": sum(e.stats["demand_timeouts"] for e in sim.engines),
-            "latency_s": {"p50": round(_percentile(sim.demand_latency, 0.5), 5),
-                          "p99": round(_percentile(sim.demand_latency, 0.99), 5),
+            "latency_s": {"p50": round(percentile(sim.demand_latency, 0.5), 5),
+                          "p99": round(percentile(sim.demand_latency, 0.99), 5),
                           "max": round(max(sim.demand_latency, default=0.0), 5)},
             "needed_reclaim": len(handoffs) + sim.handoffs_empty,
-            "handoff_latency_s": {"count": len(handoffs), "p50": round(_percentile(handoffs, 0.5), 5),
-                                  "p99": round(_percentile(handoffs, 0.99), 5),
+            "handoff_latency_s": {"count": len(handoffs), "p50": round(percentile(handoffs, 0.5), 5),
+                                  "p99": round(percentile(handoffs, 0.99), 5),
                                   "max": round(max(handoffs, default=0.0), 5)},
             "handoffs_answered_empty": sim.handoffs_empty,
             "unanswered": sum(len(e.grows) for e in sim.engines),

@@ -25,7 +25,8 @@ import dataclasses
 import math
 import random
 
-PAGE = 2 << 20
+from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
+
 BLOCK_TOKENS = 16
 KIB = 1 << 10
 GIB = 1 << 30
@@ -47,7 +48,8 @@ class Model:
     @property
     def blocks_per_slab(self) -> int:
         n, rem = divmod(self.pages_per_worker * PAGE, self.block_bytes)
-        assert n >= 1 and rem == 0, f"{self.name}: {self.pages_per_worker} pages do not hold whole blocks"
+        if n < 1 or rem:
+            raise ValueError(f"{self.name}: {self.pages_per_worker} pages do not hold whole blocks")
         return n
 
     @property

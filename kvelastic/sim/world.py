@@ -20,8 +20,8 @@ from kvelastic.client.engine import give_up
 from kvelastic.core.pool import SlabPool
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.allocator import Allocator, Timing
+from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
 
-PAGE = 2 << 20
 BLOCKS_PER_SLAB = 4
 CLIENT_GROW_TIMEOUT = 2.0          # an engine gives up waiting for a grow after this
 
