@@ -51,7 +51,7 @@ def _rejected(port: int) -> float:
 
 
 def _engine_status(conn: Any) -> dict:
-    [mine] = [e for e in conn.request(p.Status()).status.engines if e.engine_id == LEGIT_ID]
+    [mine] = [e for e in conn.call(p.Status()).status.engines if e.engine_id == LEGIT_ID]
     return msgspec.to_builtins(mine)
 
 
@@ -72,10 +72,10 @@ def _pages(worker: Any, slabs: list[int], value: int | None) -> list[int]:
 
 def _legit_after(engine: Any, worker: Any) -> dict[str, bool]:
     """Grow by a slab, write and read it, return it: the engine still works."""
-    reply = engine.conn.request(p.Grow(engine_id=LEGIT_ID, slabs=1, demand=True), 10.0)
+    reply = engine.conn.call(p.Grow(engine_id=LEGIT_ID, slabs=1, demand=True), 10.0)
     grew = isinstance(reply, p.Granted) and len(reply.slabs) == 1
     served = grew and _pages(worker, reply.slabs, 0x5A) == [0x5A, 0x5A]
-    back = engine.conn.request(p.Return(engine_id=LEGIT_ID, slabs=list(reply.slabs)), 10.0) if grew else None
+    back = engine.conn.call(p.Return(engine_id=LEGIT_ID, slabs=list(reply.slabs)), 10.0) if grew else None
     return {"grew": grew, "served": served, "returned": isinstance(back, p.Ok)}
 
 

@@ -47,10 +47,10 @@ def engine_loop(socket_path: str, engine_id: str, rounds: int, backend: str) -> 
     try:
         for i in range(rounds + 5):
             t0 = time.perf_counter()
-            reply = engine.conn.request(p.Grow(engine_id=engine_id, slabs=1))
+            reply = engine.conn.call(p.Grow(engine_id=engine_id, slabs=1))
             t1 = time.perf_counter()
             assert isinstance(reply, p.Granted) and len(reply.slabs) == 1, reply
-            engine.conn.request(p.Return(engine_id=engine_id, slabs=reply.slabs))
+            engine.conn.call(p.Return(engine_id=engine_id, slabs=reply.slabs))
             t2 = time.perf_counter()
             if i >= 5:  # warm-up: first pages are created, later ones reused
                 grants.append((t1 - t0) * 1e6)

@@ -2,7 +2,8 @@
 
 The thread owns the ZMQ DEALER (ZMQ sockets are not thread-safe) and the
 AF_UNIX *lifeline*: the page channel for a worker, a bare liveness link for
-an engine. Other threads hand it messages through a queue and an eventfd.
+an engine. Other threads hand it messages through a queue and an eventfd;
+``send`` and ``call`` hide which thread the caller is on.
 When the lifeline reports the daemon gone, the thread reconnects with
 exponential backoff and calls ``handshake`` again (re-registration), so a
 daemon restart is invisible to the caller apart from failed requests while
@@ -71,7 +72,9 @@ class Connection:
         self._ctx = zmq.Context.instance()
         self._dealer: zmq.Socket | None = None
         self.lifeline: fdchannel.FdChannel | None = None
-        self._early: list[p.Msg] = []
+        # Messages ``call`` on the I/O thread read while waiting for its reply:
+        # delivered before anything newer, so the daemon's order holds.
+        self._read_ahead: collections.deque[p.Msg] = collections.deque()
         self._fatal: Exception | None = None
         self._outbox: collections.deque[tuple[p.Msg, _Pending | None]] = collections.deque()
         self._pending: dict[int, _Pending] = {}
@@ -85,6 +88,12 @@ class Connection:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # --------------------------------------------------------- caller API
+    # Two ways to talk to the daemon, both safe from any thread: ``send`` (fire
+    # and forget) and ``call`` (wait for the reply; ``call_async`` hands it to
+    # a callback instead). Only the I/O thread touches the socket: another
+    # thread's message is queued and the I/O thread woken; the I/O thread's own
+    # goes straight out, after whatever is queued, so the daemon sees each
+    # thread's messages in the order they were sent.
     def start(self, timeout: float = 10.0) -> None:
         self._thread.start()
         start = time.monotonic()
@@ -103,69 +112,96 @@ class Connection:
             raise DaemonUnavailable(f"no kvelastic daemon answered on {self.socket_path} (is it running? start it "
                                     "with 'make run' or 'kvelastic daemon'; KVELASTIC_SOCKET selects the socket)")
 
-    def request(self, msg: p.Msg, timeout: float = 10.0) -> p.Msg:
-        """Send and wait for the reply (never from the I/O thread)."""
-        pending = self._submit(msg, _Pending(None))
+    def send(self, msg: p.Msg) -> None:
+        """Fire and forget: the daemon answers only if it rejects the message
+        (counted in ``errors``). An answer to a daemon command keeps the
+        command's ``req_id``."""
+        if msg.req_id == 0:
+            msg.req_id = self._new_req_id()
+        self._post(msg, None)
+
+    def call(self, msg: p.Msg, timeout: float = 10.0) -> p.Msg:
+        """Send a request and wait at most ``timeout`` for its reply. Raises
+        ``DaemonError`` for an ``Error`` reply, ``DaemonUnavailable`` for none.
+        On the I/O thread (a handshake), which would otherwise wait for itself,
+        it reads the socket for the reply; whatever else arrives meanwhile is
+        delivered afterwards, in order."""
+        msg.req_id = self._new_req_id()
+        if self._on_io_thread():
+            return self._result(self._call_here(msg, timeout))
+        pending = _Pending(None)
+        self._post(msg, pending)
         if not pending.event.wait(timeout):
             self._pending.pop(msg.req_id, None)
             raise DaemonUnavailable(f"no answer to {type(msg).__name__} within {timeout:.1f} s")
         return self._result(pending.reply)
 
-    def request_async(self, msg: p.Msg, callback: Callable[[p.Msg], None]) -> None:
-        """``callback(reply)`` runs on the I/O thread; an ``Error`` reply or a lost
-        connection arrives as an ``Error`` message."""
-        self._submit(msg, _Pending(callback))
-
-    def notify(self, msg: p.Msg) -> None:
-        """Fire and forget: the daemon answers only if it rejects the message."""
-        self._submit(msg, None)
+    def call_async(self, msg: p.Msg, on_reply: Callable[[p.Msg], None]) -> None:
+        """Send a request without waiting: ``on_reply(reply)`` runs on the I/O
+        thread; an ``Error`` reply or a lost connection arrives as an ``Error``."""
+        msg.req_id = self._new_req_id()
+        self._post(msg, _Pending(on_reply))
 
     def wake(self) -> None:
         """Run the I/O thread's loop (and its periodic work) now."""
         os.eventfd_write(self._wake, 1)
 
-    def send_now(self, msg: p.Msg) -> None:
-        """From the I/O thread only (handshakes and answers to commands)."""
-        if msg.req_id == 0:
-            msg.req_id = self._new_req_id()
-        if self._dealer is not None:
-            self._dealer.send(p.encode(msg))
-
-    def call_now(self, msg: p.Msg, timeout: float = 5.0) -> p.Msg:
-        """A synchronous request from the I/O thread itself (used by handshakes)."""
-        msg.req_id = self._new_req_id()
-        self._dealer.send(p.encode(msg))
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._dealer.poll(int(left * 1000)):
-                raise DaemonUnavailable(f"no answer to {type(msg).__name__}")
-            reply = p.decode(self._dealer.recv())
-            if reply.req_id == msg.req_id:
-                return self._result(reply)
-            self._early.append(reply)   # delivered once the handshake is over
-
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             os.eventfd_write(self._wake, 1)
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+        if self._thread.is_alive() and not self._on_io_thread():
             self._thread.join(5)
 
     # ------------------------------------------------------------ internals
+    def _on_io_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
     def _new_req_id(self) -> int:
         with self._req_lock:
             self._next_req += 1
             return self._next_req
 
-    def _submit(self, msg: p.Msg, pending: _Pending | None) -> _Pending | None:
-        if pending is not None or msg.req_id == 0:  # answers to daemon commands keep its id
-            msg.req_id = self._new_req_id()
+    def _post(self, msg: p.Msg, pending: _Pending | None) -> None:
+        """Hand ``msg`` to the socket's owner: written now on the I/O thread
+        once registered, else queued (during the handshake too: registration
+        is the first thing a daemon must hear) and the I/O thread woken."""
         if pending is not None:
             self._pending[msg.req_id] = pending
-        self._outbox.append((msg, pending))
-        os.eventfd_write(self._wake, 1)
-        return pending
+        if self._on_io_thread() and self.connected.is_set():
+            self._write(msg)
+        else:
+            self._outbox.append((msg, pending))
+            os.eventfd_write(self._wake, 1)
+
+    def _write(self, msg: p.Msg) -> None:
+        """I/O thread only. Once registered, what other threads queued goes first."""
+        assert self._dealer is not None
+        if self.connected.is_set():
+            self._flush_outbox()
+        self._dealer.send(p.encode(msg))
+
+    def _flush_outbox(self) -> None:
+        assert self._dealer is not None
+        while self._outbox:
+            msg, _pending = self._outbox.popleft()
+            self._dealer.send(p.encode(msg))
+
+    def _call_here(self, msg: p.Msg, timeout: float) -> p.Msg:
+        """``call`` on the I/O thread: poll the socket for the reply, keeping
+        any other message in ``_read_ahead`` for the loop."""
+        if self._dealer is None:
+            raise DaemonUnavailable("not connected to the daemon")
+        self._write(msg)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._dealer.poll(int(left * 1000)):
+                raise DaemonUnavailable(f"no answer to {type(msg).__name__} within {timeout:.1f} s")
+            reply = p.decode(self._dealer.recv())
+            if reply.req_id == msg.req_id:
+                return reply
+            self._read_ahead.append(reply)
 
     @staticmethod
     def _result(reply: p.Msg | None) -> p.Msg:
@@ -201,6 +237,7 @@ class Connection:
 
     def _disconnect(self) -> None:
         self.connected.clear()
+        self._read_ahead.clear()        # read off a socket that is gone: from a session that is over
         if self._dealer is not None:
             self._dealer.close(0)
             self._dealer = None
@@ -243,10 +280,7 @@ class Connection:
                     backoff = BACKOFF_MIN
                     if self.reconnects or self.connected.is_set():
                         log.info("engine %s: reconnected to the daemon", self.engine_id)
-                    self.connected.set()
-                    early, self._early = self._early, []
-                    for msg in early:
-                        self._deliver(msg)
+                    self.connected.set()     # what the handshake read ahead: delivered on the first pass
                 else:
                     if self._fatal is not None:
                         log.error("engine %s: daemon refused us: %s", self.engine_id, self._fatal)
@@ -262,25 +296,16 @@ class Connection:
             poller.register(self.lifeline.fileno(), zmq.POLLIN)
             while not self._stop.is_set():
                 now = time.monotonic()
-                events = dict(poller.poll(max(0, int((next_tick - now) * 1000)) if self._on_tick else 100))
+                wait = 0 if self._read_ahead else (max(0, int((next_tick - now) * 1000)) if self._on_tick else 100)
+                events = dict(poller.poll(wait))
                 if self._wake in events:
                     try:
                         os.eventfd_read(self._wake)
                     except BlockingIOError:
                         pass
-                while self._outbox:
-                    msg, _pending = self._outbox.popleft()
-                    self._dealer.send(p.encode(msg))
-                if self._dealer in events:
-                    while True:
-                        try:
-                            data = self._dealer.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        try:
-                            self._deliver(p.decode(data))
-                        except Exception as exc:
-                            log.warning("engine %s: undecodable message from the daemon: %s", self.engine_id, exc)
+                self._flush_outbox()
+                if self._dealer in events or self._read_ahead:
+                    self._receive()
                 if self.lifeline.fileno() in events and self._lifeline_closed():
                     log.warning("engine %s: lost the daemon; serving from held memory, reconnecting",
                                 self.engine_id)
@@ -296,6 +321,23 @@ class Connection:
                         log.exception("engine %s: periodic work failed", self.engine_id)
         self._disconnect()
         os.close(self._wake)
+
+    def _receive(self) -> None:
+        """Deliver what the daemon sent, in its order: what a ``call`` on this
+        thread read ahead first, then the socket until it is empty."""
+        assert self._dealer is not None
+        while True:
+            if self._read_ahead:
+                self._deliver(self._read_ahead.popleft())
+                continue
+            try:
+                data = self._dealer.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._deliver(p.decode(data))
+            except Exception as exc:
+                log.warning("engine %s: undecodable message from the daemon: %s", self.engine_id, exc)
 
     def _lifeline_closed(self) -> bool:
         """Readable may mean page descriptors waiting (a worker's channel) or EOF."""

@@ -16,8 +16,9 @@ to nothing.
 Grants have one path (``_grants``, drained by ``apply_grants``): adding a
 slab is safe at any point of a scheduling step, so a slab that arrived is
 usable in the step it arrived in. Everything else the daemon asks for
-(reclaim, clear index) waits in ``_inbox`` for a step boundary, because it
-may take cached blocks the scheduler has looked up but not yet touched.
+(reclaim, clear index) is deferred work (``_run_or_defer``): it runs under
+``lock``, between steps, because it may take cached blocks the scheduler has
+looked up but not yet touched.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -91,7 +93,7 @@ class EngineClient:
         self._grow_answered = threading.Event()
         self._grants: collections.deque[p.Msg] = collections.deque()
         self._block_ops = 0                # the pool's activity counter when last looked at
-        self._inbox: collections.deque = collections.deque()
+        self._deferred: collections.deque[Callable[[], None]] = collections.deque()   # see _run_or_defer
         self._last_heartbeat = 0.0
         self._now = 0.0
         self._closing = False
@@ -118,7 +120,7 @@ class EngineClient:
         self._closing = True  # no journal after the daemon forgot us
         if unregister and self.conn.connected.is_set():
             try:
-                self.conn.request(p.Unregister(engine_id=self.engine_id), timeout=2.0)
+                self.conn.call(p.Unregister(engine_id=self.engine_id), timeout=2.0)
             except (DaemonError, DaemonUnavailable):
                 pass
         self.conn.close()
@@ -132,9 +134,10 @@ class EngineClient:
             occupancy = self.pool.occupancies()
         finally:
             self.lock.release()
-        reply = conn.call_now(p.RegisterEngine(
+        reply = conn.call(p.RegisterEngine(
             version=p.PROTOCOL_VERSION, engine_id=self.engine_id, pid=os.getpid(),
-            namespace=self.namespace, held=held, occupancy=occupancy, token=self.token, **self.geometry))
+            namespace=self.namespace, held=held, occupancy=occupancy, token=self.token, **self.geometry),
+            timeout=5.0)
         self.max_slabs, self.budget_bytes = reply.max_slabs, reply.budget_bytes
         self.reserve.idle_grace = reply.idle_grace   # the daemon's clock for "idle"
         # Kept for good: a re-registration (also with a restarted daemon) shows
@@ -143,17 +146,17 @@ class EngineClient:
         self._grow_in_flight = False
         self._grow_answered.set()
         if held:  # a restarted daemon has an empty mirror: send the whole index
-            self._locked(lambda: self._resend_index(conn))
+            self._run_or_defer(self._resend_index)
             log.info("engine %s: re-registered with %d slab(s) held", self.engine_id, len(held))
 
-    def _resend_index(self, conn: Connection) -> None:
+    def _resend_index(self) -> None:
         ops = [p.StoreKey(key=wire_key(k), block=b) for k, b in self.pool.cached_keys()]
         self.pool.take_journal()
         occupancy = self.pool.occupancies()
         for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):   # the daemon takes journals in parts
             last = start + JOURNAL_MAX_OPS >= len(ops)
-            conn.notify(p.Journal(engine_id=self.engine_id, ops=ops[start:start + JOURNAL_MAX_OPS],
-                                  occupancy=occupancy if last else {}))
+            self.conn.send(p.Journal(engine_id=self.engine_id, ops=ops[start:start + JOURNAL_MAX_OPS],
+                                     occupancy=occupancy if last else {}))
 
     # ---------------------------------------------------- scheduler thread
     def ensure(self, blocks: int, timeout: float = 5.0, *, keep_cache: bool = False) -> bool:
@@ -183,12 +186,12 @@ class EngineClient:
             want = min(math.ceil(short / pool.blocks_per_slab), self.max_slabs - pool.num_slabs)
             # The daemon judges the demand by its mirror (is the cache ours to
             # evict first?): bring it up to date ahead of the grow.
-            self._flush_journal(self.conn.notify)
+            self._flush_journal()
         if want <= 0:
             return False  # the engine's whole virtual range is held
         try:
-            reply = self.conn.request(p.Grow(engine_id=self.engine_id, slabs=want, demand=True),
-                                      max(0.01, deadline - time.monotonic()))
+            reply = self.conn.call(p.Grow(engine_id=self.engine_id, slabs=want, demand=True),
+                                   max(0.01, deadline - time.monotonic()))
         except (DaemonError, DaemonUnavailable) as exc:
             log.warning("engine %s: grow of %d slab(s) failed: %s", self.engine_id, want, exc)
             return False
@@ -213,31 +216,35 @@ class EngineClient:
         finds the lock free (a scheduler that runs back to back)."""
         with self.lock:
             self.apply_grants()
-            self._run_inbox()
+            self._run_deferred()
             now = time.monotonic()
             if now - self._last_flush >= self.journal_interval and (self.pool.journal.ops or self.pool.journal.dirty):
                 self._last_flush = now
-                self._flush_journal(self.conn.notify)
+                self._flush_journal()
 
     def wake(self) -> None:
         """Tell the I/O thread to look at the watermarks now (cheap)."""
         self.conn.wake()
 
     # --------------------------------------------------------- I/O thread
-    # The I/O thread never waits for ``lock``: the scheduler may hold it while it
-    # waits for a reply only the I/O thread can deliver. Work that needs the pool
-    # goes to ``_inbox`` and runs when the lock is free (here, or in ``poll``).
-    def _locked(self, work) -> None:
-        self._inbox.append(work)
+    def _run_or_defer(self, work: Callable[[], None]) -> None:
+        """Run ``work`` under ``lock`` now if the lock is free, else leave it
+        to whoever holds the lock next (the scheduler's ``poll``, or a later
+        tick). The I/O thread never waits for ``lock``: the scheduler may hold
+        it while it waits for a reply only the I/O thread can deliver. Either
+        way the work runs whole under the lock, so it is atomic for the
+        scheduler (no step sees half a reclaim), and in the order it came."""
+        self._deferred.append(work)
         if self.lock.acquire(blocking=False):
             try:
-                self._run_inbox()
+                self._run_deferred()
             finally:
                 self.lock.release()
 
-    def _run_inbox(self) -> None:
-        while self._inbox:
-            self._inbox.popleft()()
+    def _run_deferred(self) -> None:
+        """With ``lock`` held."""
+        while self._deferred:
+            self._deferred.popleft()()
 
     def _apply_grant(self, reply: p.Msg) -> None:
         if not isinstance(reply, p.Granted):
@@ -269,14 +276,14 @@ class EngineClient:
             self._grants.append(msg)
             self.wake()
         elif isinstance(msg, p.Reclaim):
-            self._locked(lambda: self._reclaim(msg))
+            self._run_or_defer(lambda: self._reclaim(msg))
         elif isinstance(msg, p.ClearIndex):
-            self._locked(self._clear_index)
+            self._run_or_defer(self._clear_index)
 
     def _reclaim(self, msg: p.Reclaim) -> None:
         given, refused = give_up(self.pool, msg.slabs)
-        self._flush_journal(self.conn.notify)
-        self.conn.notify(p.ReclaimDone(req_id=msg.req_id, engine_id=self.engine_id, given=given, refused=refused))
+        self._flush_journal()
+        self.conn.send(p.ReclaimDone(req_id=msg.req_id, engine_id=self.engine_id, given=given, refused=refused))
 
     def _clear_index(self) -> None:
         dropped = self.pool.clear_index()
@@ -289,12 +296,12 @@ class EngineClient:
             return
         if now - self._last_heartbeat >= p.HEARTBEAT_INTERVAL:
             self._last_heartbeat = now
-            self.conn.send_now(p.Heartbeat(engine_id=self.engine_id))
+            self.conn.send(p.Heartbeat(engine_id=self.engine_id))
         if not self.lock.acquire(blocking=False):
             return  # the scheduler is busy with the pool: next tick, or its poll()
         try:
             self.apply_grants()
-            self._run_inbox()
+            self._run_deferred()
             pool = self.pool
             if pool.stats.block_ops != self._block_ops:
                 self._block_ops = pool.stats.block_ops
@@ -309,13 +316,13 @@ class EngineClient:
             # idle?) on the activity the journal carries.
             if returned or want or now - self._last_flush >= self.journal_interval:
                 self._last_flush = now
-                self._flush_journal(self.conn.send_now)
+                self._flush_journal()
             if returned:
-                self.conn.send_now(p.Return(engine_id=self.engine_id, slabs=returned))
+                self.conn.send(p.Return(engine_id=self.engine_id, slabs=returned))
             if want:
                 self._grow_answered.clear()   # before the flag: ensure() must never see a stale answer
                 self._grow_in_flight = True
-                self.conn.request_async(p.Grow(engine_id=self.engine_id, slabs=want), self._on_grow_reply)
+                self.conn.call_async(p.Grow(engine_id=self.engine_id, slabs=want), self._on_grow_reply)
         finally:
             self.lock.release()
 
@@ -326,9 +333,9 @@ class EngineClient:
         self.reserve.forget(returned)
         return returned
 
-    def _flush_journal(self, send) -> None:
-        """Ship the journal (``send``: ``conn.send_now`` on the I/O thread,
-        ``conn.notify`` elsewhere); call with ``lock`` held."""
+    def _flush_journal(self) -> None:
+        """Ship the journal (any thread, with ``lock`` held: taking it and
+        sending it is one step, so journals leave in the order they were taken)."""
         batch = self.pool.take_journal()
         if not batch:
             return
@@ -338,7 +345,7 @@ class EngineClient:
         for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):
             chunk = ops[start:start + JOURNAL_MAX_OPS]
             last = start + JOURNAL_MAX_OPS >= len(ops)
-            send(p.Journal(engine_id=self.engine_id, ops=chunk,
-                                         occupancy=batch.occupancy if last else {},
-                                         stats=counters if last else {}))
+            self.conn.send(p.Journal(engine_id=self.engine_id, ops=chunk,
+                                     occupancy=batch.occupancy if last else {},
+                                     stats=counters if last else {}))
 

@@ -51,9 +51,9 @@ class WorkerClient:
             self.arena.close()
 
     def _register(self, conn: Connection) -> None:
-        reply = conn.call_now(p.RegisterWorker(version=p.PROTOCOL_VERSION, engine_id=self.engine_id,
-                                               rank=self.rank, pid=os.getpid(), device=self.device,
-                                               mapped=sorted(self.slabs), token=conn.token))
+        reply = conn.call(p.RegisterWorker(version=p.PROTOCOL_VERSION, engine_id=self.engine_id,
+                                           rank=self.rank, pid=os.getpid(), device=self.device,
+                                           mapped=sorted(self.slabs), token=conn.token), timeout=5.0)
         if self.arena is None:
             # The engine's whole virtual capacity: one region per page of a slab.
             self.max_slabs = reply.max_slabs
@@ -111,8 +111,8 @@ class WorkerClient:
                 self.slabs[msg.slab] = done
         for fd in fds.values():
             os.close(fd)
-        self.conn.send_now(p.Mapped(req_id=msg.req_id, engine_id=self.engine_id, rank=self.rank,
-                                    slab=msg.slab, error=error))
+        self.conn.send(p.Mapped(req_id=msg.req_id, engine_id=self.engine_id, rank=self.rank,
+                                slab=msg.slab, error=error))
 
     def _unmap(self, msg: p.UnmapSlab) -> None:
         with self._mu:
@@ -121,9 +121,5 @@ class WorkerClient:
             for offset in offsets:
                 if self.arena.is_mapped(offset):
                     self.arena.unmap(offset)
-        # From another thread (step end) the I/O thread sends it on its next turn.
-        ack = p.Unmapped(req_id=msg.req_id, engine_id=self.engine_id, rank=self.rank, slab=msg.slab)
-        if threading.current_thread() is self.conn._thread:
-            self.conn.send_now(ack)
-        else:
-            self.conn.notify(ack)
+        # On the I/O thread (between steps) or the thread that ended the step.
+        self.conn.send(p.Unmapped(req_id=msg.req_id, engine_id=self.engine_id, rank=self.rank, slab=msg.slab))

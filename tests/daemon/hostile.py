@@ -325,8 +325,8 @@ def _keep_mappings(worker) -> None:
     def unmap(msg) -> None:
         with worker._mu:
             worker.stale[msg.slab] = worker.slabs.pop(msg.slab, msg.offsets)
-        worker.conn.send_now(p.Unmapped(req_id=msg.req_id, engine_id=worker.engine_id, rank=worker.rank,
-                                        slab=msg.slab))
+        worker.conn.send(p.Unmapped(req_id=msg.req_id, engine_id=worker.engine_id, rank=worker.rank,
+                                    slab=msg.slab))
 
     worker._unmap = unmap
 
@@ -410,8 +410,8 @@ def _main() -> None:  # pragma: no cover - runs in the child
             # A raw demand grow on the engine's own connection: what came back, and when.
             start = time.monotonic()
             try:
-                reply = engine.conn.request(p.Grow(engine_id=engine.engine_id, slabs=cmd.get("n", 1),
-                                                   demand=True), cmd.get("timeout", 10.0))
+                reply = engine.conn.call(p.Grow(engine_id=engine.engine_id, slabs=cmd.get("n", 1),
+                                                demand=True), cmd.get("timeout", 10.0))
                 out["reply"] = {"type": type(reply).__name__, "slabs": list(getattr(reply, "slabs", []))}
                 with engine.lock:
                     engine._apply_grant(reply)
@@ -432,7 +432,7 @@ def _main() -> None:  # pragma: no cover - runs in the child
             occupancy = {int(k): tuple(v) for k, v in cmd.get("occupancy", {}).items()}
             msg = p.Journal(engine_id=engine.engine_id, ops=ops, occupancy=occupancy)
             try:
-                engine.conn.request(msg, cmd.get("timeout", 2.0))
+                engine.conn.call(msg, cmd.get("timeout", 2.0))
                 out["reply"] = {"type": "other"}
             except DaemonError as exc:
                 out["reply"] = {"type": "Error", "reason": exc.reason}

@@ -112,7 +112,7 @@ def main() -> None:
             out["values"] = view_op(workers, op, cmd.get("value", 0))
         elif op == "send":       # a message on the engine's own connection (hex msgpack), its reply likewise
             try:
-                reply = engine.conn.request(p.decode(bytes.fromhex(cmd["msg"])), cmd.get("timeout", 2.0))
+                reply = engine.conn.call(p.decode(bytes.fromhex(cmd["msg"])), cmd.get("timeout", 2.0))
             except DaemonError as exc:
                 reply = p.Error(reason=exc.reason, message=str(exc))
             except DaemonUnavailable:
