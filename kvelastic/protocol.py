@@ -18,11 +18,13 @@ nothing else on it, and its closing tells the daemon the peer is gone.
 from __future__ import annotations
 
 import enum
+import socket
+from collections.abc import Callable, Sequence
 from typing import Annotated
 
 import msgspec
 
-from kvelastic.core.journal import ADD_SLAB, CLEAR, REMOVE, REMOVE_SLAB, STORE
+from kvelastic.core.journal import ADD_SLAB, CLEAR, REMOVE, REMOVE_SLAB, STORE, ClearOp, KeyOp, Op, SlabOp
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20
@@ -143,7 +145,7 @@ class StoreKey(msgspec.Struct, tag="store", array_like=True, frozen=True):
     key: Key
     block: BlockId
 
-    def core(self) -> tuple:
+    def core(self) -> KeyOp:
         return (STORE, self.key, self.block)
 
 
@@ -151,34 +153,36 @@ class RemoveKey(msgspec.Struct, tag="remove", array_like=True, frozen=True):
     key: Key
     block: BlockId
 
-    def core(self) -> tuple:
+    def core(self) -> KeyOp:
         return (REMOVE, self.key, self.block)
 
 
 class AddSlab(msgspec.Struct, tag="add_slab", array_like=True, frozen=True):
     slab: BlockId
 
-    def core(self) -> tuple:
+    def core(self) -> SlabOp:
         return (ADD_SLAB, self.slab)
 
 
 class RemoveSlab(msgspec.Struct, tag="remove_slab", array_like=True, frozen=True):
     slab: BlockId
 
-    def core(self) -> tuple:
+    def core(self) -> SlabOp:
         return (REMOVE_SLAB, self.slab)
 
 
 class ClearKeys(msgspec.Struct, tag="clear", array_like=True, frozen=True):
-    def core(self) -> tuple:
+    def core(self) -> ClearOp:
         return (CLEAR,)
 
 
 JournalOp = StoreKey | RemoveKey | AddSlab | RemoveSlab | ClearKeys
-_WIRE_OP = {STORE: StoreKey, REMOVE: RemoveKey, ADD_SLAB: AddSlab, REMOVE_SLAB: RemoveSlab, CLEAR: ClearKeys}
+# Each class takes the op's fields after the code, in order.
+_WIRE_OP: dict[int, Callable[..., JournalOp]] = {
+    STORE: StoreKey, REMOVE: RemoveKey, ADD_SLAB: AddSlab, REMOVE_SLAB: RemoveSlab, CLEAR: ClearKeys}
 
 
-def journal_ops(ops: list[tuple]) -> list[JournalOp]:
+def journal_ops(ops: Sequence[Op]) -> list[JournalOp]:
     """The core pool's journal tuples as wire ops (keys must already be bytes)."""
     return [_WIRE_OP[op[0]](*op[1:]) for op in ops]
 
@@ -375,9 +379,12 @@ class AllBlocksCleared(KVCacheEvent):
     pass
 
 
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    events: list[KVEvent]
     data_parallel_rank: int | None = None
 
 
@@ -397,12 +404,12 @@ class Hello(msgspec.Struct):
     token: Token = b""           # a worker's: its engine's secret (descriptors go only to such a channel)
 
 
-def write_hello(sock, engine_id: str, rank: int, token: bytes = b"") -> None:
+def write_hello(sock: socket.socket, engine_id: str, rank: int, token: bytes = b"") -> None:
     data = msgspec.msgpack.encode(Hello(PROTOCOL_VERSION, engine_id, rank, token))
     sock.sendall(len(data).to_bytes(4, "little") + data)
 
 
-def read_hello(sock) -> Hello:
+def read_hello(sock: socket.socket) -> Hello:
     size = int.from_bytes(_recv_exact(sock, 4), "little")
     if size > 4096:
         raise ValueError(f"hello of {size} bytes")
@@ -412,7 +419,7 @@ def read_hello(sock) -> Hello:
     return hello
 
 
-def _recv_exact(sock, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
     data = b""
     while len(data) < n:
         chunk = sock.recv(n - len(data))
@@ -423,7 +430,7 @@ def _recv_exact(sock, n: int) -> bytes:
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
+_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
 
 
 def encode(msg: Msg) -> bytes:

@@ -11,7 +11,17 @@ exists; ``slab`` points at the block's ``Slab``.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvelastic.core.pool import SlabPool
+
+# A block record as the pool handles it: a ``Block``, or the vLLM adapter's
+# subclass of vLLM's ``KVCacheBlock``. They share the attribute names, not a
+# base class, and vLLM types ``_block_hash`` more narrowly than the pool's
+# keys (``Hashable``); a Protocol cannot cover both, because a mutable
+# attribute must match exactly. So the pool handles records by duck typing.
+BlockRecord = Any
 
 
 class Block:
@@ -51,13 +61,13 @@ class Slab:
 
     __slots__ = ("slab_id", "blocks", "free", "live", "cached", "owner")
 
-    def __init__(self, slab_id: int, blocks: list[Any], owner: Any) -> None:
+    def __init__(self, slab_id: int, blocks: list[BlockRecord], owner: SlabPool | None) -> None:
         self.slab_id = slab_id
         self.blocks = blocks
         self.owner = owner  # the pool holding it; None once given back (its blocks are stale)
         for blk in blocks:
             blk.slab = self
-        self.free: list[Any] = blocks[::-1]  # pop() hands out the lowest id first
+        self.free: list[BlockRecord] = blocks[::-1]  # pop() hands out the lowest id first
         self.live = 0
         self.cached = 0
 

@@ -9,22 +9,24 @@ is stored bare to keep the hot path and GC cheap.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
-from typing import Any
+
+from kvelastic.core.block import BlockRecord
 
 
 class HashIndex:
     __slots__ = ("_map",)
 
     def __init__(self) -> None:
-        self._map: dict[Hashable, Any] = {}
+        # key -> its block, or {block_id: block} when several blocks hold the key.
+        self._map: dict[Hashable, BlockRecord] = {}
 
-    def get_one(self, key: Hashable) -> Any | None:
+    def get_one(self, key: Hashable) -> BlockRecord | None:
         entry = self._map.get(key)
         if entry is None or type(entry) is not dict:
             return entry
         return next(iter(entry.values()))
 
-    def insert(self, key: Hashable, block: Any) -> None:
+    def insert(self, key: Hashable, block: BlockRecord) -> None:
         entry = self._map.get(key)
         if entry is None:
             self._map[key] = block
@@ -33,7 +35,7 @@ class HashIndex:
         else:
             self._map[key] = {entry.block_id: entry, block.block_id: block}
 
-    def remove(self, key: Hashable, block: Any) -> None:
+    def remove(self, key: Hashable, block: BlockRecord) -> None:
         entry = self._map[key]
         if type(entry) is dict:
             del entry[block.block_id]

@@ -28,9 +28,9 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from typing import NoReturn
 
-from kvelastic.core.block import Block, Slab
+from kvelastic.core.block import Block, BlockRecord, Slab
 from kvelastic.core.index import HashIndex
 from kvelastic.core.journal import ADD_SLAB, CLEAR, REMOVE, REMOVE_SLAB, STORE, Journal, JournalBatch
 from kvelastic.core.stats import PoolStats
@@ -56,7 +56,7 @@ class SlabPool:
         block_bytes: int = 0,
         max_cached_bytes: int | None = None,
         ttl: float = 0.0,
-        block_factory: Callable[[int], Any] = Block,
+        block_factory: Callable[[int], BlockRecord] = Block,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if blocks_per_slab < 1:
@@ -82,10 +82,13 @@ class SlabPool:
         self._min_hint = 1
         # Cached blocks in eviction order (block_id -> block), and with a TTL
         # the time each became cached.
-        self._lru: OrderedDict[int, Any] = OrderedDict()
+        self._lru: OrderedDict[int, BlockRecord] = OrderedDict()
         self._cached_at: dict[int, float] = {}
         self._index = HashIndex()
-        self.get_cached_block = self._index.get_one  # type: ignore[method-assign]
+        # get_cached_block(key): any block holding ``key`` (not touched), or
+        # None. The index's own lookup, bound here instead of wrapped in a
+        # method: this is the scheduler's most frequent call.
+        self.get_cached_block: Callable[[Hashable], BlockRecord | None] = self._index.get_one
         self.num_free = 0
         self.num_live = 0
         self.journal = Journal()
@@ -127,7 +130,7 @@ class SlabPool:
         """Slabs with no live block (returnable after evicting their cache)."""
         return [sid for sid, slab in self._slabs.items() if slab.live == 0]
 
-    def block(self, block_id: int) -> Any:
+    def block(self, block_id: int) -> BlockRecord:
         slab = self._slabs.get(block_id // self.blocks_per_slab) if block_id >= 0 else None
         if slab is None:
             raise UnknownBlock(f"block {block_id} is not in a held slab")
@@ -181,7 +184,7 @@ class SlabPool:
         return evicted
 
     # -------------------------------------------------------------- blocks
-    def allocate(self, n: int) -> list[Any]:
+    def allocate(self, n: int) -> list[BlockRecord]:
         """``n`` blocks with ref_cnt 1: free blocks by best fit, then LRU
         evictions. Raises ``OutOfBlocks`` (nothing taken) if fewer exist."""
         if n < 0:
@@ -189,7 +192,7 @@ class SlabPool:
         if n > self.num_free + len(self._lru):
             raise OutOfBlocks(
                 f"asked for {n} blocks, {self.num_free} free + {len(self._lru)} evictable held")
-        out: list[Any] = []
+        out: list[BlockRecord] = []
         dirty = self.journal.dirty
         self.stats.block_ops += 1
         while len(out) < n and self.num_free:
@@ -230,7 +233,7 @@ class SlabPool:
             self.stats.evictions["lru"] += reused
         return out
 
-    def touch(self, blocks: Sequence[Any]) -> None:
+    def touch(self, blocks: Sequence[BlockRecord]) -> None:
         """A cache hit: each block gains a reference; a cached block turns live."""
         for blk in blocks:
             slab = getattr(blk, "slab", None)
@@ -252,11 +255,11 @@ class SlabPool:
                 dirty.add(slab.slab_id)
             blk.ref_cnt += 1
 
-    def free(self, blocks: Iterable[Any]) -> None:
+    def free(self, blocks: Iterable[BlockRecord]) -> None:
         """Drop one reference per block, in eviction order (first evicted
         first). A block reaching 0 becomes cached if it has a key, else free."""
         dirty, lru = self.journal.dirty, self._lru
-        done: list[Any] = []
+        done: list[BlockRecord] = []
         released = 0
         ttl = self.ttl
         now = self._clock()
@@ -292,7 +295,7 @@ class SlabPool:
         if self.ttl or self.max_cached_blocks is not None:
             self._enforce_limits(now)
 
-    def _undo_free(self, done: list[Any], bad: Any) -> None:
+    def _undo_free(self, done: list[BlockRecord], bad: BlockRecord) -> NoReturn:
         """A bad block: undo, newest first, what ``free`` did before it, then raise."""
         for blk in reversed(done):
             if not blk.ref_cnt:
@@ -310,7 +313,7 @@ class SlabPool:
             raise UnknownBlock(f"block {bad.block_id} does not belong to a slab this pool holds")
         raise BlockNotLive(f"block {bad.block_id} is not allocated (double free?)")
 
-    def cache(self, blocks: Sequence[Any], keys: Sequence[Hashable],
+    def cache(self, blocks: Sequence[BlockRecord], keys: Sequence[Hashable],
               num_tokens: Sequence[int] | None = None) -> None:
         """Give live blocks their prefix-cache keys (re-keying replaces).
         ``num_tokens[i]``, when given, is the length of the prefix that
@@ -337,7 +340,7 @@ class SlabPool:
             self._index.insert(key, blk)
             ops.append((STORE, key, blk.block_id))
 
-    def uncache(self, blocks: Sequence[Any], reason: str = "explicit") -> int:
+    def uncache(self, blocks: Sequence[BlockRecord], reason: str = "explicit") -> int:
         """Drop the keys of these blocks (live ones stay live; cached ones turn
         free). Blocks without a key are skipped. Returns the keys dropped."""
         self._check_held(blocks)
@@ -354,16 +357,11 @@ class SlabPool:
         self.stats.evictions[reason] += dropped
         return dropped
 
-    def get_cached_block(self, key: Hashable) -> Any | None:
-        """Any block holding ``key`` (not touched). Rebound to the index's own
-        lookup in ``__init__``: this is the scheduler's most frequent call."""
-        return self._index.get_one(key)
-
-    def lookup(self, keys: Sequence[Hashable]) -> list[Any]:
+    def lookup(self, keys: Sequence[Hashable]) -> list[BlockRecord]:
         """Blocks of the longest cached prefix of ``keys`` (not touched), for
         engines that look up through the pool (the simulators); counted in
         the stats in whole blocks."""
-        hits: list[Any] = []
+        hits: list[BlockRecord] = []
         get = self._index.get_one
         for key in keys:
             blk = get(key)
@@ -435,7 +433,7 @@ class SlabPool:
         self.stats = PoolStats()
 
     # ------------------------------------------------------------ internals
-    def _check_held(self, blocks: Sequence[Any]) -> None:
+    def _check_held(self, blocks: Sequence[BlockRecord]) -> None:
         for blk in blocks:
             slab = getattr(blk, "slab", None)
             if slab is None or slab.owner is not self:
@@ -456,7 +454,7 @@ class SlabPool:
             if 0 < new_free < self._min_hint:
                 self._min_hint = new_free
 
-    def _drop_key(self, blk: Any) -> None:
+    def _drop_key(self, blk: BlockRecord) -> None:
         key = blk._block_hash
         self._index.remove(key, blk)
         self.journal.ops.append((REMOVE, key, blk.block_id))
@@ -464,7 +462,7 @@ class SlabPool:
         if self.on_key_removed is not None:
             self.on_key_removed(key)
 
-    def _evict_cached(self, blk: Any, slab: Slab) -> None:
+    def _evict_cached(self, blk: BlockRecord, slab: Slab) -> None:
         del self._lru[blk.block_id]
         self._cached_at.pop(blk.block_id, None)
         self._drop_key(blk)

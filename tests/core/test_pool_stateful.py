@@ -250,7 +250,7 @@ class PoolMachine(RuleBasedStateMachine):
             blk = self.pool.block(i)
             assert blk.ref_cnt == r
             assert blk.block_hash == self.key.get(i)
-        assert [i for i in self.pool._lru] == self.lru
+        assert list(self.pool._lru) == self.lru
         assert set(self.pool.slab_ids()) == {i // BPS for i in self.ref}
 
 
