@@ -10,10 +10,10 @@ Per-engine series are produced at scrape time from the daemon's books
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvelastic.core.stats import EVICTION_REASONS
@@ -57,7 +57,7 @@ class DaemonCollector(Collector):
     def __init__(self, snapshot: Callable[[], StatusReport]) -> None:
         self._snapshot = snapshot
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         s = self._snapshot()
         budget = GaugeMetricFamily(f"{PREFIX}_budget_bytes", "Device pool budget.", labels=["device"])
         memory = GaugeMetricFamily(f"{PREFIX}_memory_bytes",
@@ -135,4 +135,5 @@ class DaemonCollector(Collector):
             hit_blocks.add_metric([dev, eid], e.stats.get("hit_blocks", 0))
             for reason in EVICTION_REASONS:  # every series from registration on
                 evictions.add_metric([dev, eid, reason], e.stats.get(f"evictions_{reason}", 0))
-        yield from (held, cached, idle, starved, limit, *slabs.values(), queries, hits, lookup_blocks, hit_blocks, evictions)
+        yield from (held, cached, idle, starved, limit, *slabs.values(), queries, hits, lookup_blocks, hit_blocks,
+                    evictions)

@@ -29,15 +29,17 @@ import dataclasses
 import logging
 import secrets
 from collections.abc import Callable
+from typing import Any, ClassVar
+
 from kvelastic import protocol as p
 from kvelastic.core.journal import JournalBatch
 from kvelastic.core.stats import COUNTER_NAMES
 from kvelastic.daemon import effects as fx
-from kvelastic.daemon.events import journal_events
-from kvelastic.daemon.rejected import Rejected
-from kvelastic.daemon.registration import Registration
-from kvelastic.daemon.report import Reporting
 from kvelastic.daemon.arbiter import Rules, is_hard, is_idle, pick_victims
+from kvelastic.daemon.events import journal_events
+from kvelastic.daemon.registration import Registration
+from kvelastic.daemon.rejected import Rejected
+from kvelastic.daemon.report import Reporting
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag
 
 log = logging.getLogger("kvelastic.daemon")
@@ -124,7 +126,7 @@ class Allocator(Registration, Reporting):
         self.peers: dict[tuple[str, int], dict[bytes, int]] = {}
         self._token_source = token_source
         self._next_req = 1 << 32
-        self._logged: set[tuple] = set()
+        self._logged: set[tuple[p.Reason, str, bytes]] = set()
         self.max_engines = max_engines
         self._next_page = 0
         self._now = 0.0
@@ -267,7 +269,8 @@ class Allocator(Registration, Reporting):
     def shutdown(self) -> list[fx.Effect]:
         """The daemon stops: nothing is unmapped (engines keep serving from what
         they hold and adopt it again from the next daemon); pages are only let go."""
-        out = [fx.ReleasePages(name, tuple(pool.free)) for name, pool in self.pools.items() if pool.free]
+        out: list[fx.Effect] = [fx.ReleasePages(name, tuple(pool.free))
+                                for name, pool in self.pools.items() if pool.free]
         for engine in (*self.engines.values(), *self.departing.values()):
             for slab in engine.slabs.values():
                 for device in set(slab.page_devices):
@@ -349,13 +352,13 @@ class Allocator(Registration, Reporting):
         engine.apply_journal(JournalBatch(ops, m.occupancy), self._now)
         engine.stats.update(m.stats)
         if self.events:
-            events = journal_events(ops, engine.block_tokens, engine.key_group_suffix, self.medium)
+            events = journal_events(m.ops, engine.block_tokens, engine.key_group_suffix, self.medium)
             if events:
                 self._out.append(fx.Publish(p.kv_events_topic(engine.engine_id, engine.namespace), tuple(events)))
         engine.last_seen = self._now
 
     # ================================================================ grow
-    def _on_grow(self, identity: bytes, m: p.Grow) -> None:
+    def _on_grow(self, identity: bytes, m: p.Grow) -> p.Msg | None:
         engine = self._own_engine(identity, m.engine_id)
         if not 1 <= m.slabs <= MAX_GROW:
             raise Rejected(p.Reason.BAD_REQUEST, f"grow by {m.slabs} slabs (1..{MAX_GROW})")
@@ -412,7 +415,9 @@ class Allocator(Registration, Reporting):
         owned = engine.owned_slabs()
         while not expired and len(req.slabs) + len(req.mapping) < req.wanted and owned < cap:
             slab_id = engine.free_slab_id()
-            pages = None if slab_id is None else self._take_pages(engine)
+            if slab_id is None:
+                break
+            pages = self._take_pages(engine)
             if pages is None:
                 break
             self._start_map(engine, slab_id, *pages, req)
@@ -528,7 +533,8 @@ class Allocator(Registration, Reporting):
             raise Rejected(p.Reason.NOT_OWNER, f"worker {m.rank} of {m.engine_id} registered on another connection")
         slab = engine.slabs.get(m.slab)
         if slab is None or slab.phase is not Phase.MAPPING or m.rank not in slab.waiting:
-            raise Rejected(p.Reason.UNEXPECTED_ACK, f"engine {m.engine_id} worker {m.rank}: no map of slab {m.slab} pending")
+            raise Rejected(p.Reason.UNEXPECTED_ACK,
+                           f"engine {m.engine_id} worker {m.rank}: no map of slab {m.slab} pending")
         slab.waiting.discard(m.rank)
         if m.error:
             log.error("engine %s: worker %d could not map slab %d: %s", m.engine_id, m.rank, m.slab, m.error)
@@ -640,8 +646,10 @@ class Allocator(Registration, Reporting):
         if engine is not None and engine.workers.get(m.rank) != identity:
             raise Rejected(p.Reason.NOT_OWNER, f"worker {m.rank} of {m.engine_id} registered on another connection")
         slab = engine.slabs.get(m.slab) if engine else None
-        if slab is None or slab.phase is not Phase.UNMAPPING or m.rank not in slab.waiting or engine.failed:
-            raise Rejected(p.Reason.UNEXPECTED_ACK, f"engine {m.engine_id} worker {m.rank}: no unmap of slab {m.slab} pending")
+        if engine is None or slab is None or slab.phase is not Phase.UNMAPPING or m.rank not in slab.waiting \
+                or engine.failed:
+            raise Rejected(p.Reason.UNEXPECTED_ACK,
+                           f"engine {m.engine_id} worker {m.rank}: no unmap of slab {m.slab} pending")
         slab.waiting.discard(m.rank)
         if not slab.waiting:
             self._unmapped(engine, slab)
@@ -650,11 +658,11 @@ class Allocator(Registration, Reporting):
         """Every worker let go of the slab: its pages are free in the daemon."""
         engine.remove_slab(slab)
         engine.active.pop(slab.slab_id, None)
-        ret = self.returns.get(slab.return_req)
+        ret = None if slab.return_req is None else self.returns.get(slab.return_req)
         if ret is not None:
             ret.unmapping.discard(slab.slab_id)
             if not ret.unmapping:
-                del self.returns[slab.return_req]
+                del self.returns[(ret.identity, ret.req_id)]
                 self._out.append(fx.Send(ret.identity, p.Ok(req_id=ret.req_id)))
         owner = owner_tag(engine)
         for page_id, device in zip(slab.pages, slab.page_devices):
@@ -746,7 +754,9 @@ class Allocator(Registration, Reporting):
         out, self._out = self._out, []
         return out
 
-    _HANDLERS = {
+    # Message type -> its handler. ``Any``: each handler takes its own message
+    # type, which ``handle`` picked it by.
+    _HANDLERS: ClassVar[dict[type[p.Msg], Callable[[Allocator, bytes, Any], p.Msg | None]]] = {
         p.RegisterEngine: Registration._on_register_engine, p.RegisterWorker: Registration._on_register_worker,
         p.Grow: _on_grow, p.Return: _on_return, p.Journal: _on_journal,
         p.Heartbeat: _on_heartbeat, p.Unregister: _on_unregister,

@@ -55,7 +55,7 @@ class Publish:
     """KV events of one engine's prefix cache (vLLM's format)."""
 
     topic: bytes
-    events: tuple
+    events: tuple[p.KVEvent, ...]
 
 
 @dataclasses.dataclass(frozen=True)

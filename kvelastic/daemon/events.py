@@ -14,12 +14,12 @@ import collections
 import logging
 import os
 import time
+from collections.abc import Sequence
 
 import msgspec
 import zmq
 
 from kvelastic import protocol as p
-from kvelastic.core.journal import CLEAR, REMOVE, STORE
 
 log = logging.getLogger("kvelastic.daemon")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -29,7 +29,7 @@ MAX_REPLAY_BYTES = 16 << 20   # replay history kept, whatever the batch count al
 
 
 class KVEventPublisher:
-    def __init__(self, ctx: zmq.Context, endpoint: str, replay_endpoint: str, buffer: int) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, replay_endpoint: str, buffer: int) -> None:
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(endpoint)
@@ -42,7 +42,7 @@ class KVEventPublisher:
         self._seq = 0
         self._encoder = msgspec.msgpack.Encoder()
 
-    def publish(self, topic: bytes, events: list[p.KVCacheEvent]) -> None:
+    def publish(self, topic: bytes, events: list[p.KVEvent]) -> None:
         if not events:
             return
         payload = self._encoder.encode(p.KVEventBatch(ts=time.time(), events=events))
@@ -90,21 +90,20 @@ class KVEventPublisher:
                 pass
 
 
-def journal_events(ops: list[tuple], block_tokens: int, group_suffix: bool, medium: str) -> list[p.KVCacheEvent]:
+def journal_events(ops: Sequence[p.JournalOp], block_tokens: int, group_suffix: bool, medium: str) -> list[p.KVEvent]:
     """A journal's index changes as vLLM events (``key`` = hash + 4-byte group
     id for vLLM engines, an opaque hash otherwise)."""
-    events: list[p.KVCacheEvent] = []
+    events: list[p.KVEvent] = []
     for op in ops:
-        code = op[0]
-        if code == STORE or code == REMOVE:
-            key = op[1]
+        if isinstance(op, (p.StoreKey, p.RemoveKey)):
+            key = op.key
             block_hash, group = (key[:-4], int.from_bytes(key[-4:], "big")) if group_suffix else (key, None)
-            if code == STORE:
+            if isinstance(op, p.StoreKey):
                 events.append(p.BlockStored(block_hashes=[block_hash], parent_block_hash=None, token_ids=[],
                                             block_size=block_tokens, lora_id=None, medium=medium,
                                             lora_name=None, group_idx=group))
             else:
                 events.append(p.BlockRemoved(block_hashes=[block_hash], medium=medium, group_idx=group))
-        elif code == CLEAR:
+        elif isinstance(op, p.ClearKeys):
             events.append(p.AllBlocksCleared())
     return events

@@ -8,9 +8,12 @@ books and raises the same ``Rejected``; nothing here does I/O.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvelastic import protocol as p
 from kvelastic.core.stats import COUNTER_NAMES
+from kvelastic.daemon.arbiter import Rules
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord
 
@@ -18,11 +21,27 @@ log = logging.getLogger("kvelastic.daemon")
 
 
 class Registration:
+    # The allocator's books this part reads and writes (``Allocator.__init__`` sets them).
+    pools: dict[str, PagePool]
+    engines: dict[str, EngineRecord]
+    default_device: str
+    page_size: int
+    rules: Rules
+    max_engines: int
+    _now: float
+    _token_source: Callable[[], bytes]
+
+    if TYPE_CHECKING:  # the allocator's methods it calls
+        def _engine(self, engine_id: str) -> EngineRecord: ...
+        def _alive(self, engine: EngineRecord, rank: int) -> bool: ...
+        def _progress_grows(self) -> None: ...
+
     def _on_register_engine(self, identity: bytes, m: p.RegisterEngine) -> p.Msg:
         if m.version != p.PROTOCOL_VERSION:
             raise Rejected(p.Reason.VERSION, f"protocol version {m.version}; this daemon speaks {p.PROTOCOL_VERSION}")
         if m.page_size != self.page_size:
-            raise Rejected(p.Reason.GEOMETRY, f"page size {m.page_size}; this daemon's pages are {self.page_size} bytes")
+            raise Rejected(p.Reason.GEOMETRY,
+                           f"page size {m.page_size}; this daemon's pages are {self.page_size} bytes")
         if not m.engine_id or m.pages_per_worker < 1 or m.num_workers < 0 or m.blocks_per_slab < 1 \
                 or m.block_bytes < 1 or m.min_bytes < 0 or m.max_bytes < 0 \
                 or (m.max_bytes and m.min_bytes > m.max_bytes):
@@ -42,7 +61,8 @@ class Registration:
         if m.min_bytes > budget:
             raise Rejected(p.Reason.LIMIT, f"min_bytes {m.min_bytes} exceeds the device budget {budget}")
         if slab_pages * self.page_size > cap:
-            raise Rejected(p.Reason.GEOMETRY, f"one slab ({slab_pages * self.page_size} bytes) does not fit in {cap} bytes")
+            raise Rejected(p.Reason.GEOMETRY,
+                           f"one slab ({slab_pages * self.page_size} bytes) does not fit in {cap} bytes")
         if old is not None:          # the same engine on a new connection
             old.identity, old.last_seen = identity, self._now
             log.info("engine %s reconnected", m.engine_id)
@@ -66,7 +86,8 @@ class Registration:
         for slab_id in held:         # re-register after a daemon restart: adopt what it holds
             engine.slabs[slab_id] = SlabRecord(slab_id, [], [], Phase.HELD, set(), adopted_pages=slab_pages)
             pool.adopted += slab_pages
-            engine.mirror.slabs[slab_id] = tuple(m.occupancy.get(slab_id, (0, 0, m.blocks_per_slab)))
+            live, cached, free = m.occupancy.get(slab_id, (0, 0, m.blocks_per_slab))
+            engine.mirror.slabs[slab_id] = (live, cached, free)
         self.engines[m.engine_id] = engine
         log.info("engine %s registered: namespace %s, pid %d, %d worker(s), slab %d bytes, "
                  "virtual capacity %d slabs%s", m.engine_id, m.namespace, m.pid, m.num_workers,
@@ -100,7 +121,8 @@ class Registration:
         if m.token != engine.token:      # first: without the secret, nothing else about the engine is told
             raise Rejected(p.Reason.BAD_TOKEN, f"worker {m.rank} of {m.engine_id}: not its engine's secret")
         if not 0 <= m.rank < engine.num_workers:
-            raise Rejected(p.Reason.BAD_RANK, f"rank {m.rank} of engine {m.engine_id} with {engine.num_workers} workers")
+            raise Rejected(p.Reason.BAD_RANK,
+                           f"rank {m.rank} of engine {m.engine_id} with {engine.num_workers} workers")
         device = m.device or engine.device
         if device not in self.pools:
             raise Rejected(p.Reason.UNKNOWN_DEVICE, f"device {device!r}; this daemon has {', '.join(self.pools)}")

@@ -6,11 +6,22 @@ A mixin of ``Allocator`` (``allocator.py``); read-only over its books.
 from __future__ import annotations
 
 from kvelastic import protocol as p
-from kvelastic.daemon.arbiter import is_idle
-from kvelastic.daemon.state import Phase
+from kvelastic.daemon.arbiter import Rules, is_idle
+from kvelastic.daemon.state import EngineRecord, PagePool, Phase
 
 
 class Reporting:
+    # The allocator's books it reads (``Allocator.__init__`` sets them).
+    pools: dict[str, PagePool]
+    engines: dict[str, EngineRecord]
+    departing: dict[str, EngineRecord]
+    backend: str
+    page_size: int
+    rules: Rules
+    moves: dict[str, int]
+    thrash: dict[str, int]
+    _now: float
+
     def status(self) -> p.StatusReport:
         held = dict.fromkeys(self.pools, 0)
         cached = dict.fromkeys(self.pools, 0)

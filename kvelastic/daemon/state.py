@@ -168,7 +168,7 @@ class EngineRecord:
                 del self.mirror.slabs[slab_id]
 
 
-class FreePages(MutableMapping):
+class FreePages(MutableMapping[int, str]):
     """``PagePool.free``: page id -> last owner tag ("" when never used), as a
     dict, plus an index by owner kept in step with it, so that finding an
     owner's (or clean) pages costs O(pages wanted), not O(free pages).
