@@ -1,4 +1,5 @@
-# Two commands for a fresh machine: `make run` (the daemon) and `make test` (the suite).
+# Two commands for a fresh machine: `make run` (the daemon) and `make test` (the
+# suite: `lint` first, ruff and mypy as pyproject.toml configures them, then pytest).
 # Both go through `setup`, which builds .venv once and is a no-op while
 # pyproject.toml and this Makefile are unchanged (a stamp file records it).
 PYTHON ?= python3
@@ -13,7 +14,7 @@ TORCH  ?= torch==2.13.0
 # no CPU builds and which text models do not need.
 VLLM_LOCK := patches/vllm/requirements-cpu.lock
 
-.PHONY: setup run test clean gpu-wheels gpu-check
+.PHONY: setup run lint test clean gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -25,7 +26,8 @@ $(STAMP): pyproject.toml patches/vllm/pyproject.toml $(VLLM_LOCK) Makefile
 	$(PY) -c 'import torch' 2>/dev/null || $(PIP) "$(TORCH)" 2>&1 | grep -v '^WARNING: Location' || true
 	$(PIP) --no-deps -r $(VLLM_LOCK) 2>&1 | grep -v '^WARNING: Location' || true
 	$(PIP) -e '.[test]' -e patches/vllm 2>&1 | grep -v '^WARNING: Location' || true
-	$(PY) -c 'import kvelastic, kvelastic_vllm, vllm, torch, zmq, msgspec, prometheus_client, pytest, hypothesis, yaml, matplotlib'
+	$(PY) -c 'import kvelastic, kvelastic_vllm, vllm, torch, zmq, msgspec, prometheus_client, pytest, hypothesis, yaml, matplotlib, mypy'
+	$(VENV)/bin/ruff --version >/dev/null
 	@# The observability tests scrape the daemon with a real Prometheus (Debian's package).
 	command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } || \
@@ -35,9 +37,16 @@ $(STAMP): pyproject.toml patches/vllm/pyproject.toml $(VLLM_LOCK) Makefile
 run: setup
 	$(VENV)/bin/kvelastic daemon
 
+# Lint (ruff: pyflakes, pycodestyle, import order, bugbear, ...) and types
+# (mypy: strict on the core pool, the protocol and the allocator); each
+# failure fails the target, so CI runs them through `make test`.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
+
 # pytest exits 5 when it collected nothing: that must fail CI, and it does,
 # because any non-zero exit fails this target.
-test: setup
+test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
