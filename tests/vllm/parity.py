@@ -20,9 +20,9 @@ _ids = itertools.count()
 
 
 def engine_blocks() -> int:
-    from kvelastic_vllm import engine
+    from kvelastic_vllm.state import state
 
-    return engine.current().num_blocks
+    return state().engine().num_blocks
 
 
 @contextlib.contextmanager

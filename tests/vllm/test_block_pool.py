@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvelastic_vllm.bench.vllm_pool import admit, elastic, manager, request  # noqa: E402
+from kvelastic_vllm.bench.vllm_pool import admit, elastic, manager, request
 
 pytestmark = pytest.mark.vllm
 BS = 16
@@ -69,14 +69,14 @@ def test_lru_eviction_takes_the_tail_of_a_chain_first(daemon):
         pool = mgr.block_pool
         pool.client.ensure(16)
         assert pool.get_num_free_blocks() == 15
-        a = request("a", list(range(0, 6 * BS)))          # 6 blocks
+        a = request("a", list(range(6 * BS)))          # 6 blocks
         admit(mgr, a)
         mgr.free(a)                                       # cached: head ... tail
         b = request("b", list(range(1000, 1000 + 11 * BS)))  # needs 11: 9 free + 2 evicted
         admit(mgr, b)
         assert pool.core.stats.evictions["lru"] == 2
         mgr.free(b)
-        a2 = request("a2", list(range(0, 6 * BS)) + [5])
+        a2 = request("a2", list(range(6 * BS)) + [5])
         _, hit = admit(mgr, a2)
         assert hit == 4 * BS                              # the head survived, the 2 tail blocks went
 
@@ -190,6 +190,6 @@ def test_same_hits_as_stock_vllm_on_a_random_workload(daemon):
 
 
 def elastic_blocks() -> int:
-    from kvelastic_vllm import engine
+    from kvelastic_vllm.state import state
 
-    return engine.current().num_blocks
+    return state().engine().num_blocks

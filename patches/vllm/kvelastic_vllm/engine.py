@@ -14,12 +14,12 @@ import hashlib
 import logging
 import math
 import os
-import socket
 from typing import Any
 
 from kvelastic.client.engine import EngineClient
 from kvelastic.config import Config
 from kvelastic.core.pool import SlabPool
+from kvelastic_vllm.state import PluginState, state
 
 log = logging.getLogger("kvelastic.vllm")
 
@@ -39,16 +39,6 @@ class EngineLink:
     geometry: Geometry
     num_blocks: int
     low_watermark: int       # applied once ElasticBlockPool owns the block records
-
-
-_link: EngineLink | None = None
-
-
-def current() -> EngineLink:
-    if _link is None:
-        raise RuntimeError("kvelastic: this engine did not register with the daemon "
-                           "(the plugin's get_kv_cache_configs hook did not run)")
-    return _link
 
 
 def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int) -> Geometry:
@@ -95,10 +85,10 @@ def reserve_watermark(max_num_batched_tokens: int, block_size: int, blocks_per_s
     return math.ceil(max_num_batched_tokens / block_size) + blocks_per_slab
 
 
-def register(vllm_config: Any, kv_cache_configs: list, config: Config) -> EngineLink:
+def register(vllm_config: Any, kv_cache_configs: list, plugin: PluginState) -> EngineLink:
+    config, engine_id = plugin.config, plugin.engine_id
     num_workers = len(kv_cache_configs)
     geometry = geometry_of(kv_cache_configs[0], config.page_size, num_workers)
-    engine_id = config.engine_id or os.environ.get("KVELASTIC_ENGINE_ID") or f"{socket.gethostname()}-{os.getpid()}"
     low = reserve_watermark(vllm_config.scheduler_config.max_num_batched_tokens,
                             vllm_config.cache_config.block_size, geometry.blocks_per_slab)
     pool = SlabPool(geometry.blocks_per_slab, block_size=vllm_config.cache_config.block_size,
@@ -110,34 +100,33 @@ def register(vllm_config: Any, kv_cache_configs: list, config: Config) -> Engine
                           block_bytes=geometry.block_bytes, min_bytes=config.engine_min_memory,
                           max_bytes=config.engine_max_memory, low_watermark=0, key_group_suffix=True)
     client.start(timeout=30.0)
-    link = attach(client, geometry, low)
+    link = attach(plugin, client, geometry, low)
     log.info("kvelastic: engine %s registered: %d blocks of virtual capacity (%d slabs of %d blocks), "
              "namespace %s", engine_id, link.num_blocks, client.max_slabs, geometry.blocks_per_slab,
              client.namespace)
     return link
 
 
-def attach(client: EngineClient, geometry: Geometry, low_watermark: int) -> EngineLink:
+def attach(plugin: PluginState, client: EngineClient, geometry: Geometry, low_watermark: int) -> EngineLink:
     """Make ``client`` (registered, started with no watermark: no prefetch
     before the block pool exists, whose records the blocks must be) the
     engine the next ElasticBlockPool serves."""
-    global _link
-    _link = EngineLink(client.pool, client, geometry, client.max_slabs * geometry.blocks_per_slab, low_watermark)
-    return _link
+    return plugin.attach(EngineLink(client.pool, client, geometry, client.max_slabs * geometry.blocks_per_slab,
+                                    low_watermark))
 
 
 def wrap_get_kv_cache_configs(original):
     def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory, *rest):
         # *rest: vLLM 0.33 passes the global KV cache groups as well.
         first = original(vllm_config, kv_cache_specs, available_memory, *rest)
-        link = register(vllm_config, first, Config.from_env())
+        link = register(vllm_config, first, state())
         vllm_config.cache_config.num_gpu_blocks_override = link.num_blocks
         configs = original(vllm_config, kv_cache_specs, available_memory, *rest)
         # The engine's secret travels to its workers with their KV cache config
-        # (pickled to worker processes); in-process workers also find it here.
+        # (pickled to worker processes); a worker in this process also finds
+        # it in the plugin state's link (see ``worker.worker_client``).
         for config in configs:
             config.kvelastic_token = link.client.token
-        os.environ["KVELASTIC_ENGINE_TOKEN"] = link.client.token.hex()
         t = configs[0].kv_cache_tensors[0]
         if configs[0].num_blocks != link.num_blocks or t.block_stride != link.geometry.block_stride:
             raise RuntimeError(f"kvelastic: vLLM laid out {configs[0].num_blocks} blocks of {t.block_stride} "
@@ -151,12 +140,15 @@ def wrap_schedule(original):
     """One scheduling step is atomic for the pool: a reclaim cannot take a slab
     between the lookup of a cached block and the touch that makes it live."""
 
+    plugin = state()
+
     def schedule(self, *args, **kwargs):
-        if _link is None:
+        link = plugin.link
+        if link is None:
             return original(self, *args, **kwargs)
-        with _link.client.lock:
+        with link.client.lock:
             out = original(self, *args, **kwargs)
-        _link.client.poll()
+        link.client.poll()
         return out
 
     return schedule
@@ -200,10 +192,13 @@ def wrap_record_prefix_cache_stats(original):
     and tokens served from the cache, once per admitted request (whether or
     not vLLM itself logs stats)."""
 
+    plugin = state()
+
     def record_prefix_cache_stats(self, request, num_hits, *args, **kwargs):
         original(self, request, num_hits, *args, **kwargs)
         enabled = getattr(self, "prefix_cache_lookup_enabled", None)
-        if _link is not None and (enabled(request) if enabled else self.enable_caching):
-            _link.pool.record_query(request.num_tokens, num_hits)
+        link = plugin.link
+        if link is not None and (enabled(request) if enabled else self.enable_caching):
+            link.pool.record_query(request.num_tokens, num_hits)
 
     return record_prefix_cache_stats

@@ -10,18 +10,15 @@ steps.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 
 from kvelastic.client.worker import WorkerClient
-from kvelastic.config import Config
 from kvelastic.vmm import get_backend
+from kvelastic_vllm.state import state
 
 log = logging.getLogger("kvelastic.vllm")
-
-_client: WorkerClient | None = None
 
 
 def _rank() -> int:
@@ -32,19 +29,22 @@ def _rank() -> int:
 
 def worker_client(device: torch.device, token: bytes = b"") -> WorkerClient:
     """This worker's link, opened with its engine's secret (``token``: from the
-    KV cache config the EngineCore sent, see ``engine.wrap_get_kv_cache_configs``)."""
-    global _client
-    if _client is None:
-        config = Config.from_env()
-        backend = get_backend("cuda" if device.type == "cuda" else "host", config.page_size,
-                              **({"device": device.index or 0} if device.type == "cuda" else {}))
-        engine_id = config.engine_id or os.environ["KVELASTIC_ENGINE_ID"]
-        token = token or bytes.fromhex(os.environ.get("KVELASTIC_ENGINE_TOKEN", ""))
-        _client = WorkerClient(backend, socket_path=config.socket, engine_id=engine_id, rank=_rank(),
-                               token=token).start(30.0)
-        log.info("kvelastic: worker %d of engine %s reserved %d MiB of virtual KV space",
-                 _client.rank, engine_id, _client.arena.size >> 20)
-    return _client
+    KV cache config the EngineCore sent, see ``engine.wrap_get_kv_cache_configs``;
+    a worker in the EngineCore's own process also has the engine's link)."""
+    plugin = state()
+    if plugin.worker is not None:
+        return plugin.worker
+    config = plugin.config
+    backend = get_backend("cuda" if device.type == "cuda" else "host", config.page_size,
+                          **({"device": device.index or 0} if device.type == "cuda" else {}))
+    if not token and plugin.link is not None:
+        token = plugin.link.client.token
+    client = WorkerClient(backend, socket_path=config.socket, engine_id=plugin.engine_id, rank=_rank(),
+                          token=token).start(30.0)
+    plugin.worker = client
+    log.info("kvelastic: worker %d of engine %s reserved %d MiB of virtual KV space",
+             client.rank, plugin.engine_id, client.arena.size >> 20)
+    return client
 
 
 def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
@@ -80,10 +80,13 @@ def wrap_step(original):
     """``execute_model`` and ``sample_tokens`` (drafters read the KV cache there
     too) run inside ``WorkerClient.step()``: no unmap while they run."""
 
+    plugin = state()
+
     def step(self, *args, **kwargs):
-        if _client is None:
+        client = plugin.worker
+        if client is None:
             return original(self, *args, **kwargs)
-        with _client.step():
+        with client.step():
             return original(self, *args, **kwargs)
 
     return step

@@ -36,22 +36,23 @@ def manager(num_blocks: int, block_size: int = 16, groups: int = 1, events: bool
 def elastic(socket_path: str, blocks_per_slab: int = 8, engine_id: str = "test-engine", **client_kw):
     """Inside: KVCacheManagers and Schedulers built here run with the plugin's
     scheduler-side patches (ElasticBlockPool, ...) on a registered engine."""
-    import kvelastic_vllm
-    from kvelastic_vllm import engine
+    from kvelastic_vllm import engine, install_scheduler_patches, restore
+    from kvelastic_vllm.state import state
 
     pool = SlabPool(blocks_per_slab)
     low = client_kw.pop("low_watermark", 0)
     client = EngineClient(pool, socket_path=socket_path, engine_id=engine_id, namespace="test",
                           page_size=PAGE, pages_per_worker=1, num_workers=0,
                           block_bytes=PAGE // blocks_per_slab, low_watermark=0, **client_kw).start()
-    link = engine.attach(client, engine.Geometry(PAGE // blocks_per_slab, 1, blocks_per_slab,
-                                                 PAGE // blocks_per_slab), low)
-    replaced = kvelastic_vllm.install_scheduler_patches()
+    plugin = state()
+    link = engine.attach(plugin, client, engine.Geometry(PAGE // blocks_per_slab, 1, blocks_per_slab,
+                                                         PAGE // blocks_per_slab), low)
+    replaced = install_scheduler_patches()
     try:
         yield link
     finally:
-        kvelastic_vllm.restore(replaced)
-        engine._link = None
+        restore(replaced)
+        plugin.detach()
         client.close()
 
 
