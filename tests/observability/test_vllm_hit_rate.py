@@ -14,11 +14,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvelastic_vllm.bench.tinymodel import build_tiny_llama  # noqa: E402
-from kvelastic_vllm.bench.vllm_serve import VllmServer, counter  # noqa: E402
-from tests.daemon_proc import DaemonProcess, wait_for  # noqa: E402
-from tests.observability.dashboard import expand, load_dashboard, panels  # noqa: E402
-from tests.observability.prometheus_proc import PrometheusProcess, find  # noqa: E402
+from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+from kvelastic_vllm.bench.vllm_serve import VllmServer, counter
+from tests.daemon_proc import DaemonProcess, wait_for
+from tests.observability.dashboard import expand, load_dashboard, panels
+from tests.observability.prometheus_proc import PrometheusProcess, find
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMETHEUS = find("prometheus")
@@ -63,7 +63,8 @@ def test_dashboard_hit_rate_equals_vllms_own(tmp_path):
         for expr, want in ((ours, queries), ('kvelastic_prefix_cache_hits_total{engine="chat"}', hits),
                            ("sum(vllm:prefix_cache_queries_total)", queries),
                            ("sum(vllm:prefix_cache_hits_total)", hits)):
-            wait_for(lambda: prom.value(expr) == want, timeout=10, interval=0.2, what=f"Prometheus: {expr}")
+            wait_for(lambda expr=expr, want=want: prom.value(expr) == want, timeout=10, interval=0.2,
+                     what=f"Prometheus: {expr}")
 
         # The window reaches 3 s before the workload: every series starts with a
         # sample at 0 in it, so rate()'s extrapolation treats hits and queries alike.

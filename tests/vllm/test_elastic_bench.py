@@ -82,11 +82,9 @@ def test_summary_and_plot(tmp_path):
     for name, ttft in (("static", 2.0), ("elastic", 0.5)):
         results = [_result(r.idx, [1] * r.max_tokens, ttft=ttft * (1 + r.idx % 3), hot=r.hot, engine=r.engine)
                    for r in workload.requests]
-        counters = [{"num_preemptions_total": 2.0, "prefix_cache_hits_total": 40.0,
-                     "prefix_cache_queries_total": 100.0}, {k: math.nan for k in ("num_preemptions_total",
-                     "prefix_cache_hits_total", "prefix_cache_queries_total")}, {
-                     "num_preemptions_total": 0.0, "prefix_cache_hits_total": 10.0,
-                     "prefix_cache_queries_total": 100.0}]
+        names = ("num_preemptions_total", "prefix_cache_hits_total", "prefix_cache_queries_total")
+        counters = [dict(zip(names, (2.0, 40.0, 100.0))), dict.fromkeys(names, math.nan),
+                    dict(zip(names, (0.0, 10.0, 100.0)))]
         modes[name] = {"results": results, "t_end": 30.0, "counters": counters, "server_start_seconds": 1.0,
                        "servers_died": [], "bench_process_worst_stall": {"ms": 1.0, "at_s": 0.0, "over_1s": 0},
                        "load_start_wall": 0.0}

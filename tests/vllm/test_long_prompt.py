@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvelastic_vllm.bench.tinymodel import WIDE, build_tiny_llama  # noqa: E402
+from kvelastic_vllm.bench.tinymodel import WIDE, build_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 HERE = pathlib.Path(__file__).resolve().parent

@@ -7,18 +7,17 @@ Stock and elastic pools get the same request streams at the same capacity
 fewer prefix hits, and the same counters vLLM reports.
 """
 
-import pathlib
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kvelastic_vllm.bench.tinymodel import build_tiny_llama  # noqa: E402
-from tests.daemon_proc import DaemonProcess  # noqa: E402
-from tests.vllm.parity import BS, admit, elastic_engine, engine_blocks, manager, request, scheduler, step  # noqa: E402
+from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+from tests.daemon_proc import DaemonProcess
+from tests.vllm.parity import BS, admit, elastic_engine, engine_blocks, manager, request, scheduler, step
 
 pytestmark = pytest.mark.vllm
 

@@ -18,10 +18,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvelastic_vllm.bench.tinymodel import build_tiny_llama  # noqa: E402
-from kvelastic_vllm.bench.vllm_serve import VllmServer, counter  # noqa: E402
-from tests.daemon.books import held  # noqa: E402
-from tests.daemon_proc import DaemonProcess, MiB, wait_for  # noqa: E402
+from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+from kvelastic_vllm.bench.vllm_serve import VllmServer, counter
+from tests.daemon.books import held
+from tests.daemon_proc import DaemonProcess, MiB, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

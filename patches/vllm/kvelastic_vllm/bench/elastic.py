@@ -146,7 +146,7 @@ def _scrape(group: list[vllm_serve.VllmServer]) -> list[dict[str, float]]:
         try:
             text = server.metrics()
         except OSError:
-            out.append({name: math.nan for name in names})
+            out.append(dict.fromkeys(names, math.nan))
             continue
         out.append({name: vllm_serve.counter(text, f"vllm:{name}") for name in names})
     return out
@@ -332,7 +332,8 @@ def run(quick: bool = False, png: str | None = None, workdir: str | None = None)
     workload = load.make_workload(n, shape, seed=0)
     model = build_tiny_llama(pathlib.Path(tempfile.gettempdir()) / "kvelastic-tiny-llama")
     with contextlib.ExitStack() as stack:
-        tmp = pathlib.Path(workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvelastic-bench-elastic-")))
+        tmp = pathlib.Path(workdir or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="kvelastic-bench-elastic-")))
         modes = {}
         for name in ("static", "elastic"):
             try:
@@ -352,8 +353,9 @@ def run(quick: bool = False, png: str | None = None, workdir: str | None = None)
     out: dict[str, Any] = {
         "benchmark": "elastic", "quick": quick,
         "model": "tiny random Llama (2 layers, fp32, block 32 tokens = 32 KiB, slab 4 MiB = 128 blocks)",
-        "engines": n, "engines_why": f"3 if MemAvailable ({avail // MiB} MiB) holds 3 servers of ~{SERVER_BYTES // MiB} "
-                                     f"MiB and 4 GiB to spare, else 2",
+        "engines": n,
+        "engines_why": f"3 if MemAvailable ({avail // MiB} MiB) holds 3 servers of ~{SERVER_BYTES // MiB} "
+                       f"MiB and 4 GiB to spare, else 2",
         "total_kv_bytes": total, "static_per_engine_bytes": total // n,
         "daemon": {"KVELASTIC_MEMORY": total, "KVELASTIC_IDLE_GRACE": IDLE_GRACE, "KVELASTIC_HOLD_DOWN": HOLD_DOWN,
                    "KVELASTIC_BACKEND": "host"},
@@ -377,7 +379,8 @@ def run(quick: bool = False, png: str | None = None, workdir: str | None = None)
                                     "met": out["comparable"] and ratio is not None
                                     and ratio <= TARGETS["ttft_p99_ratio_max"]},
         "idle_footprint_le_1.1x_packed_floor_2s_after": {
-            "value": foot["idle_footprint_over_packed_floor"], "target": TARGETS["idle_footprint_over_packed_floor_max"],
+            "value": foot["idle_footprint_over_packed_floor"],
+            "target": TARGETS["idle_footprint_over_packed_floor_max"],
             "met": foot["idle_footprint_over_packed_floor"] is not None
             and foot["idle_footprint_over_packed_floor"] <= TARGETS["idle_footprint_over_packed_floor_max"]},
         "handoff_p99_le_100ms": {"value": out["handoff_p99_ms"], "target": TARGETS["handoff_p99_ms_max"],

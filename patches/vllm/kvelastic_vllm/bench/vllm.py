@@ -144,7 +144,8 @@ def hot_path(quick: bool, socket_path: str, num_blocks: int) -> dict[str, Any]:
                 pool = ElasticBlockPool(link.num_blocks, True, BS)
                 # Every slab granted before timing, or the replay would time the daemon.
                 if not link.client.ensure(num_blocks - 1, timeout=30):
-                    raise RuntimeError(f"bench vllm: the daemon did not grant its whole budget ({num_blocks} blocks) in 30 s")
+                    raise RuntimeError(f"bench vllm: the daemon did not grant its whole budget "
+                                       f"({num_blocks} blocks) in 30 s")
                 if pool.core.num_blocks != num_blocks:
                     raise RuntimeError(f"bench vllm: the elastic pool holds {pool.core.num_blocks} blocks, "
                                        f"the stock one {num_blocks}: their evictions would differ")
