@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import itertools
+import json
 import os
 import socket
 import sys
@@ -23,7 +23,7 @@ import msgspec
 import zmq
 
 from kvelastic import protocol as p
-from kvelastic.client.connection import DaemonError, DaemonUnavailable
+from kvelastic.client.connection import DaemonError, DaemonUnavailable, expect
 from kvelastic.config import Config
 from kvelastic.errors import ConfigError
 
@@ -66,7 +66,7 @@ def request(socket_path: str, msg: p.Msg, timeout: float = DEFAULT_TIMEOUT) -> p
     with an ``Error``.
     """
     _probe(socket_path)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(f"ipc://{socket_path}")
@@ -80,41 +80,29 @@ def request(socket_path: str, msg: p.Msg, timeout: float = DEFAULT_TIMEOUT) -> p
             try:
                 reply = p.decode(sock.recv())
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise _error("malformed", f"undecodable reply from the daemon: {exc}") from None
+                raise DaemonError("malformed", f"undecodable reply from the daemon: {exc}") from None
             if reply.req_id == msg.req_id:
                 break
     finally:
         sock.close(0)
     if isinstance(reply, p.Error):
-        raise _error(reply.reason, reply.message)
-    return reply
-
-
-def _error(reason: str, message: str) -> DaemonError:
-    err = DaemonError(reason, message)
-    err.message = message          # the operator's text, without the reason tag
-    return err
-
-
-def _expect(reply: p.Msg, kind: type) -> p.Msg:
-    if not isinstance(reply, kind):
-        raise _error("unexpected", f"expected {kind.__name__} from the daemon, got {type(reply).__name__}")
+        raise DaemonError(reply.reason, reply.message)
     return reply
 
 
 def get_status(socket_path: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
     """The daemon's ``StatusReport`` as plain data (what ``status --json`` prints)."""
-    return msgspec.to_builtins(_expect(request(socket_path, p.Status(), timeout), p.StatusReply).status)
+    return msgspec.to_builtins(expect(request(socket_path, p.Status(), timeout), p.StatusReply).status)
 
 
 def set_limit(socket_path: str, engine_id: str, min_bytes: int, max_bytes: int,
               timeout: float = DEFAULT_TIMEOUT) -> None:
-    _expect(request(socket_path, p.SetLimit(engine_id=engine_id, min_bytes=min_bytes,
+    expect(request(socket_path, p.SetLimit(engine_id=engine_id, min_bytes=min_bytes,
                                             max_bytes=max_bytes), timeout), p.Ok)
 
 
 def invalidate(socket_path: str, target: str, timeout: float = DEFAULT_TIMEOUT) -> None:
-    _expect(request(socket_path, p.Invalidate(target=target), timeout), p.Ok)
+    expect(request(socket_path, p.Invalidate(target=target), timeout), p.Ok)
 
 
 # ----------------------------------------------------------------- rendering

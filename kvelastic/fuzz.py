@@ -40,7 +40,30 @@ WEIGHTS = {"random_bytes": 120, "valid": 100, "mutated": 200, "boundary_int": 10
            "multi_frame": 39}
 CHANNEL_KINDS = ("random", "huge_size", "oversized", "partial", "mutated", "wrong_version", "invalid_utf8",
                  "valid_then_garbage", "valid_then_close", "connect_close")
-MESSAGE_TYPES: tuple[type, ...] = tuple(t.cls for t in mi.type_info(p.Message).types)
+
+
+def _struct_info(cls: type) -> mi.StructType:
+    """``msgspec.inspect``'s description of the message struct ``cls``."""
+    info = mi.type_info(cls)
+    if not isinstance(info, mi.StructType):
+        raise TypeError(f"{cls!r} is not a msgspec struct")
+    return info
+
+
+def _message_types() -> tuple[type, ...]:
+    """The struct types of the ``protocol.Message`` union."""
+    info = mi.type_info(p.Message)
+    if not isinstance(info, mi.UnionType):
+        raise TypeError("protocol.Message is not a union of structs")
+    types: list[type] = []
+    for t in info.types:
+        if not isinstance(t, mi.StructType):
+            raise TypeError(f"protocol.Message holds {t!r}, not a struct")
+        types.append(t.cls)
+    return tuple(types)
+
+
+MESSAGE_TYPES = _message_types()
 
 BOUNDARY_INTS = (-1, -(2**31), -(2**63), 0, 1, 2**31 - 1, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1)
 # 2**64 and beyond have no msgpack integer: a peer can only send them as floats (or a bignum ext).
@@ -85,7 +108,7 @@ class Fuzzer:
         self._kinds = [k for k in KINDS if w.get(k, 0) > 0]
         self._cum = list(itertools.accumulate(w[k] for k in self._kinds))
         self._blob = self.rng.randbytes(2 * p.MAX_MESSAGE_BYTES)
-        self._types = {cls: mi.type_info(cls) for cls in MESSAGE_TYPES}
+        self._types = {cls: _struct_info(cls) for cls in MESSAGE_TYPES}
         self._names: dict[tuple, list[str]] = {}
         self._cache: dict[type, list[bytes]] = {}
 
@@ -214,7 +237,7 @@ class Fuzzer:
     def hello(self, version: int = p.PROTOCOL_VERSION) -> bytes:
         """A well-formed greeting body (generic: any new Hello field gets a value)."""
         builder = ValueBuilder(self.rng, self.avoid, self._names)
-        d = builder.struct(mi.type_info(p.Hello), None, None)
+        d = builder.struct(_struct_info(p.Hello), None, None)
         d["version"] = version
         if "rank" in d:
             d["rank"] = self.rng.randint(-1, 3)
@@ -260,11 +283,12 @@ def daemon_hints(page_size: int, pid: int) -> dict[type, dict[str, Any]]:
     page per slab (they need no page channel to be granted memory), claiming
     process ``pid``, that grow one slab at a time. Only fields the protocol
     still has are used, so a changed protocol needs no change here."""
-    wanted = {p.RegisterEngine: dict(version=p.PROTOCOL_VERSION, pid=pid, page_size=page_size, pages_per_worker=1,
-                                     num_workers=0, blocks_per_slab=4, block_bytes=page_size // 4, device="",
-                                     min_bytes=0, max_bytes=0, held=[], occupancy={}),
-              p.RegisterWorker: dict(version=p.PROTOCOL_VERSION, rank=0, pid=pid, device="", mapped=[]),
-              p.Grow: dict(slabs=1, demand=True)}
+    wanted: dict[type[msgspec.Struct], dict[str, Any]] = {
+        p.RegisterEngine: dict(version=p.PROTOCOL_VERSION, pid=pid, page_size=page_size, pages_per_worker=1,
+                               num_workers=0, blocks_per_slab=4, block_bytes=page_size // 4, device="",
+                               min_bytes=0, max_bytes=0, held=[], occupancy={}),
+        p.RegisterWorker: dict(version=p.PROTOCOL_VERSION, rank=0, pid=pid, device="", mapped=[]),
+        p.Grow: dict(slabs=1, demand=True)}
     return {cls: {k: v for k, v in hints.items() if k in cls.__struct_fields__} for cls, hints in wanted.items()}
 
 

@@ -151,7 +151,8 @@ def names(lo: int, hi: int | None, avoid: frozenset[str], seed: int = 0) -> list
     """``NAME_POOL`` names of ``lo``..``hi`` (at most 12) characters. The same
     for every fuzzer of a ``seed``: page-channel hellos and control messages
     from different fuzzers name the same engines."""
-    rng, pool = random.Random(f"{seed}/{lo}/{hi}"), []
+    rng = random.Random(f"{seed}/{lo}/{hi}")
+    pool: list[str] = []
     while len(pool) < NAME_POOL:
         n = rng.randint(max(lo, 1 if lo else 0), max(lo, min(hi if hi is not None else 12, 12)))
         name = "".join(rng.choices(NAME_CHARS, k=n))

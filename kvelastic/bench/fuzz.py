@@ -113,11 +113,11 @@ def run(quick: bool = False, seed: int = 0) -> dict[str, Any]:
                                   page_size=PAGE, pages_per_worker=1, num_workers=1, block_bytes=PAGE // 8,
                                   low_watermark=0, keep_idle_slabs=HELD_SLABS, shrink_grace=3600,
                                   min_bytes=HELD_SLABS * PAGE).start()   # fuzz engines' grows never reclaim it
-            token = {"token": engine.token} if hasattr(engine, "token") else {}
             worker = WorkerClient(get_backend("host"), socket_path=sock, engine_id=LEGIT_ID, rank=0,
-                                  **token).start()
+                                  token=engine.token).start()
             try:
-                assert engine.ensure(8 * HELD_SLABS, timeout=10), "the legitimate engine could not grow"
+                if not engine.ensure(8 * HELD_SLABS, timeout=10):
+                    raise RuntimeError("the legitimate engine could not grow")
                 held = sorted(engine.pool.slab_ids())
                 written = _pages(worker, held, 0xA7)
                 time.sleep(0.5)                   # its journal and heartbeats settle
@@ -137,7 +137,7 @@ def run(quick: bool = False, seed: int = 0) -> dict[str, Any]:
                     rss1, rejected1 = rss_bytes(proc.pid), _rejected(port)
                     status_after = _engine_status(engine.conn)
                     intact = _pages(worker, held, None) == written
-                    legit = {"status_unchanged": status_after == status_before, "pages_intact": intact,
+                    legit: dict[str, Any] = {"status_unchanged": status_after == status_before, "pages_intact": intact,
                              "reconnects": engine.conn.reconnects + worker.conn.reconnects,
                              **_legit_after(engine, worker)}
                     if not legit["status_unchanged"]:
@@ -151,7 +151,8 @@ def run(quick: bool = False, seed: int = 0) -> dict[str, Any]:
         tracebacks, first_traceback = _tracebacks(log_path)
 
     out: dict[str, Any] = {
-        "benchmark": "fuzz", "seed": seed, "frames": flood.frames, "frames_by_kind": dict(sorted(flood.by_kind.items())),
+        "benchmark": "fuzz", "seed": seed, "frames": flood.frames,
+        "frames_by_kind": dict(sorted(flood.by_kind.items())),
         "replies_by_type": dict(sorted(flood.replies.items())), "errors_by_reason": dict(sorted(flood.errors.items())),
         "page_channel_connections": connections + 16, "page_channel_by_kind": channels,
         "stalled_hellos_closed_by_daemon": f"{stalled_closed}/16",

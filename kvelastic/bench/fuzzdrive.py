@@ -45,8 +45,8 @@ class _Reply(msgspec.Struct):
 _reply = msgspec.msgpack.Decoder(_Reply)
 
 
-def dealer(socket_path: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+def dealer(socket_path: str) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)          # replies are never dropped on our side
     sock.setsockopt(zmq.SNDTIMEO, int(SYNC_TIMEOUT * 1000))

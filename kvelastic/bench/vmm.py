@@ -52,16 +52,16 @@ def _summary(timings: dict[str, list[int]], backend: str, page_size: int) -> dic
 
 def _measure(
     rounds: int,
-    backend_map: Callable[[int], None],
-    backend_unmap: Callable[[int], None],
-    raw_map: Callable[[int], None],
-    raw_unmap: Callable[[int], None],
+    backend_map: Callable[[int], object],    # what each returns is ignored (unmap: the page)
+    backend_unmap: Callable[[int], object],
+    raw_map: Callable[[int], object],
+    raw_unmap: Callable[[int], object],
 ) -> dict[str, list[int]]:
     timings: dict[str, list[int]] = {"map": [], "unmap": [], "raw_map": [], "raw_unmap": []}
     clock = time.perf_counter_ns
     slots = range(SLOTS)
 
-    def batch(fn: Callable[[int], None], out: list[int]) -> None:
+    def batch(fn: Callable[[int], object], out: list[int]) -> None:
         for i in slots:
             t0 = clock()
             fn(i)

@@ -19,7 +19,9 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
+import msgspec
 import zmq
 
 from kvelastic import protocol as p
@@ -44,6 +46,18 @@ class DaemonError(KvelasticError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{message} ({reason})")
         self.reason = reason
+        self.message = message        # the operator's text, without the reason tag
+
+
+M = TypeVar("M", bound=p.Msg)
+
+
+def expect(reply: p.Msg, kind: type[M]) -> M:
+    """``reply`` as the type that answers the request; ``DaemonError``
+    (reason ``unexpected``) for any other."""
+    if not isinstance(reply, kind):
+        raise DaemonError("unexpected", f"expected {kind.__name__} from the daemon, got {type(reply).__name__}")
+    return reply
 
 
 class _Pending:
@@ -69,8 +83,8 @@ class Connection:
         self._on_command = on_command
         self._on_tick = on_tick
         self._tick_interval = tick_interval
-        self._ctx = zmq.Context.instance()
-        self._dealer: zmq.Socket | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._dealer: zmq.Socket[bytes] | None = None
         self.lifeline: fdchannel.FdChannel | None = None
         # Messages ``call`` on the I/O thread read while waiting for its reply:
         # delivered before anything newer, so the daemon's order holds.
@@ -211,7 +225,9 @@ class Connection:
             raise DaemonUnavailable("the daemon went away before answering")
         return reply
 
-    def _connect(self) -> bool:
+    def _connect(self) -> fdchannel.FdChannel | None:
+        """Open the lifeline and the control socket and register: the
+        lifeline once registered, None when that failed."""
         try:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(2.0)
@@ -220,8 +236,8 @@ class Connection:
             sock.settimeout(None)
         except OSError:
             sock.close()
-            return False
-        self.lifeline = fdchannel.FdChannel(sock)
+            return None
+        lifeline = self.lifeline = fdchannel.FdChannel(sock)
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.LINGER, 0)
         self._dealer.connect(f"ipc://{self.socket_path}")
@@ -232,8 +248,8 @@ class Connection:
             if isinstance(exc, DaemonError) and exc.reason in FATAL_REASONS:
                 self._fatal = exc
             self._disconnect()
-            return False
-        return True
+            return None
+        return lifeline
 
     def _disconnect(self) -> None:
         self.connected.clear()
@@ -275,8 +291,10 @@ class Connection:
         backoff = BACKOFF_MIN
         next_tick = 0.0
         while not self._stop.is_set():
-            if self._dealer is None:
-                if self._connect():
+            lifeline = self.lifeline
+            if self._dealer is None or lifeline is None:   # set and cleared together
+                lifeline = self._connect()
+                if lifeline is not None:
                     backoff = BACKOFF_MIN
                     if self.reconnects or self.connected.is_set():
                         log.info("engine %s: reconnected to the daemon", self.engine_id)
@@ -293,7 +311,7 @@ class Connection:
             poller = zmq.Poller()
             poller.register(self._dealer, zmq.POLLIN)
             poller.register(self._wake, zmq.POLLIN)
-            poller.register(self.lifeline.fileno(), zmq.POLLIN)
+            poller.register(lifeline.fileno(), zmq.POLLIN)
             while not self._stop.is_set():
                 now = time.monotonic()
                 wait = 0 if self._read_ahead else (max(0, int((next_tick - now) * 1000)) if self._on_tick else 100)
@@ -306,7 +324,7 @@ class Connection:
                 self._flush_outbox()
                 if self._dealer in events or self._read_ahead:
                     self._receive()
-                if self.lifeline.fileno() in events and self._lifeline_closed():
+                if lifeline.fileno() in events and self._lifeline_closed():
                     log.warning("engine %s: lost the daemon; serving from held memory, reconnecting",
                                 self.engine_id)
                     self.reconnects += 1
@@ -335,14 +353,19 @@ class Connection:
             except zmq.Again:
                 return
             try:
-                self._deliver(p.decode(data))
-            except Exception as exc:
+                msg = p.decode(data)
+            except msgspec.DecodeError as exc:   # ValidationError too (a subclass)
                 log.warning("engine %s: undecodable message from the daemon: %s", self.engine_id, exc)
+                continue
+            self._deliver(msg)
 
     def _lifeline_closed(self) -> bool:
         """Readable may mean page descriptors waiting (a worker's channel) or EOF."""
+        lifeline = self.lifeline
+        if lifeline is None:
+            return True
         try:
-            return self.lifeline.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            return lifeline.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except BlockingIOError:
             return False
         except OSError:

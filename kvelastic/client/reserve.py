@@ -20,7 +20,7 @@ import dataclasses
 import math
 
 from kvelastic.core.pool import SlabPool
-from kvelastic.protocol import IDLE_GRACE   # the daemon's default; ``Registered.idle_grace`` carries its setting
+from kvelastic.protocol import IDLE_GRACE  # the daemon's default; ``Registered.idle_grace`` carries its setting
 
 
 @dataclasses.dataclass

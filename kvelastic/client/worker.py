@@ -18,7 +18,8 @@ import threading
 from collections.abc import Iterator
 
 from kvelastic import protocol as p
-from kvelastic.client.connection import Connection
+from kvelastic.client.connection import Connection, DaemonUnavailable, expect
+from kvelastic.errors import KvelasticError
 from kvelastic.vmm.base import Arena, Backend
 
 log = logging.getLogger("kvelastic.client")
@@ -50,10 +51,18 @@ class WorkerClient:
         if self.arena is not None:
             self.arena.close()
 
+    def reserved_arena(self) -> Arena:
+        """The arena: reserved at the first registration, so there once ``start`` returns."""
+        if self.arena is None:
+            raise KvelasticError(f"worker {self.rank} of engine {self.engine_id} has no arena: it is reserved "
+                                 "when the worker registers (start)")
+        return self.arena
+
     def _register(self, conn: Connection) -> None:
-        reply = conn.call(p.RegisterWorker(version=p.PROTOCOL_VERSION, engine_id=self.engine_id,
-                                           rank=self.rank, pid=os.getpid(), device=self.device,
-                                           mapped=sorted(self.slabs), token=conn.token), timeout=5.0)
+        reply = expect(conn.call(p.RegisterWorker(version=p.PROTOCOL_VERSION, engine_id=self.engine_id,
+                                                  rank=self.rank, pid=os.getpid(), device=self.device,
+                                                  mapped=sorted(self.slabs), token=conn.token), timeout=5.0),
+                       p.Registered)
         if self.arena is None:
             # The engine's whole virtual capacity: one region per page of a slab.
             self.max_slabs = reply.max_slabs
@@ -88,24 +97,28 @@ class WorkerClient:
             self._unmap(msg)
 
     def _map(self, msg: p.MapSlab) -> None:
-        fds = dict(self.conn.lifeline.recv())      # sent just before this message
+        lifeline = self.conn.lifeline
+        if lifeline is None:    # commands arrive only while connected (on the I/O thread)
+            raise DaemonUnavailable(f"MapSlab {msg.slab} without a page channel to read its pages from")
+        fds = dict(lifeline.recv())      # sent just before this message
         error = ""
         done: list[int] = []
         with self._mu:
             try:
+                arena = self.reserved_arena()
                 for page_id, offset in msg.pages:
                     page = self.backend.import_page(fds.pop(page_id))
                     try:
-                        self.arena.map(offset, page)
+                        arena.map(offset, page)
                     finally:
                         # The mapping keeps the memory alive; holding a descriptor
                         # per page would run into the process's file limit.
                         self.backend.release_page(page)
                     done.append(offset)
-            except Exception as exc:  # any failure is reported: the daemon must not wait forever
+            except Exception as exc:  # noqa: BLE001 - any failure is reported: the daemon must not wait forever
                 error = f"{type(exc).__name__}: {exc}"
                 for offset in done:                      # all or nothing
-                    self.arena.unmap(offset)
+                    arena.unmap(offset)
                 done = []
             if done:
                 self.slabs[msg.slab] = done
@@ -118,8 +131,9 @@ class WorkerClient:
         with self._mu:
             offsets = self.slabs.pop(msg.slab, msg.offsets)
             self.backend.synchronize()  # kernels launched by the last step may still read the pages
+            arena = self.reserved_arena()
             for offset in offsets:
-                if self.arena.is_mapped(offset):
-                    self.arena.unmap(offset)
+                if arena.is_mapped(offset):
+                    arena.unmap(offset)
         # On the I/O thread (between steps) or the thread that ended the step.
         self.conn.send(p.Unmapped(req_id=msg.req_id, engine_id=self.engine_id, rank=self.rank, slab=msg.slab))

@@ -35,7 +35,7 @@ class Device:
         for page_id in page_ids:
             try:
                 self.pages[page_id] = self.backend.create_page()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - backends fail differently (CUDA, memfd); each stops the batch
                 log.error("device %s: page creation failed: %s", self.name, exc)
                 break
             done.append(page_id)

@@ -45,9 +45,10 @@ def _stats(samples_ns: list[int]) -> dict[str, float]:
     return {"p50_us": pct(samples_ns, 0.5), "p99_us": pct(samples_ns, 0.99), "n": len(samples_ns)}
 
 
-def _timed(fn: Callable[[], Any], out: list[int]) -> Any:
+def _timed(fn: Callable[..., Any], out: list[int], *args: Any) -> Any:
+    """``fn(*args)``, its time appended to ``out``."""
     t0 = time.perf_counter_ns()
-    result = fn()
+    result = fn(*args)
     out.append(time.perf_counter_ns() - t0)
     return result
 
@@ -75,11 +76,11 @@ def driver_calls(backend: Backend, pages: int = PAGES, rounds: int = ROUNDS) -> 
             a: list[int] = []
             u: list[int] = []
             for i, h in enumerate(handles):
-                _timed(lambda: check("cuMemMap", d.cuMemMap(base + i * ps, ps, 0, h, 0)), m)
+                _timed(lambda i, h: check("cuMemMap", d.cuMemMap(base + i * ps, ps, 0, h, 0)), m, i, h)
             for i in range(pages):
-                _timed(lambda: check("cuMemSetAccess", d.cuMemSetAccess(base + i * ps, ps, access, 1)), a)
+                _timed(lambda i: check("cuMemSetAccess", d.cuMemSetAccess(base + i * ps, ps, access, 1)), a, i)
             for i in range(pages):
-                _timed(lambda: check("cuMemUnmap", d.cuMemUnmap(base + i * ps, ps)), u)
+                _timed(lambda i: check("cuMemUnmap", d.cuMemUnmap(base + i * ps, ps)), u, i)
             if r:  # round 0 is warm-up
                 t["cuMemMap"] += m
                 t["cuMemSetAccess"] += a
@@ -104,7 +105,7 @@ def driver_calls(backend: Backend, pages: int = PAGES, rounds: int = ROUNDS) -> 
     finally:
         d.cuMemAddressFree(base, pages * ps)
         for h in handles:
-            _timed(lambda: check("cuMemRelease", d.cuMemRelease(h)), t["cuMemRelease"])
+            _timed(lambda h: check("cuMemRelease", d.cuMemRelease(h)), t["cuMemRelease"], h)
     per_call = {name: _stats(samples) for name, samples in t.items()}
     single = per_call["cuMemMap"]["p50_us"] + per_call["cuMemSetAccess"]["p50_us"]
     batch = pct(batched, 0.5) if batched else 0.0

@@ -86,7 +86,7 @@ class KvEngine:
         self.keeping = KeepingBackend(get_backend(self.backend_name, PAGE))
         self.worker = WorkerClient(self.keeping, socket_path=cfg["socket"],  # type: ignore[arg-type]
                                    engine_id=cfg["engine_id"], rank=0, token=self.engine.token).start()
-        arena = self.worker.arena
+        arena = self.worker.reserved_arena()
         shape = (arena.size // block_bytes, LAYERS, 2, BLOCK_TOKENS, HEADS, HEAD_DIM)
         self.kv = arena.tensor(self.dtype, shape)                  # over the whole virtual range
         self.ref = torch.zeros(shape, dtype=self.dtype, device=self.device)  # an ordinary allocation
@@ -188,7 +188,7 @@ class KvEngine:
         them, and what a kept descriptor of each lost page shows now."""
         self._sync_kept()
         report = []
-        arena = self.worker.arena
+        arena = self.worker.reserved_arena()
         for slab, fd in sorted(self.gone.items()):
             stale = _read_kept(self.keeping.inner, fd, self.dtype)
             own = self.hash_at_release.get(slab)

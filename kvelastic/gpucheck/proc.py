@@ -64,7 +64,8 @@ def run(cmd: list[str], budget: float, env: dict[str, str], cwd: Path, log: Path
     done = Finished(code, out or "", err or "", round(time.monotonic() - started, 2))
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
-        text = f"$ {' '.join(cmd)}\n[exit {code}, {done.seconds} s]\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+        text = (f"$ {' '.join(cmd)}\n[exit {code}, {done.seconds} s]\n"
+                f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
         log.write_text(text[-LOG_LIMIT:])
     return done
 

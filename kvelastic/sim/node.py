@@ -53,10 +53,21 @@ from kvelastic.daemon import effects as fx
 from kvelastic.daemon.allocator import Allocator, Timing
 from kvelastic.daemon.state import Phase
 from kvelastic.sim import traces
-from kvelastic.sim.traces import PAGE, Trace
-from kvelastic.sim.node_engine import (BUDGET_PAGES, CHECK_EVERY, DAEMON_TICK, GROW_SLACK, SAMPLE, STATUS_EVERY,
-                                       STEP, NodeEngine, _cpu)
+from kvelastic.sim.node_engine import (
+    BUDGET_PAGES,
+    CHECK_EVERY,
+    DAEMON_TICK,
+    GROW_SLACK,
+    SAMPLE,
+    STATUS_EVERY,
+    STEP,
+    NodeEngine,
+    _cpu,
+)
 from kvelastic.sim.node_report import report
+from kvelastic.sim.traces import PAGE, Trace
+
+
 class NodeSim:
     """The event loop: engines, workers, transport and the daemon's loop, on a fake clock."""
 
@@ -75,8 +86,8 @@ class NodeSim:
         self.identities: dict[bytes, tuple[NodeEngine, int]] = {}
         self._up_due: dict[bytes, float] = {}
         self._down_due: dict[bytes, float] = {}
-        self.allocator = Allocator({"0": budget_pages}, PAGE, timing=timing, events=False,
-                                   token_source=lambda: self.rng.randbytes(16)) if elastic else None
+        self._allocator = Allocator({"0": budget_pages}, PAGE, timing=timing, events=False,
+                                    token_source=lambda: self.rng.randbytes(16)) if elastic else None
         share = budget_pages // len(trace.specs)
         self.engines = [NodeEngine(self, i, spec, 0 if elastic else share // (spec.model.pages_per_worker
                                                                              * spec.model.workers))
@@ -84,7 +95,7 @@ class NodeSim:
         seconds = int(math.ceil(trace.day_seconds)) + 1
         # The allocator's inputs and the wall-clock time spent inside it.
         self.calls: collections.Counter = collections.Counter()
-        self.call_time: collections.Counter = collections.Counter()
+        self.call_time: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.per_second = [0] * seconds
         self.busy_per_second = [0.0] * seconds
         self.slowest = (0.0, "", 0.0)
@@ -107,6 +118,13 @@ class NodeSim:
         self.created_per_second = [0] * seconds
         self.samples: list[dict[str, Any]] = []
         self.settled_at = math.inf                           # the engines stopped (end of day and drain)
+
+    @property
+    def allocator(self) -> Allocator:
+        """The daemon's allocator: an elastic run's; the static split has none."""
+        if self._allocator is None:
+            raise RuntimeError("a static-split simulation has no allocator")
+        return self._allocator
 
     # ------------------------------------------------------------ events
     def at(self, t: float, fn, *args) -> None:
@@ -209,7 +227,8 @@ class NodeSim:
             self.snapshot()
         self.at(self.now + DAEMON_TICK, self.daemon_tick)
 
-    def grow_answered(self, engine: NodeEngine, msg: p.Msg, sent: float, demand: bool, asked: int) -> None:
+    def grow_answered(self, engine: NodeEngine, msg: p.Granted | p.Error, sent: float, demand: bool,
+                      asked: int) -> None:
         if not demand:
             self.grow_outcomes["reserve_" + ("granted" if isinstance(msg, p.Granted) and msg.slabs
                                              else "refused")] += 1

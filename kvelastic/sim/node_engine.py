@@ -104,7 +104,7 @@ class NodeEngine:
         self.block_ops = 0                               # the pool's activity counter when last looked at
         self.grows: dict[int, tuple[float, bool, int]] = {}   # req_id -> (sent at, demand, slabs) until answered
         # counters
-        self.stats = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
         self.queue_delays: list[float] = []
         self.finished = 0
         self.last_busy = 0.0                             # last step with a request to serve
@@ -287,6 +287,8 @@ class NodeEngine:
 
     def _unblock(self) -> None:
         b, self.blocked = self.blocked, None
+        if b is None:                                # not blocked: nothing to resume
+            return
         self.stalled += self.sim.now - b["since"]
         if b["need"] - self.pool.num_free > 0:
             self.refused_at = self.sim.now           # ensure() returned False: back off
@@ -422,7 +424,7 @@ class NodeEngine:
         self._seq += 1
         req.seq = self._seq
         self.running[req.r.rid] = req
-        req.decode_start = self.vnow() + traces.prefill_seconds((req.tokens - len(hits) * BLOCK_TOKENS))
+        req.decode_start = self.vnow() + traces.prefill_seconds(req.tokens - len(hits) * BLOCK_TOKENS)
         self._next_event(req)
         return True
 

@@ -197,9 +197,9 @@ def settle(w: World) -> None:
     leaked = w.device.pages - set(w.allocator.pools["0"].free)
     if leaked:
         w.violation(f"pages alive that the daemon does not know: {sorted(leaked)[:5]}")
-    for engine in w.allocator.departing.values():
-        if any(s.phase is not Phase.UNMAPPING for s in engine.slabs.values()):
-            w.violation(f"departed engine {engine.engine_id} holds slabs not on their way out")
+    for departed in w.allocator.departing.values():
+        if any(s.phase is not Phase.UNMAPPING for s in departed.slabs.values()):
+            w.violation(f"departed engine {departed.engine_id} holds slabs not on their way out")
 
 
 def main(argv: list[str]) -> int:

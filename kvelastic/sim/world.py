@@ -16,7 +16,7 @@ import random
 from collections import deque
 
 from kvelastic import protocol as p
-from kvelastic.client.engine import give_up
+from kvelastic.client.engine import give_up, wire_key
 from kvelastic.core.pool import SlabPool
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.allocator import Allocator, Timing
@@ -95,7 +95,8 @@ class SimEngine:
         if self.pool.slab_ids():     # as the real client: a new daemon gets the whole index
             self.pool.take_journal()
             self.world.client_send(self.identity, p.Journal(
-                engine_id=self.name, ops=[p.StoreKey(key=key, block=block) for key, block in self.pool.cached_keys()],
+                engine_id=self.name,
+                ops=[p.StoreKey(key=wire_key(key), block=block) for key, block in self.pool.cached_keys()],
                 occupancy=self.pool.occupancies()))
         if self.token:               # workers know the secret already (a reconnect); else they wait for it
             for w in self.workers:
@@ -154,7 +155,8 @@ class SimEngine:
         slabs = self.pool.slab_ids()
         if slabs:
             block = rng.choice(slabs) * BLOCKS_PER_SLAB
-            ops = [p.StoreKey(key=b"forged", block=block), p.StoreKey(key=b"forged", block=10**6)]
+            ops: list[p.JournalOp] = [p.StoreKey(key=b"forged", block=block),
+                                      p.StoreKey(key=b"forged", block=10**6)]
             self.world.client_send(self.identity, p.Journal(engine_id=self.name, ops=ops, occupancy={}))
 
     # ------------------------------------------------------------- messages
@@ -226,7 +228,8 @@ class SimEngine:
                 self.unmap(w, msg)
 
     def unmap(self, w: SimWorker, msg: p.UnmapSlab) -> None:
-        if not self.dying and msg.slab in self.pool.slab_ids() and self.pool.occupancy(msg.slab)[0]:
+        occupancy = self.pool.occupancy(msg.slab)     # None: a slab the pool does not hold
+        if not self.dying and occupancy is not None and occupancy[0]:
             self.world.violation(f"engine {self.name}: slab {msg.slab} unmapped under a live block")
         w.mapped.pop(msg.slab, None)
         self.world.client_send(w.identity, p.Unmapped(req_id=msg.req_id, engine_id=self.name, rank=w.rank,
@@ -242,7 +245,8 @@ class SimEngine:
         if op < 0.45:
             n = rng.randint(1, 6)
             if pool.num_available < n:
-                self.grow(math.ceil((n - pool.num_available) / BLOCKS_PER_SLAB), demand=rng.random() < self.demand_share)
+                self.grow(math.ceil((n - pool.num_available) / BLOCKS_PER_SLAB),
+                          demand=rng.random() < self.demand_share)
                 return
             blocks = pool.allocate(n)
             self.live.append(blocks)
@@ -386,7 +390,7 @@ class World:
                     break
                 msg = wire.to_client.popleft().msg
                 moved = True
-                if worker is not None:
+                if engine is not None and worker is not None:     # a worker's engine is found with it
                     engine.on_worker_message(worker, msg)
                 elif engine is not None:
                     engine.on_message(msg)
@@ -409,7 +413,7 @@ class World:
             engine, worker = self.owner_of(identity)
             while wire.to_client and identity in self.wires:
                 msg = wire.to_client.popleft().msg
-                if worker is not None:
+                if engine is not None and worker is not None:     # a worker's engine is found with it
                     engine.on_worker_message(worker, msg)
                 elif engine is not None:
                     engine.on_message(msg)

@@ -59,7 +59,7 @@ _DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_
 _alive: dict[int, tuple[object, object, object]] = {}
 
 
-def _delete(addr: int | None, _pop=_alive.pop) -> None:  # noqa: ANN001 - bound at definition on purpose
+def _delete(addr: int | None, _pop=_alive.pop) -> None:  # _pop: bound at definition on purpose
     # Bound through a default argument, not a module global: torch may free a
     # tensor while the interpreter tears modules down.
     try:

@@ -240,13 +240,13 @@ class Backend(ABC):
     def reserve(self, nbytes: int) -> Arena:
         """An arena of ``nbytes`` rounded up to a whole number of pages."""
 
-    def make_current(self) -> None:
+    def make_current(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Make this backend's device current for the calling thread (CUDA); a no-op elsewhere."""
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Wait for work the device may still do on mapped pages (CUDA); a no-op elsewhere."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release backend-wide resources (scratch mappings). Pages and arenas stay valid."""
 
     def _arena_size(self, nbytes: int) -> int:

@@ -109,7 +109,9 @@ class HostArena(Arena):
         import torch
 
         buf = (ctypes.c_uint8 * nbytes).from_address(self.base + offset)
-        buf._kvelastic_reservation = self._reservation  # the view keeps the range reserved
+        # The view keeps the range reserved. A ctypes instance takes new
+        # attributes, which its stub does not declare.
+        buf._kvelastic_reservation = self._reservation  # type: ignore[attr-defined]
         return torch.frombuffer(buf, dtype=torch.uint8)
 
     def _device(self) -> torch.device:

@@ -287,7 +287,7 @@ def _peek_poke(worker, offset: int, value: int | None) -> int:
         if value is not None:
             cell.value = value
         return cell.value
-    import torch  # noqa: F401 - the CUDA arena hands out torch tensors
+    import torch  # the CUDA arena hands out torch tensors
 
     view = worker.arena.tensor(torch.uint8, (worker.arena.size,))
     if value is not None:

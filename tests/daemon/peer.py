@@ -20,6 +20,7 @@ from kvelastic.client.connection import DaemonError, DaemonUnavailable
 from kvelastic.client.engine import EngineClient
 from kvelastic.client.worker import WorkerClient
 from kvelastic.core.pool import SlabPool
+from kvelastic.errors import PoolError
 from kvelastic.vmm import get_backend
 from tests.backend import TEST_BACKEND
 
@@ -86,14 +87,15 @@ def main() -> None:
         op, out = cmd["op"], {}
         if op == "ensure":
             t0 = time.monotonic()
-            out["ok"] = engine.ensure(cmd["n"], timeout=cmd.get("timeout", 5.0), keep_cache=cmd.get("keep_cache", False))
+            out["ok"] = engine.ensure(cmd["n"], timeout=cmd.get("timeout", 5.0),
+                                      keep_cache=cmd.get("keep_cache", False))
             out["seconds"] = time.monotonic() - t0
         elif op == "alloc":
             with engine.lock:
                 try:
                     live.extend(pool.allocate(cmd["n"]))
                     out["ok"] = True
-                except Exception as exc:
+                except PoolError as exc:
                     out["ok"], out["error"] = False, type(exc).__name__
         elif op == "cache":
             with engine.lock:

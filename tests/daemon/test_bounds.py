@@ -23,7 +23,7 @@ def rss_bytes(pid: int) -> int:
 def hostile_round(e: RawEngine, r: int) -> None:
     keys = [p.StoreKey(key=f"{r}-{i}".encode().ljust(200, b"x"), block=i % 4) for i in range(4000)]
     e.send(p.Journal(engine_id="greedy", ops=keys, occupancy={}))    # valid: re-keys its 4 blocks (no reply)
-    reply = e.request(p.Journal(engine_id="greedy", ops=[], occupancy={s: (0, 0, 4) for s in range(1, 50_000)}))
+    reply = e.request(p.Journal(engine_id="greedy", ops=[], occupancy=dict.fromkeys(range(1, 50_000), (0, 0, 4))))
     assert isinstance(reply, p.Error) and reply.reason == "bad_journal"          # slabs it does not hold
     e.sock.send(msgspec.msgpack.encode({"type": "Journal", "req_id": 9, "engine_id": "greedy", "ops": [],
                                         "occupancy": {}, "stats": {f"k{i}": i for i in range(30_000)}}))

@@ -2,10 +2,8 @@
 
 import threading
 
-
 from tests.daemon.books import SLAB, held
 from tests.daemon_proc import MiB, wait_for
-
 
 
 class BudgetSampler:

@@ -7,8 +7,8 @@ own engine wrote, and the engine that gets the memory next starts from zeros.
 the stale mapping read the next tenant's data, and could write into it.)
 """
 
-from tests.daemon.hostile import Driver
 from tests.daemon.books import held
+from tests.daemon.hostile import Driver
 from tests.daemon_proc import wait_for
 
 
@@ -61,18 +61,16 @@ def test_a_user_outside_the_daemons_user_and_group_cannot_connect():
     """``SO_PEERCRED`` (page channel) and libzmq's IPC filter (control socket):
     even with the sockets opened to everyone, another user is refused."""
     import os
+    import shutil
     import stat
     import subprocess
     import sys
+    import tempfile
 
     import pytest
 
     from kvelastic import protocol as p
     from tests.daemon.books import rejected
-
-    import shutil
-    import tempfile
-
     from tests.daemon_proc import DaemonProcess
 
     if os.geteuid() != 0:

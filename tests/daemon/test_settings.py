@@ -221,7 +221,7 @@ def _kv_events_buffer(node: Node, request: pytest.FixtureRequest) -> None:
             e.do("alloc", n=1)
             e.do("cache", prefix=f"p{i}")
             e.do("free")
-            wait_for(lambda: engine_status(daemon, e.engine_id).cached_blocks == i + 1, what="the journal")
+            wait_for(lambda i=i: engine_status(daemon, e.engine_id).cached_blocks == i + 1, what="the journal")
         return len(kv_event_batches(daemon.socket))
 
     assert batches_kept(None) >= 4

@@ -21,8 +21,8 @@ import subprocess
 import sys
 import time
 
-import pytest
 import msgspec
+import pytest
 import zmq
 
 from kvelastic import protocol as p
@@ -66,7 +66,8 @@ def parse_env_file(text: str) -> list[tuple[str | None, str, str]]:
 def test_env_file_lists_every_variable_with_its_default():
     entries = parse_env_file(ENV_FILE.read_text())
     names = [name for _, name, _ in entries]
-    assert len(names) == len(set(names)), f"duplicated in kvelastic.env: {sorted(n for n in names if names.count(n) > 1)}"
+    duplicated = sorted(n for n in names if names.count(n) > 1)
+    assert len(names) == len(set(names)), f"duplicated in kvelastic.env: {duplicated}"
     assert set(names) == set(DEFAULTS), (
         f"kvelastic.env vs kvelastic.config.VARIABLES: missing {sorted(set(DEFAULTS) - set(names))}, "
         f"unknown {sorted(set(names) - set(DEFAULTS))}")

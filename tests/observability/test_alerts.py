@@ -20,8 +20,8 @@ import subprocess
 import pytest
 import yaml
 
-from tests.daemon.engines import EngineProcess
 from tests.daemon.books import parse_metrics
+from tests.daemon.engines import EngineProcess
 from tests.daemon_proc import DaemonProcess, free_port, wait_for
 from tests.observability.dashboard import ROOT, is_defined, metric_definitions, metric_names_in
 from tests.observability.prometheus_proc import PrometheusProcess, find

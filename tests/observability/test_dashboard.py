@@ -8,9 +8,21 @@ import tempfile
 import pytest
 import yaml
 
-from tests.observability.dashboard import (DASHBOARD, DATASOURCES, PROVIDERS, expand, is_defined, label_values,
-                                           load_dashboard, metric_definitions, metric_names_in, panels, targets,
-                                           variable_query, variables)
+from tests.observability.dashboard import (
+    DASHBOARD,
+    DATASOURCES,
+    PROVIDERS,
+    expand,
+    is_defined,
+    label_values,
+    load_dashboard,
+    metric_definitions,
+    metric_names_in,
+    panels,
+    targets,
+    variable_query,
+    variables,
+)
 from tests.observability.prometheus_proc import find
 
 RULES = DASHBOARD.parents[2] / "daemon" / "prometheus" / "kvelastic-alerts.yml"
@@ -34,8 +46,9 @@ REQUIRED_PANELS = {
     "Quarantined memory": {"kvelastic_quarantined_bytes"},
 }
 # Per-engine panels: they follow the Engine variable.
-ENGINE_PANELS = ("Memory per engine", "Slab grants, returns and reclaims per second", "Prefix-cache hit rate per engine",
-                 "Prefix-cache evictions by reason", "Starved engines", "Idle engines")
+ENGINE_PANELS = ("Memory per engine", "Slab grants, returns and reclaims per second",
+                 "Prefix-cache hit rate per engine", "Prefix-cache evictions by reason", "Starved engines",
+                 "Idle engines")
 # Panels that query no data source (Grafana's alert list reads the alerting API).
 QUERYLESS = {"alertlist"}
 DS = "${DS_PROMETHEUS}"

@@ -22,11 +22,18 @@ import time
 import pytest
 
 from kvelastic import protocol as p
-from tests.daemon.engines import EngineProcess
 from tests.daemon.books import parse_metrics, quiet_status
-from tests.daemon_proc import MiB, DaemonProcess, wait_for
-from tests.observability.dashboard import (expand, is_defined, label_values, load_dashboard, metric_definitions,
-                                           panels, variables)
+from tests.daemon.engines import EngineProcess
+from tests.daemon_proc import DaemonProcess, MiB, wait_for
+from tests.observability.dashboard import (
+    expand,
+    is_defined,
+    label_values,
+    load_dashboard,
+    metric_definitions,
+    panels,
+    variables,
+)
 from tests.observability.prometheus_proc import PrometheusProcess, find
 
 PROMETHEUS, PROMTOOL = find("prometheus"), find("promtool")

@@ -61,7 +61,7 @@ def test_an_idle_engines_warm_cache_yields_to_a_flood_and_nothing_ping_pongs():
     assert busy.pool.num_slabs == 4 and w.allocator.pools["0"].creatable() == 0
     advance(w, GRACE + 0.2)                                       # idle goes idle; busy stays busy
     live = []
-    for round_ in range(4):                                       # the flood: unique prompts, live blocks
+    for _ in range(4):                                            # the flood: unique prompts, live blocks
         live.append(fill(w, busy, busy.pool.num_free))
         grow(w, busy, 1, demand=True)
         advance(w, 0.2)

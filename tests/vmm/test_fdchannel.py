@@ -41,7 +41,7 @@ def test_batch_round_trip() -> None:
         assert [pid for pid, _ in got] == [10, 2**64 - 1, 0]
         assert [os.fstat(fd).st_size for _, fd in got] == [4096, 4097, 4098]
         assert all(not os.get_inheritable(fd) for _, fd in got)  # close-on-exec
-        assert set(fd for _, fd in got).isdisjoint(fds)
+        assert {fd for _, fd in got}.isdisjoint(fds)
         _close(fds)
         _close(fd for _, fd in got)
         a.send([])
