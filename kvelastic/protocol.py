@@ -255,6 +255,10 @@ class Registered(Msg):
     pages_per_worker: int = 1    # a worker's arena: page_size * max_slabs * pages_per_worker
     token: Token = b""           # to an engine: its secret (keep it; give it to its workers)
     idle_grace: float = IDLE_GRACE  # to an engine: inactive this long, it is idle (its reserve decays)
+    # To an engine: its namespace's secret root for block hashes (vLLM's
+    # NONE_HASH seed). The same for every engine of the namespace on this
+    # node, so their hashes agree; unknown outside it, so nobody can predict them.
+    hash_seed: str = ""
 
 
 class Granted(Msg):

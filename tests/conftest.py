@@ -24,3 +24,48 @@ def daemon_factory(tmp_path):
     yield make
     for proc in started:
         proc.stop()
+
+
+# Two real vLLM runs through the plugin (tests/vllm/settings_run.py), shared by
+# the settings walk (tests/daemon/test_settings.py) and the namespace identity
+# tests (tests/vllm/test_identity.py). Each reports the engine's entry of the
+# daemon's status, read while it is registered, and vLLM's block-hash root.
+# "plain" sets only what is needed to use kvelastic (and a prefix-cache size
+# limit of nothing); "tuned" sets every other plugin setting.
+PLUGIN_TUNED = {"KVELASTIC_ENGINE_ID": "tuned-engine", "KVELASTIC_ENGINE_MIN_MEMORY": "4MiB",
+                "KVELASTIC_ENGINE_MAX_MEMORY": "40MiB", "KVELASTIC_TENANT_SALT": "tenant-a",
+                "KVELASTIC_PREFIX_CACHE_TTL": "1s"}
+PLUGIN_PLAIN = {"KVELASTIC_PREFIX_CACHE_MAX_SIZE": "1"}     # one byte: no block may stay cached
+
+
+@pytest.fixture(scope="session")
+def plugin_runs(tmp_path_factory) -> dict:
+    """``{"plain"|"tuned": {"engine": status entry, "none_hash": hex}, "hash_secret": bytes,
+    "model": path}``."""
+    pytest.importorskip("vllm")
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+
+    tmp = tmp_path_factory.mktemp("plugin")
+    model = build_tiny_llama(tmp / "tiny-llama")
+    daemon = DaemonProcess(tmp, memory="256MiB").start()
+    script = pathlib.Path(__file__).resolve().parent / "vllm" / "settings_run.py"
+    runs: dict = {"model": model}
+    try:
+        for name, env in (("plain", PLUGIN_PLAIN), ("tuned", PLUGIN_TUNED)):
+            full = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVELASTIC_ENABLE": "1",
+                    "KVELASTIC_SOCKET": daemon.socket, **env}
+            out = subprocess.run([sys.executable, str(script), str(model), daemon.socket], env=full,
+                                 capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+            runs[name] = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+        with open(daemon.socket + ".hash-secret", "rb") as f:
+            runs["hash_secret"] = f.read()
+    finally:
+        daemon.stop()
+    return runs

@@ -100,8 +100,10 @@ class Allocator(Registration, Reporting):
     def __init__(self, budgets: dict[str, int], page_size: int, *, backend: str = "host",
                  timing: Timing = Timing(), events: bool = True,
                  token_source: Callable[[], bytes] = lambda: secrets.token_bytes(16),
-                 max_engines: int = 256) -> None:
-        """``budgets``: device name -> budget in pages (the first is the default device)."""
+                 max_engines: int = 256, hash_secret: bytes | None = None) -> None:
+        """``budgets``: device name -> budget in pages (the first is the default device).
+        ``hash_secret``: the key of the namespaces' hash seeds (``hash_seed``);
+        the daemon keeps one across restarts, by default a fresh random one."""
         self.pools = {name: PagePool(pages) for name, pages in budgets.items()}
         self.backend = backend
         self.medium = "GPU" if backend == "cuda" else "CPU"
@@ -125,6 +127,7 @@ class Allocator(Registration, Reporting):
         # A worker's process counts as alive only through channels that showed its engine's secret.
         self.peers: dict[tuple[str, int], dict[bytes, int]] = {}
         self._token_source = token_source
+        self.hash_secret = secrets.token_bytes(32) if hash_secret is None else hash_secret
         self._next_req = 1 << 32
         self._logged: set[tuple[p.Reason, str, bytes]] = set()
         self.max_engines = max_engines

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -19,6 +20,7 @@ from kvelastic.errors import ConfigError, KvelasticError
 from kvelastic.vmm import get_backend
 
 log = logging.getLogger("kvelastic.daemon")
+HASH_SECRET_BYTES = 32
 
 
 def host_memory_bytes() -> int:
@@ -99,6 +101,30 @@ def check_socket_dir(folder: str) -> None:
                              f"run 'chmod o-w {folder}', or set KVELASTIC_SOCKET to a folder of your own")
 
 
+def load_hash_secret(socket_path: str) -> bytes:
+    """The key of the namespaces' hash seeds, kept beside the socket (mode
+    0600) so that a restarted daemon gives engines the seeds their caches were
+    hashed with. Made on first start; a file anyone else can read is refused."""
+    path = socket_path + ".hash-secret"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        st = os.stat(path)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise KvelasticError(f"{path} must belong to this user with mode 0600 (it holds the key of the "
+                                 f"prefix-cache hash seeds): remove it, a new one is made at start") from None
+        with open(path, "rb") as f:
+            secret = f.read()
+        if len(secret) != HASH_SECRET_BYTES:
+            raise KvelasticError(f"{path} holds {len(secret)} bytes, not {HASH_SECRET_BYTES}: remove it, "
+                                 "a new one is made at start")
+        return secret
+    secret = secrets.token_bytes(HASH_SECRET_BYTES)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret)
+    return secret
+
+
 def raise_fd_limit() -> None:
     """The daemon holds one descriptor per page (12,000 for a 24 GiB pool)."""
     import resource
@@ -126,7 +152,7 @@ def main() -> int:
                         idle_grace=config.idle_grace, hold_down=config.hold_down)
         group = socket_group(config.socket_group)
         daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing, access=Access(group=group),
-                        max_engines=config.max_engines)
+                        max_engines=config.max_engines, hash_secret=load_hash_secret(config.socket))
     except KvelasticError as exc:
         print(f"kvelastic daemon: {exc}", file=sys.stderr)
         return 1

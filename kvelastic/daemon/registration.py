@@ -7,6 +7,8 @@ books and raises the same ``Rejected``; nothing here does I/O.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -30,6 +32,7 @@ class Registration:
     max_engines: int
     _now: float
     _token_source: Callable[[], bytes]
+    hash_secret: bytes
 
     if TYPE_CHECKING:  # the allocator's methods it calls
         def _engine(self, engine_id: str) -> EngineRecord: ...
@@ -67,7 +70,8 @@ class Registration:
             old.identity, old.last_seen = identity, self._now
             log.info("engine %s reconnected", m.engine_id)
             return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
-                                max_slabs=old.max_slabs, token=old.token, idle_grace=self.rules.idle_grace)
+                                max_slabs=old.max_slabs, token=old.token, idle_grace=self.rules.idle_grace,
+                                hash_seed=self.hash_seed(old.namespace))
         if len(self.engines) >= self.max_engines:
             raise Rejected(p.Reason.LIMIT, f"{len(self.engines)} engines registered, the most this daemon takes "
                                            f"(KVELASTIC_MAX_ENGINES)")
@@ -93,7 +97,16 @@ class Registration:
                  "virtual capacity %d slabs%s", m.engine_id, m.namespace, m.pid, m.num_workers,
                  engine.slab_bytes, max_slabs, f", adopted {len(held)} slab(s)" if held else "")
         return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
-                            max_slabs=max_slabs, token=engine.token, idle_grace=self.rules.idle_grace)
+                            max_slabs=max_slabs, token=engine.token, idle_grace=self.rules.idle_grace,
+                            hash_seed=self.hash_seed(m.namespace))
+
+    def hash_seed(self, namespace: str) -> str:
+        """The namespace's root for block hashes: a keyed hash of its name under
+        the daemon's secret. Deterministic (every engine of the namespace, and a
+        restarted daemon with the same secret, give the same seed) and
+        unpredictable without the secret (KV events and routers see hashes that
+        no other tenant or node can compute)."""
+        return hmac.new(self.hash_secret, namespace.encode(), hashlib.sha256).hexdigest()
 
     def _check_adoption(self, m: p.RegisterEngine, pool: PagePool, slab_pages: int, max_slabs: int) -> list[int]:
         """Slabs a re-registering engine says it holds: each once, inside its

@@ -43,12 +43,12 @@ class Daemon:
     def __init__(self, devices: list[Device], socket_path: str, *,
                  clock: Callable[[], float] = time.monotonic,
                  kv_events: tuple[str, str, int] | None = None, timing: Timing = Timing(),
-                 access: Access | None = None, max_engines: int = 256) -> None:
+                 access: Access | None = None, max_engines: int = 256, hash_secret: bytes | None = None) -> None:
         self.devices = {d.name: d for d in devices}
         self.clock = clock
         self.allocator = Allocator({d.name: d.budget_pages for d in devices}, devices[0].page_size,
                                    backend=devices[0].backend.name, timing=timing, events=kv_events is not None,
-                                   max_engines=max_engines)
+                                   max_engines=max_engines, hash_secret=hash_secret)
         self.snapshot = self.allocator.status()
         self.metrics = DaemonMetrics(lambda: self.snapshot, list(self.devices))
         self.socket_path = socket_path

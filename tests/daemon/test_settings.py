@@ -9,7 +9,6 @@ a setting that nothing reads cannot be documented.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import socket
@@ -30,7 +29,6 @@ from tests.daemon.hostile import Driver, RawEngine, kv_event_batches, register_m
 from tests.daemon_proc import DaemonProcess, wait_for
 
 MiB = 1 << 20
-HERE = pathlib.Path(__file__).resolve().parent
 
 
 class Node:
@@ -319,39 +317,7 @@ def _log_level(node: Node, request: pytest.FixtureRequest) -> None:
 
 
 # ------------------------------------------------------ the vLLM plugin
-# Two real vLLM runs through the plugin (tests/vllm/settings_run.py), each with
-# the engine's entry of the daemon's status read while it is registered:
-# "plain" sets only what is needed to use kvelastic (and a prefix-cache size
-# limit of nothing), "tuned" sets every other plugin setting.
-TUNED = {"KVELASTIC_ENGINE_ID": "tuned-engine", "KVELASTIC_ENGINE_MIN_MEMORY": "4MiB",
-         "KVELASTIC_ENGINE_MAX_MEMORY": "40MiB", "KVELASTIC_TENANT_SALT": "tenant-a",
-         "KVELASTIC_PREFIX_CACHE_TTL": "1s"}
-PLAIN = {"KVELASTIC_PREFIX_CACHE_MAX_SIZE": "1"}     # one byte: no block may stay cached
-
-
-@pytest.fixture(scope="module")
-def plugin_runs(tmp_path_factory) -> dict[str, dict]:
-    pytest.importorskip("vllm")
-    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
-
-    tmp = tmp_path_factory.mktemp("plugin")
-    model = build_tiny_llama(tmp / "tiny-llama")
-    daemon = DaemonProcess(tmp, memory="256MiB").start()
-    runs = {}
-    try:
-        for name, env in (("plain", PLAIN), ("tuned", TUNED)):
-            full = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVELASTIC_ENABLE": "1",
-                    "KVELASTIC_SOCKET": daemon.socket, **env}
-            out = subprocess.run([sys.executable, str(HERE.parent / "vllm" / "settings_run.py"), str(model),
-                                  daemon.socket], env=full, capture_output=True, text=True, timeout=300)
-            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-            [engine] = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:])
-            runs[name] = engine
-    finally:
-        daemon.stop()
-    return runs
-
-
+# Two real vLLM runs through the plugin: ``plugin_runs`` in tests/conftest.py.
 @probe("KVELASTIC_ENABLE")
 def _enable(node: Node, request: pytest.FixtureRequest) -> None:
     pytest.importorskip("vllm")
@@ -370,42 +336,43 @@ def _enable(node: Node, request: pytest.FixtureRequest) -> None:
 @probe("KVELASTIC_ENGINE_ID")
 def _engine_id(node: Node, request: pytest.FixtureRequest) -> None:
     runs = request.getfixturevalue("plugin_runs")
-    assert runs["tuned"]["engine_id"] == "tuned-engine"
-    assert runs["plain"]["engine_id"] == f"{socket.gethostname()}-{runs['plain']['pid']}"
+    assert runs["tuned"]["engine"]["engine_id"] == "tuned-engine"
+    assert runs["plain"]["engine"]["engine_id"] == f"{socket.gethostname()}-{runs['plain']['engine']['pid']}"
 
 
 @probe("KVELASTIC_ENGINE_MIN_MEMORY")
 def _engine_min_memory(node: Node, request: pytest.FixtureRequest) -> None:
     runs = request.getfixturevalue("plugin_runs")
-    assert (runs["plain"]["min_bytes"], runs["tuned"]["min_bytes"]) == (0, 4 * MiB)
+    assert (runs["plain"]["engine"]["min_bytes"], runs["tuned"]["engine"]["min_bytes"]) == (0, 4 * MiB)
 
 
 @probe("KVELASTIC_ENGINE_MAX_MEMORY")
 def _engine_max_memory(node: Node, request: pytest.FixtureRequest) -> None:
     runs = request.getfixturevalue("plugin_runs")
-    assert runs["tuned"]["max_bytes"] == 40 * MiB and runs["plain"]["max_bytes"] != 40 * MiB
+    assert runs["tuned"]["engine"]["max_bytes"] == 40 * MiB and runs["plain"]["engine"]["max_bytes"] != 40 * MiB
 
 
 @probe("KVELASTIC_TENANT_SALT")
 def _tenant_salt(node: Node, request: pytest.FixtureRequest) -> None:
     runs = request.getfixturevalue("plugin_runs")   # same model and geometry: only the salt differs
-    assert runs["plain"]["namespace"].startswith("tiny-llama-")
-    assert runs["tuned"]["namespace"].startswith("tiny-llama-")
-    assert runs["plain"]["namespace"] != runs["tuned"]["namespace"]
+    assert runs["plain"]["engine"]["namespace"].startswith("tiny-llama-")
+    assert runs["tuned"]["engine"]["namespace"].startswith("tiny-llama-")
+    assert runs["plain"]["engine"]["namespace"] != runs["tuned"]["engine"]["namespace"]
 
 
 @probe("KVELASTIC_PREFIX_CACHE_MAX_SIZE")
 def _prefix_cache_max_size(node: Node, request: pytest.FixtureRequest) -> None:
     runs = request.getfixturevalue("plugin_runs")
-    assert runs["plain"]["stats"]["evictions_size_limit"] > 0 and runs["plain"]["cached_blocks"] == 0
-    assert runs["tuned"]["stats"]["evictions_size_limit"] == 0
+    plain = runs["plain"]["engine"]
+    assert plain["stats"]["evictions_size_limit"] > 0 and plain["cached_blocks"] == 0
+    assert runs["tuned"]["engine"]["stats"]["evictions_size_limit"] == 0
 
 
 @probe("KVELASTIC_PREFIX_CACHE_TTL")
 def _prefix_cache_ttl(node: Node, request: pytest.FixtureRequest) -> None:
     runs = request.getfixturevalue("plugin_runs")
-    assert runs["tuned"]["stats"]["evictions_ttl"] > 0 and runs["tuned"]["cached_blocks"] == 0
-    assert runs["plain"]["stats"]["evictions_ttl"] == 0
+    assert runs["tuned"]["engine"]["stats"]["evictions_ttl"] > 0 and runs["tuned"]["engine"]["cached_blocks"] == 0
+    assert runs["plain"]["engine"]["stats"]["evictions_ttl"] == 0
 
 
 # ------------------------------------------------------------------ tests

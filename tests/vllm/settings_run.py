@@ -6,7 +6,8 @@ Generates a batch with shared prefixes twice (the second run hits), waits
 while the engine idles (so a prefix-cache TTL, when set, expires blocks),
 then prints this engine's entry of the daemon's status, as JSON, while the
 engine is still registered. The plugin's settings come from the environment
-(``KVELASTIC_*``), exactly as an operator sets them.
+(``KVELASTIC_*``), exactly as an operator sets them. Also prints vLLM's
+block-hash root (``NONE_HASH``), which the plugin seeds per namespace.
 """
 
 import json
@@ -35,8 +36,11 @@ def main() -> None:
     for _ in range(2):
         llm.generate(PROMPTS, params, use_tqdm=False)
     time.sleep(IDLE)
-    engines = [e for e in get_status(sys.argv[2])["engines"] if e["pid"] == os.getpid()]
-    print("RESULT " + json.dumps(engines), flush=True)
+    import vllm.v1.core.kv_cache_utils as kv_cache_utils
+
+    [engine] = [e for e in get_status(sys.argv[2])["engines"] if e["pid"] == os.getpid()]
+    print("RESULT " + json.dumps({"engine": engine, "none_hash": bytes(kv_cache_utils.NONE_HASH).hex()}),
+          flush=True)
 
 
 if __name__ == "__main__":

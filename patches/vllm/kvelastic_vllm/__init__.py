@@ -53,9 +53,12 @@ def register() -> None:
     import vllm.v1.engine.core as engine_core
     import vllm.v1.worker.gpu_model_runner as model_runner
 
-    from kvelastic_vllm import engine, worker
+    from kvelastic_vllm import engine, identity, worker
 
     engine_core.get_kv_cache_configs = engine.wrap_get_kv_cache_configs(engine_core.get_kv_cache_configs)
+    # Block hashes rooted in the namespace's secret seed (the daemon's, known
+    # once the engine registered, which is before EngineCore calls this).
+    engine_core.init_none_hash = identity.wrap_init_none_hash(engine_core.init_none_hash, plugin.hash_seed)
     install_scheduler_patches()
     runners: list[type] = [model_runner.GPUModelRunner]
     model_runner.allocate_kv_cache = worker.allocate_kv_cache

@@ -10,15 +10,13 @@ whole virtual capacity. Memory arrives underneath, slab by slab.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
-import os
 from typing import Any
 
 from kvelastic.client.engine import EngineClient
-from kvelastic.config import Config
 from kvelastic.core.pool import SlabPool
+from kvelastic_vllm.identity import namespace_of
 from kvelastic_vllm.state import PluginState, state
 
 log = logging.getLogger("kvelastic.vllm")
@@ -67,18 +65,6 @@ def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int) -> Geome
     return Geometry(t.block_stride, regions, bps, page_size * regions * max(1, num_workers) // bps)
 
 
-def namespace_of(vllm_config: Any, geometry: Geometry, config: Config) -> str:
-    """What makes two engines' blocks interchangeable: model, dtype, KV geometry,
-    hash algorithm and tenant salt."""
-    model = vllm_config.model_config
-    cache = vllm_config.cache_config
-    ident = "|".join(str(x) for x in (model.model, model.dtype, cache.block_size, geometry.block_stride,
-                                       geometry.regions, getattr(cache, "prefix_caching_hash_algo", ""),
-                                       config.tenant_salt))
-    name = (os.path.basename(str(model.model).rstrip("/")) or "model")[:64]   # the daemon caps names at 128
-    return f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
-
-
 def reserve_watermark(max_num_batched_tokens: int, block_size: int, blocks_per_slab: int) -> int:
     """Free blocks kept ahead of need: one scheduling step's worth plus a slab,
     so a step rarely waits for the daemon (larger needs are demand grows)."""
@@ -95,7 +81,8 @@ def register(vllm_config: Any, kv_cache_configs: list, plugin: PluginState) -> E
                     block_bytes=geometry.block_bytes, max_cached_bytes=config.prefix_cache_max_size,
                     ttl=config.prefix_cache_ttl)
     client = EngineClient(pool, socket_path=config.socket, engine_id=engine_id,
-                          namespace=namespace_of(vllm_config, geometry, config), page_size=config.page_size,
+                          namespace=namespace_of(vllm_config, geometry.block_stride, geometry.regions, num_workers,
+                                                 config.tenant_salt), page_size=config.page_size,
                           pages_per_worker=geometry.regions, num_workers=num_workers,
                           block_bytes=geometry.block_bytes, min_bytes=config.engine_min_memory,
                           max_bytes=config.engine_max_memory, low_watermark=0, key_group_suffix=True)

@@ -48,6 +48,11 @@ class PluginState:
         self.link = link
         return link
 
+    def hash_seed(self) -> str:
+        """The registered engine's namespace seed for block hashes ("" before
+        registration, or from a daemon that gives none)."""
+        return self.link.client.hash_seed if self.link is not None else ""
+
     def detach(self) -> None:
         """The engine is closed: the scheduler hooks pass through again."""
         self.link = None
