@@ -132,7 +132,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVELASTIC_PAGE_SIZE", "page_size", "2MiB", parse_power_of_two_size,
              "Physical page size; a power of two and a multiple of the backend granularity (CUDA: 2MiB)."),
     Variable("KVELASTIC_SOCKET", "socket", "", str,
-             "Daemon socket path. Default: `/run/kvelastic/kvelastic.sock` as root, else `$XDG_RUNTIME_DIR/kvelastic/kvelastic.sock` or `/tmp/kvelastic-$UID/kvelastic.sock`."),
+             "Daemon socket path. Default: `/run/kvelastic/kvelastic.sock` as root, else "
+             "`$XDG_RUNTIME_DIR/kvelastic/kvelastic.sock` or `/tmp/kvelastic-$UID/kvelastic.sock`."),
     Variable("KVELASTIC_METRICS_PORT", "metrics_port", "18477", parse_port,
              "Prometheus `/metrics` HTTP port (0 disables the endpoint). Outside Prometheus's exporter "
              "range 9100-9999, which its default-port list has exhausted, and the 10000+ block it continues in."),

@@ -12,11 +12,11 @@ import sys
 from kvelastic import protocol as p
 from kvelastic.config import Config
 from kvelastic.daemon.allocator import Timing
-from kvelastic.daemon.peers import Access
 from kvelastic.daemon.devices import Device
+from kvelastic.daemon.peers import Access
 from kvelastic.daemon.server import Daemon, sd_notify
-from kvelastic.protocol import fd_socket_path
 from kvelastic.errors import ConfigError, KvelasticError
+from kvelastic.protocol import fd_socket_path
 from kvelastic.vmm import get_backend
 
 log = logging.getLogger("kvelastic.daemon")
@@ -42,12 +42,14 @@ def budget_bytes(config: Config, total: int) -> int:
 
 def open_devices(config: Config) -> list[Device]:
     """One pool per GPU (each with the same budget rule), or one for host memory."""
+    from kvelastic.vmm.cuda import CudaBackend
+
     first = get_backend(config.backend, config.page_size)
-    if first.name != "cuda":
+    if not isinstance(first, CudaBackend):
         return [Device("0", first, budget_bytes(config, host_memory_bytes()))]
     devices = []
     for index in range(first.device_count()):
-        backend = first if index == first.device else get_backend("cuda", config.page_size, device=index)
+        backend = first if index == first.device else CudaBackend(config.page_size, device=index)
         devices.append(Device(str(index), backend, budget_bytes(config, backend.total_memory())))
     return devices
 
@@ -117,7 +119,7 @@ def load_hash_secret(socket_path: str) -> bytes:
             secret = f.read()
         if len(secret) != HASH_SECRET_BYTES:
             raise KvelasticError(f"{path} holds {len(secret)} bytes, not {HASH_SECRET_BYTES}: remove it, "
-                                 "a new one is made at start")
+                                 "a new one is made at start") from None
         return secret
     secret = secrets.token_bytes(HASH_SECRET_BYTES)
     with os.fdopen(fd, "wb") as f:
@@ -148,7 +150,8 @@ def main() -> int:
         prepare_socket_dir(config.socket)
         kv_events = ((config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_buffer)
                      if config.kv_events_endpoint else None)
-        timing = Timing(ack_timeout=config.ack_timeout or p.ACK_TIMEOUT, grow_timeout=config.grow_timeout or p.GROW_TIMEOUT,
+        timing = Timing(ack_timeout=config.ack_timeout or p.ACK_TIMEOUT,
+                        grow_timeout=config.grow_timeout or p.GROW_TIMEOUT,
                         idle_grace=config.idle_grace, hold_down=config.hold_down)
         group = socket_group(config.socket_group)
         daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing, access=Access(group=group),

@@ -52,7 +52,7 @@ class Daemon:
         self.snapshot = self.allocator.status()
         self.metrics = DaemonMetrics(lambda: self.snapshot, list(self.devices))
         self.socket_path = socket_path
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
