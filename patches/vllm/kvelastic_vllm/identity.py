@@ -15,7 +15,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger("kvelastic.vllm")
 
@@ -79,8 +79,13 @@ def _local_folder(model: str) -> str | None:
         return None
 
 
-def wrap_init_none_hash(original: Callable[[Callable[[Any], bytes]], None],
-                        seed: Callable[[], str]) -> Callable[[Callable[[Any], bytes]], None]:
+class InitNoneHash(Protocol):
+    """The shape of vLLM's ``init_none_hash`` (its argument is passed by name too)."""
+
+    def __call__(self, hash_fn: Callable[[Any], bytes]) -> object: ...
+
+
+def wrap_init_none_hash(original: InitNoneHash, seed: Callable[[], str]) -> InitNoneHash:
     """vLLM's ``init_none_hash`` (called once by EngineCore, after the KV cache
     is sized, so after this engine registered), then the root re-derived from
     the namespace's seed when the daemon gave one. vLLM's seed record

@@ -43,7 +43,7 @@ def worker_client(device: torch.device, token: bytes = b"") -> WorkerClient:
                           token=token).start(30.0)
     plugin.worker = client
     log.info("kvelastic: worker %d of engine %s reserved %d MiB of virtual KV space",
-             client.rank, plugin.engine_id, client.arena.size >> 20)
+             client.rank, plugin.engine_id, client.reserved_arena().size >> 20)
     return client
 
 
@@ -54,7 +54,7 @@ def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
     if not kv_cache_config.kv_cache_tensors:
         return {}
     size = kv_cache_config.kv_cache_tensors[0].size
-    arena = worker_client(device, getattr(kv_cache_config, "kvelastic_token", b"")).arena
+    arena = worker_client(device, getattr(kv_cache_config, "kvelastic_token", b"")).reserved_arena()
     if size > arena.size:
         raise RuntimeError(f"kvelastic: vLLM wants {size} bytes of KV space, the arena has {arena.size}")
     buf = arena.tensor(torch.int8, (size,))

@@ -60,6 +60,12 @@ def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
 
 
+def _ms(seconds: list[float], q: float) -> float | None:
+    """Quantile ``q`` of ``seconds`` in milliseconds (0.1 ms); None for none."""
+    x = _pct(seconds, q)
+    return None if x is None else round(x * 1e3, 1)
+
+
 def mem_available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -175,7 +181,7 @@ def run_mode(name: str, model: pathlib.Path, folder: pathlib.Path, workload: loa
         started = time.monotonic()
         group = stack.enter_context(servers(model, folder, n, total // n, env))
         startup = time.monotonic() - started
-        rss = [group_rss(s.proc.pid) for s in group]
+        rss = [group_rss(s.process().pid) for s in group]
         load.warm_up([s.base for s in group])
         time.sleep(2.0)   # past the idle grace: every engine starts the load idle
         before = _scrape(group)
@@ -184,7 +190,7 @@ def run_mode(name: str, model: pathlib.Path, folder: pathlib.Path, workload: loa
         with load.StallMonitor() as stalls:
             results = load.run_load([s.base for s in group], workload, t0, timeout=120 if quick else 180)
         finished = [r for r in results if r.ok]
-        t_end = max((t0 + r.sent + r.e2e for r in finished), default=time.monotonic())
+        t_end = max((t0 + r.sent + r.e2e for r in finished if r.e2e is not None), default=time.monotonic())
         out: dict[str, Any] = {"server_start_seconds": round(startup, 1), "server_rss_bytes": rss,
                                "load_start_wall": round(time.time() - (time.monotonic() - t0), 3),
                                "bench_process_worst_stall": {"ms": round(stalls.worst * 1e3, 1),
@@ -194,7 +200,7 @@ def run_mode(name: str, model: pathlib.Path, folder: pathlib.Path, workload: loa
             from kvelastic.ctl import get_status
 
             time.sleep(max(0.0, t_end + 2.0 - time.monotonic()))
-            at_2s = get_status(sock, timeout=2.0)
+            at_2s = get_status(poller.socket_path, timeout=2.0)
             time.sleep(3.0)            # a little more of the decay for the plot
             out["status_2s_after"] = at_2s
             out["status_samples"] = [(round(t - t0, 3), {e["engine_id"]: e["held_bytes"] for e in s["engines"]})
@@ -209,7 +215,7 @@ def run_mode(name: str, model: pathlib.Path, folder: pathlib.Path, workload: loa
             out["daemon_warnings"] = [line for line in daemon_log.read_text(errors="replace").splitlines()
                                       if " WARNING " in line or " ERROR " in line]
         after = _scrape(group)
-        out["servers_died"] = [f"e{i}" for i, server in enumerate(group) if server.proc.poll() is not None]
+        out["servers_died"] = [f"e{i}" for i, server in enumerate(group) if server.process().poll() is not None]
     out["results"] = results
     out["t_end"] = t_end - t0
     out["counters"] = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
@@ -220,8 +226,10 @@ def summarize(mode: dict[str, Any], workload: load.Workload) -> dict[str, Any]:
     results: list[load.Result] = mode["results"]
     ok = [r for r in results if r.ok]
     phase_of = {req.idx: req.phase for req in workload.requests}
-    ttft = [r.ttft for r in ok]
-    hot = [r.ttft for r in ok if r.hot]
+    # Every finished request has both times (``Result.ok``).
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    hot = [r.ttft for r in ok if r.hot and r.ttft is not None]
+    e2e = [r.e2e for r in ok if r.e2e is not None]
     first = min((r.sent for r in results), default=0.0)
     span = max(mode["t_end"] - first, 1e-9)
     counters = [c for c in mode["counters"] if not any(math.isnan(v) for v in c.values())]  # live servers
@@ -231,14 +239,13 @@ def summarize(mode: dict[str, Any], workload: load.Workload) -> dict[str, Any]:
     return {
         "requests": len(results), "finished": len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "ttft_p50_ms": _r(_pct(ttft, 0.5) * 1e3 if ttft else None, 1),
-        "ttft_p99_ms": _r(_pct(ttft, 0.99) * 1e3 if ttft else None, 1),
-        "ttft_hot_p99_ms": _r(_pct(hot, 0.99) * 1e3 if hot else None, 1),
-        "ttft_p99_ms_by_phase": [_r(_pct([r.ttft for r in ok if phase_of[r.idx] == k], 0.99) * 1e3, 1)
-                                 if any(phase_of[r.idx] == k for r in ok) else None
+        "ttft_p50_ms": _ms(ttft, 0.5),
+        "ttft_p99_ms": _ms(ttft, 0.99),
+        "ttft_hot_p99_ms": _ms(hot, 0.99),
+        "ttft_p99_ms_by_phase": [_ms([r.ttft for r in ok if phase_of[r.idx] == k and r.ttft is not None], 0.99)
                                  for k in range(len(workload.phases))],
         "ttft_mean_ms": _r(sum(ttft) / len(ttft) * 1e3 if ttft else None, 1),
-        "e2e_p99_ms": _r(_pct([r.e2e for r in ok], 0.99) * 1e3 if ok else None, 1),
+        "e2e_p99_ms": _ms(e2e, 0.99),
         "makespan_s": round(span, 2),
         "throughput_req_s": round(len(ok) / span, 3),
         "throughput_output_tok_s": round(sum(len(r.tokens) for r in ok) / span, 1),

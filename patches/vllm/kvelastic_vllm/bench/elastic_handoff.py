@@ -76,7 +76,7 @@ def engine_main(socket_path: str, engine_id: str) -> None:
                     for slab_id in slabs:
                         pool.take_slab_back(slab_id, reason="return")
                 if slabs:
-                    engine.conn.request(p.Return(engine_id=engine_id, slabs=slabs), 5.0)
+                    engine.conn.call(p.Return(engine_id=engine_id, slabs=slabs), 5.0)
             with engine.lock:
                 out["slabs"] = pool.num_slabs
             print(json.dumps(out), flush=True)
@@ -87,26 +87,28 @@ def engine_main(socket_path: str, engine_id: str) -> None:
 
 class _Engine:
     def __init__(self, socket_path: str, engine_id: str, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvelastic_vllm.bench.elastic_handoff", socket_path,
-                                      engine_id], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env)
+        proc = subprocess.Popen([sys.executable, "-m", "kvelastic_vllm.bench.elastic_handoff", socket_path,
+                                 engine_id], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        if proc.stdin is None or proc.stdout is None:      # both piped above
+            raise RuntimeError("handoff engine started without its pipes")
+        self.proc, self.stdin, self.stdout = proc, proc.stdin, proc.stdout
         self.call(None)
 
     def call(self, cmd: dict | None, timeout: float = 30.0) -> dict:
         import select
 
         if cmd is not None:
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
-            self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
+            self.stdin.write(json.dumps(cmd) + "\n")
+            self.stdin.flush()
+        ready, _, _ = select.select([self.stdout], [], [], timeout)
+        line = self.stdout.readline() if ready else ""
         if not line:
             raise RuntimeError(f"handoff engine gave no answer to {cmd} (exit {self.proc.poll()})")
         return json.loads(line)
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
+            self.stdin.close()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:

@@ -124,10 +124,11 @@ def _build_model(path: pathlib.Path, shape: Shape) -> None:
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         rms_norm_eps=1e-5,
-        torch_dtype=shape.dtype,
+        dtype=shape.dtype,
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    # transformers' stubs type the wrapped ``to`` as taking the model first.
+    model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
     # transformers' init is not a contract across versions: set the weights
     # explicitly so every build of the recipe gives the same model.
     gen = torch.Generator().manual_seed(SEED)

@@ -34,6 +34,8 @@ BS = 16
 def record_trace(num_requests: int, num_blocks: int, seed: int = 0) -> list[tuple]:
     """Block-pool calls made by KVCacheManager on a scheduler-like workload:
     requests sharing prefixes arrive, decode a block at a time, finish."""
+    from unittest import mock
+
     import vllm.v1.core.kv_cache_coordinator as coordinator
     from vllm.v1.core.block_pool import BlockPool
 
@@ -70,12 +72,8 @@ def record_trace(num_requests: int, num_blocks: int, seed: int = 0) -> list[tupl
 
     rng = random.Random(seed)
     prefixes = [[rng.randrange(30000) for _ in range(rng.randint(4, 24) * BS)] for _ in range(8)]
-    original = coordinator.BlockPool
-    coordinator.BlockPool = Recorder
-    try:
+    with mock.patch.object(coordinator, "BlockPool", Recorder):   # the pool the manager's coordinator builds
         mgr = manager(num_blocks, BS)
-    finally:
-        coordinator.BlockPool = original
     running = []
     for i in range(num_requests):
         toks = rng.choice(prefixes) + [rng.randrange(30000) for _ in range(rng.randint(8, 200))]
@@ -176,7 +174,8 @@ def measure(server: vllm_serve.VllmServer, dataset: list[str], prompts: int, see
             "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0}
 
 
-def serving(model: pathlib.Path, tmp: pathlib.Path, socket_path: str, quick: bool) -> dict[str, dict]:
+def serving(model: pathlib.Path, tmp: pathlib.Path, socket_path: str,
+            quick: bool) -> dict[tuple[str, str], dict[str, float]]:
     """Both servers up at once, measured in alternation, round after round (a
     new dataset seed each round, the same for both), so that drift and noise of
     a shared 2-core machine fall on both alike; medians are reported."""

@@ -82,6 +82,12 @@ class VllmServer:
         self.stop()
         raise RuntimeError(f"vllm serve not ready in {timeout:.0f} s:\n{self.log()[-3000:]}")
 
+    def process(self) -> subprocess.Popen[bytes]:
+        """The server's process (``start`` ran)."""
+        if self.proc is None:
+            raise RuntimeError("vllm serve was not started")
+        return self.proc
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
