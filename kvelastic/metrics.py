@@ -116,6 +116,12 @@ class DaemonCollector(Collector):
         hit_blocks = CounterMetricFamily(f"{PREFIX}_prefix_cache_hit_blocks",
                                          "Whole blocks served by the core pool's lookup (non-vLLM engines).",
                                          labels=["device", "engine"])
+        adopted = CounterMetricFamily(f"{PREFIX}_adopted_blocks",
+                                      "Cached blocks an engine adopted with slabs handed on by another engine "
+                                      "of its namespace (KV it did not compute).", labels=["device", "engine"])
+        adopted_hits = CounterMetricFamily(f"{PREFIX}_adopted_hits",
+                                           "Adopted blocks that served a hit (each counted once).",
+                                           labels=["device", "engine"])
         evictions = CounterMetricFamily(f"{PREFIX}_prefix_cache_evictions",
                                         "Cached blocks evicted, by reason.",
                                         labels=["device", "engine", "reason"])
@@ -133,7 +139,9 @@ class DaemonCollector(Collector):
             hits.add_metric([dev, eid], e.stats.get("hit_tokens", 0))
             lookup_blocks.add_metric([dev, eid], e.stats.get("lookup_blocks", 0))
             hit_blocks.add_metric([dev, eid], e.stats.get("hit_blocks", 0))
+            adopted.add_metric([dev, eid], e.stats.get("adopted_blocks", 0))
+            adopted_hits.add_metric([dev, eid], e.stats.get("adopted_hits", 0))
             for reason in EVICTION_REASONS:  # every series from registration on
                 evictions.add_metric([dev, eid, reason], e.stats.get(f"evictions_{reason}", 0))
         yield from (held, cached, idle, starved, limit, *slabs.values(), queries, hits, lookup_blocks, hit_blocks,
-                    evictions)
+                    adopted, adopted_hits, evictions)

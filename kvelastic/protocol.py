@@ -203,10 +203,25 @@ class Unregister(Msg):
 
 
 # ------------------------------------------- client answers to daemon commands
+class CachedBlock(msgspec.Struct, array_like=True, frozen=True):
+    """A cached block of a slab, by its place in the slab (``block_id %
+    blocks_per_slab``), with its prefix-cache key."""
+    offset: Annotated[int, msgspec.Meta(ge=0)]
+    key: Key
+
+
+# A slab's cached blocks, oldest first (LRU order): what travels with a slab
+# handed from one engine to another of the same namespace.
+SlabCache = Annotated[list[CachedBlock], msgspec.Meta(max_length=1 << 12)]
+
+
 class ReclaimDone(Msg):
     engine_id: Name
     given: list[int]
     refused: list[int]
+    # Given slabs' cached blocks, as the engine had them when it let go; the
+    # daemon hands them on with the pages to an engine of the same namespace.
+    cached: dict[int, SlabCache] = {}
 
 
 class Mapped(Msg):
@@ -263,6 +278,9 @@ class Registered(Msg):
 
 class Granted(Msg):
     slabs: list[int]
+    # Slabs handed on by an engine of the same namespace, with their KV: the
+    # receiver adopts these blocks as cached (their pages were not zeroed).
+    cached: dict[int, SlabCache] = {}
 
 
 class Reclaim(Msg):

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import msgspec
 
 from kvelastic import protocol as p
-from kvelastic.client.connection import Connection, DaemonError, DaemonUnavailable
+from kvelastic.client.connection import Connection, DaemonError, DaemonUnavailable, expect
 from kvelastic.client.reserve import ReservePolicy
 from kvelastic.core.journal import REMOVE, STORE
 from kvelastic.core.pool import SlabPool
@@ -53,18 +53,25 @@ def wire_key(key) -> bytes:
     return key if type(key) is bytes else msgspec.msgpack.encode(key)
 
 
-def give_up(pool: SlabPool, slab_ids: list[int]) -> tuple[list[int], list[int]]:
+def give_up(pool: SlabPool, slab_ids: list[int]) -> tuple[list[int], list[int], dict[int, list[p.CachedBlock]]]:
     """Answer a reclaim: take each slab back from ``pool`` if it can go.
-    Returns (given, refused); a slab whose block turned live meanwhile, or that
-    the pool does not hold, is refused."""
+    Returns (given, refused, cached): a slab whose block turned live
+    meanwhile, or that the pool does not hold, is refused; ``cached`` holds
+    the given slabs' cached blocks as they were (oldest first), which the
+    daemon hands on with the pages to an engine of the same namespace."""
+    entries = pool.cached_entries(slab_ids)
     given, refused = [], []
+    cached: dict[int, list[p.CachedBlock]] = {}
     for slab_id in slab_ids:
         try:
             pool.take_slab_back(slab_id, reason="reclaim")
-            given.append(slab_id)
         except PoolError:
             refused.append(slab_id)
-    return given, refused
+            continue
+        given.append(slab_id)
+        if entries.get(slab_id):
+            cached[slab_id] = [p.CachedBlock(offset, wire_key(key)) for offset, key in entries[slab_id]]
+    return given, refused, cached
 
 
 class EngineClient:
@@ -76,10 +83,12 @@ class EngineClient:
         self.pool = pool
         self.engine_id = engine_id
         self.namespace = namespace
-        self.geometry = dict(page_size=page_size, pages_per_worker=pages_per_worker,
-                             num_workers=num_workers, blocks_per_slab=pool.blocks_per_slab,
-                             block_bytes=block_bytes, min_bytes=min_bytes, max_bytes=max_bytes,
-                             block_tokens=pool.block_size, key_group_suffix=key_group_suffix, device=device)
+        # What every registration says; each adds its pid, held slabs and secret.
+        self.registration = p.RegisterEngine(
+            version=p.PROTOCOL_VERSION, engine_id=engine_id, pid=os.getpid(), namespace=namespace,
+            page_size=page_size, pages_per_worker=pages_per_worker, num_workers=num_workers,
+            blocks_per_slab=pool.blocks_per_slab, block_bytes=block_bytes, min_bytes=min_bytes,
+            max_bytes=max_bytes, block_tokens=pool.block_size, key_group_suffix=key_group_suffix, device=device)
         self.reserve = ReservePolicy(pool.blocks_per_slab if low_watermark is None else low_watermark,
                                      keep_idle_slabs=keep_idle_slabs, shrink_grace=shrink_grace,
                                      active_at=time.monotonic())
@@ -88,6 +97,7 @@ class EngineClient:
         self.max_slabs = 0
         self.budget_bytes = 0
         self.token = b""                   # this engine's secret, from its first registration
+        self.hash_seed = ""                # its namespace's block-hash root, likewise
         self.refused_until = 0.0           # after a refused grow, no prefetch for a while
         self._grow_in_flight = False       # a reserve grow awaits its answer
         self._grow_answered = threading.Event()
@@ -134,15 +144,18 @@ class EngineClient:
             occupancy = self.pool.occupancies()
         finally:
             self.lock.release()
-        reply = conn.call(p.RegisterEngine(
-            version=p.PROTOCOL_VERSION, engine_id=self.engine_id, pid=os.getpid(),
-            namespace=self.namespace, held=held, occupancy=occupancy, token=self.token, **self.geometry),
-            timeout=5.0)
+        reply = expect(conn.call(msgspec.structs.replace(self.registration, pid=os.getpid(), held=held,
+                                                         occupancy=occupancy, token=self.token), timeout=5.0),
+                       p.Registered)
         self.max_slabs, self.budget_bytes = reply.max_slabs, reply.budget_bytes
         self.reserve.idle_grace = reply.idle_grace   # the daemon's clock for "idle"
         # Kept for good: a re-registration (also with a restarted daemon) shows
         # it, and so do this engine's workers (``WorkerClient(token=...)``).
         self.token = reply.token
+        # The namespace's root for block hashes; the vLLM plugin seeds vLLM's
+        # NONE_HASH with it (the first registration's: hashes never change
+        # under a running engine).
+        self.hash_seed = self.hash_seed or reply.hash_seed
         self._grow_in_flight = False
         self._grow_answered.set()
         if held:  # a restarted daemon has an empty mirror: send the whole index
@@ -150,7 +163,7 @@ class EngineClient:
             log.info("engine %s: re-registered with %d slab(s) held", self.engine_id, len(held))
 
     def _resend_index(self) -> None:
-        ops = [p.StoreKey(key=wire_key(k), block=b) for k, b in self.pool.cached_keys()]
+        ops: list[p.JournalOp] = [p.StoreKey(key=wire_key(k), block=b) for k, b in self.pool.cached_keys()]
         self.pool.take_journal()
         occupancy = self.pool.occupancies()
         for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):   # the daemon takes journals in parts
@@ -165,14 +178,19 @@ class EngineClient:
         most ``timeout``. With ``keep_cache`` cached blocks do not count, so
         allocating them evicts nothing while the daemon can supply memory.
         A reserve grow already on its way is waited for, not asked twice.
+        Blocks adopted with a slab this demand brought (handed on by an engine
+        of the namespace) count as supplied: evicting them costs no more than
+        fresh pages would have, and until then they may hit.
         False: the daemon could not supply them (device full, engine at its cap)."""
         pool = self.pool
         deadline = time.monotonic() + timeout
         self.reserve.touch(time.monotonic())
+        adopted_before = pool.stats.adopted_blocks
 
         def missing() -> int:
             self.apply_grants()
-            return blocks - pool.num_free - (0 if keep_cache else pool.num_cached)
+            brought = min(pool.stats.adopted_blocks - adopted_before, pool.num_cached)
+            return blocks - pool.num_free - (brought if keep_cache else pool.num_cached)
 
         with self.lock:
             if missing() <= 0:
@@ -254,6 +272,16 @@ class EngineClient:
                 self.pool.add_slab(slab_id)
             except PoolError as exc:
                 log.error("engine %s: granted slab %d not usable: %s", self.engine_id, slab_id, exc)
+                continue
+            handed = reply.cached.get(slab_id)
+            if handed:
+                try:
+                    n = self.pool.adopt(slab_id, [(c.offset, c.key) for c in handed])
+                except PoolError as exc:
+                    log.warning("engine %s: handed-on blocks of slab %d not adopted: %s",
+                                self.engine_id, slab_id, exc)
+                else:
+                    log.info("engine %s: adopted %d cached block(s) with slab %d", self.engine_id, n, slab_id)
         if not reply.slabs:
             self.refused_until = self._now + 0.5
 
@@ -281,9 +309,10 @@ class EngineClient:
             self._run_or_defer(self._clear_index)
 
     def _reclaim(self, msg: p.Reclaim) -> None:
-        given, refused = give_up(self.pool, msg.slabs)
+        given, refused, cached = give_up(self.pool, msg.slabs)
         self._flush_journal()
-        self.conn.send(p.ReclaimDone(req_id=msg.req_id, engine_id=self.engine_id, given=given, refused=refused))
+        self.conn.send(p.ReclaimDone(req_id=msg.req_id, engine_id=self.engine_id, given=given, refused=refused,
+                                     cached=cached))
 
     def _clear_index(self) -> None:
         dropped = self.pool.clear_index()

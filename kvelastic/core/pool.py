@@ -93,6 +93,8 @@ class SlabPool:
         self.num_live = 0
         self.journal = Journal()
         self.stats = PoolStats()
+        # Adopted blocks not hit yet (their first hit counts in stats.adopted_hits).
+        self._adopted: set[int] = set()
 
     # ------------------------------------------------------------ capacity
     @property
@@ -157,6 +159,62 @@ class SlabPool:
         self.num_free += self.blocks_per_slab
         self.journal.ops.append((ADD_SLAB, slab_id))
         self.journal.dirty.add(slab_id)
+
+    def cached_entries(self, slab_ids: Iterable[int]) -> dict[int, list[tuple[int, Hashable]]]:
+        """Each slab's cached blocks as ``(offset in the slab, key)``, oldest
+        first: what another engine of the namespace can adopt with the slab."""
+        wanted = {sid: self._slabs[sid] for sid in slab_ids if sid in self._slabs}
+        out: dict[int, list[tuple[int, Hashable]]] = {sid: [] for sid in wanted}
+        for blk in self._lru.values():
+            slab = blk.slab
+            if slab.slab_id in wanted:
+                out[slab.slab_id].append((blk.block_id - slab.slab_id * self.blocks_per_slab, blk._block_hash))
+        return out
+
+    def adopt(self, slab_id: int, entries: Sequence[tuple[int, Hashable]]) -> int:
+        """A slab just granted arrived with its blocks' KV (handed on by an
+        engine of the same namespace): the blocks at ``entries``' offsets
+        become cached under their keys, older than every block cached here
+        (oldest first in ``entries``). A key this pool already caches is
+        skipped (one block per key keeps eviction simple). All checked before
+        anything changes. Returns the number of blocks adopted."""
+        slab = self._slabs.get(slab_id)
+        if slab is None:
+            raise UnknownSlab(f"slab {slab_id} is not held")
+        if slab.live or slab.cached:
+            raise SlabBusy(f"slab {slab_id} is in use: only a slab just granted adopts blocks")
+        offsets = [off for off, _ in entries]
+        if len(set(offsets)) != len(offsets) or any(not 0 <= off < self.blocks_per_slab for off in offsets):
+            raise PoolError(f"adopt: offsets {offsets} are not distinct places in a slab of "
+                            f"{self.blocks_per_slab} blocks")
+        seen: set[Hashable] = set()
+        take = []
+        for off, key in entries:
+            if key not in seen and self._index.get_one(key) is None:
+                seen.add(key)
+                take.append((slab.blocks[off], key))
+        if not take:
+            return 0
+        old_free = len(slab.free)
+        taken = {blk.block_id for blk, _ in take}
+        slab.free = [blk for blk in slab.free if blk.block_id not in taken]
+        now = self._clock()
+        for blk, key in reversed(take):      # the oldest ends up first in the LRU
+            blk._block_hash = key
+            self._index.insert(key, blk)
+            self.journal.ops.append((STORE, key, blk.block_id))
+            self._lru[blk.block_id] = blk
+            self._lru.move_to_end(blk.block_id, last=False)
+            if self.ttl:
+                self._cached_at[blk.block_id] = now
+            self._adopted.add(blk.block_id)
+        slab.cached += len(take)
+        self.num_free -= len(take)
+        self._rebucket(slab, old_free)
+        self.journal.dirty.add(slab_id)
+        self.stats.adopted_blocks += len(take)
+        self._enforce_limits(now)
+        return len(take)
 
     def take_slab_back(self, slab_id: int, reason: str = "reclaim") -> int:
         """Remove a slab with no live block; its cached blocks are evicted
@@ -242,12 +300,15 @@ class SlabPool:
             if blk.ref_cnt == 0 and blk._block_hash is None:
                 raise BlockNotCached(f"block {blk.block_id} is free, not cached: it cannot be touched")
         self.stats.block_ops += 1
-        lru, dirty, cached_at = self._lru, self.journal.dirty, self._cached_at
+        lru, dirty, cached_at, adopted = self._lru, self.journal.dirty, self._cached_at, self._adopted
         for blk in blocks:
             if blk.ref_cnt == 0:
                 del lru[blk.block_id]
                 if cached_at:
                     del cached_at[blk.block_id]
+                if adopted and blk.block_id in adopted:   # a hit on KV another engine computed
+                    adopted.discard(blk.block_id)
+                    self.stats.adopted_hits += 1
                 slab = blk.slab
                 slab.cached -= 1
                 slab.live += 1
@@ -419,6 +480,7 @@ class SlabPool:
         self._index.clear()
         self._lru.clear()
         self._cached_at.clear()
+        self._adopted.clear()
         self.journal.ops.append((CLEAR,))
         self.stats.evictions["invalidate"] += dropped
         if self.on_cleared is not None:
@@ -456,6 +518,7 @@ class SlabPool:
 
     def _drop_key(self, blk: BlockRecord) -> None:
         key = blk._block_hash
+        self._adopted.discard(blk.block_id)
         self._index.remove(key, blk)
         self.journal.ops.append((REMOVE, key, blk.block_id))
         blk._block_hash = blk._block_hash_num_tokens = None

@@ -21,6 +21,10 @@ class PoolStats:
     # allocate/touch/free calls: the engine's activity (one that makes none is
     # idle; slabs coming and going are not activity).
     block_ops: int = 0
+    # Blocks adopted with slabs handed on by another engine of the namespace,
+    # and hits on them (each adopted block counts once, at its first hit).
+    adopted_blocks: int = 0
+    adopted_hits: int = 0
     evictions: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
 

@@ -12,7 +12,9 @@ Rules it keeps (the invariants the tests and the simulator check):
   being created never exceed a device's budget.
 - A page is handed to another engine only as a fresh page: a free page keeps
   its last owner's tag and is reused only by that owner (engine id and
-  namespace); for anyone else it is released and a new one created.
+  namespace); for anyone else it is released and a new one created. The one
+  exception stays inside a namespace: a slab given up for a grow of the same
+  namespace and geometry is handed on as it is, with its cached blocks.
 - Every wait has a deadline. A map or unmap not acknowledged in time fails
   the engine: its pages are quarantined (never re-lent) until every process
   of it is gone. A grow is answered by its deadline with what it got.
@@ -77,6 +79,16 @@ class GrowRequest:
     reclaim_rounds: int = 0
     # Slabs given up for this grow, still unmapping: their pages are on the way.
     incoming: set[tuple[str, int]] = dataclasses.field(default_factory=set)
+    # Slabs given up for it by an engine of its namespace, unmapped: their
+    # pages (free under the requester's tag) and the cached blocks they hold.
+    handoffs: list[Handoff] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Handoff:
+    pages: list[int]
+    page_devices: list[str]
+    cached: tuple[p.CachedBlock, ...]
 
 
 @dataclasses.dataclass(eq=False)
@@ -420,6 +432,9 @@ class Allocator(Registration, Reporting):
             slab_id = engine.free_slab_id()
             if slab_id is None:
                 break
+            if self._map_handoff(engine, slab_id, req):
+                owned += 1
+                continue
             pages = self._take_pages(engine)
             if pages is None:
                 break
@@ -440,7 +455,8 @@ class Allocator(Registration, Reporting):
         self._out.append(fx.GrantLatency(engine.device, latency, req.demand))
         if req.demand:
             self._starvation(engine, req, short)
-        self._out.append(fx.Send(req.identity, p.Granted(req_id=req.req_id, slabs=req.slabs)))
+        self._out.append(fx.Send(req.identity, p.Granted(req_id=req.req_id, slabs=req.slabs,
+                                                         cached=self._handed(engine, req.slabs))))
         for slab_id in req.mapping:     # answered at its deadline: the late ones are granted on their own
             engine.slabs[slab_id].late_grant = True
         if req.slabs:
@@ -473,6 +489,39 @@ class Allocator(Registration, Reporting):
 
     def _devices_of(self, engine: EngineRecord) -> set[str]:
         return {engine.worker_devices.get(r, engine.device) for r in range(engine.num_workers)} or {engine.device}
+
+    def _map_handoff(self, engine: EngineRecord, slab_id: int, req: GrowRequest) -> bool:
+        """Map a slab handed on to ``req`` by an engine of its namespace: the
+        same pages, not zeroed, with their cached blocks. False when there is
+        none (or its pages went meanwhile: then it is dropped)."""
+        while req.handoffs:
+            handoff = req.handoffs.pop(0)
+            pools = {d: self.pools[d] for d in handoff.page_devices}
+            owner = owner_tag(engine)
+            by_device: dict[str, list[int]] = {}
+            for page, device in zip(handoff.pages, handoff.page_devices):
+                by_device.setdefault(device, []).append(page)
+            if not all(pools[d].free.get(pg) == owner for d, pages in by_device.items() for pg in pages):
+                continue
+            for device, pages in by_device.items():
+                pools[device].take_exact(pages, owner)
+            self._start_map(engine, slab_id, handoff.pages, handoff.page_devices, req)
+            slab = engine.slabs.get(slab_id)
+            if slab is not None:
+                slab.handoff = handoff.cached
+            return True
+        return False
+
+    @staticmethod
+    def _handed(engine: EngineRecord, slab_ids: list[int]) -> dict[int, list[p.CachedBlock]]:
+        """The cached blocks that came with these slabs (handed on), for the grant."""
+        out: dict[int, list[p.CachedBlock]] = {}
+        for slab_id in slab_ids:
+            slab = engine.slabs.get(slab_id)
+            if slab is not None and slab.handoff:
+                out[slab_id] = list(slab.handoff)
+                slab.handoff = ()
+        return out
 
     def _take_pages(self, engine: EngineRecord) -> tuple[list[int], list[str]] | None:
         """Pages for one slab, rank by rank from each worker's device, all or
@@ -561,7 +610,8 @@ class Allocator(Registration, Reporting):
             if req is not None:
                 req.slabs.append(slab.slab_id)
             elif slab.late_grant:      # its grow was answered at the deadline: grant it now
-                self._command(engine.identity, p.Granted(slabs=[slab.slab_id]))
+                self._command(engine.identity, p.Granted(slabs=[slab.slab_id],
+                                                         cached=self._handed(engine, [slab.slab_id])))
         self._progress_grows()
 
     # ====================================================== return / reclaim
@@ -609,17 +659,32 @@ class Allocator(Registration, Reporting):
             raise Rejected(p.Reason.BAD_REQUEST, f"engine {m.engine_id} answered for slabs it was not asked for")
         engine = self._engine(m.engine_id)
         del self.reclaims[m.req_id]
+        requester = self.engines.get(rec.grow.engine_id)
         for slab_id in m.given:
             slab = engine.slabs.get(slab_id)
             if slab is not None and slab.phase is Phase.HELD:
                 engine.reclaims += 1
                 rec.grow.incoming.add((engine.engine_id, slab_id))
                 self._moved(engine, rec.grow.engine_id)
+                cached = m.cached.get(slab_id)
+                if cached and requester is not None and self._may_hand_on(engine, requester, cached):
+                    slab.handoff, slab.handoff_to = tuple(cached), rec.grow.seq
                 self._start_unmap(engine, slab)
         if m.refused:
             log.info("engine %s: refused %d slab(s) (in use again)", m.engine_id, len(m.refused))
         rec.grow.reclaims.discard(m.req_id)
         self._progress_grows()
+
+    @staticmethod
+    def _may_hand_on(giver: EngineRecord, taker: EngineRecord, cached: list[p.CachedBlock]) -> bool:
+        """A slab's KV may go to ``taker`` as it is only within a namespace (the
+        tenant salt is part of it: never across tenants) and between the same
+        geometry, so each block lands where its bytes are."""
+        same = (giver.namespace == taker.namespace and giver.device == taker.device
+                and giver.pages_per_worker == taker.pages_per_worker and giver.num_workers == taker.num_workers
+                and giver.blocks_per_slab == taker.blocks_per_slab and giver.block_bytes == taker.block_bytes
+                and giver.worker_devices == taker.worker_devices)
+        return same and all(c.offset < giver.blocks_per_slab for c in cached)
 
     def _moved(self, source: EngineRecord, to_id: str) -> None:
         """A slab of ``source`` goes to engine ``to_id``: counted, and thrash if it
@@ -668,6 +733,11 @@ class Allocator(Registration, Reporting):
                 del self.returns[(ret.identity, ret.req_id)]
                 self._out.append(fx.Send(ret.identity, p.Ok(req_id=ret.req_id)))
         owner = owner_tag(engine)
+        req = self.grows.get(slab.handoff_to)
+        taker = self.engines.get(req.engine_id) if req is not None else None
+        if req is not None and taker is not None and slab.pages and not engine.failed:
+            owner = owner_tag(taker)   # handed on: free under the taker's tag until its grow maps them
+            req.handoffs.append(Handoff(list(slab.pages), list(slab.page_devices), slab.handoff))
         for page_id, device in zip(slab.pages, slab.page_devices):
             self.pools[device].put_back([page_id], owner)
         self.pools[engine.device].adopted -= slab.adopted_pages

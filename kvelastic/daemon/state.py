@@ -43,6 +43,11 @@ class SlabRecord:
     return_req: tuple[bytes, int] | None = None  # (client, Return req_id) answered once unmapped
     deadline: float = 0.0              # mapping/unmapping: every ack due by then
     late_grant: bool = False           # its grow was answered before it was mapped
+    # Cached blocks that travel with the slab's pages to an engine of the same
+    # namespace: on the giver's record, for the grow (``handoff_to``: its seq)
+    # the slab was given up for; on the receiver's, until it is granted.
+    handoff: tuple[p.CachedBlock, ...] = ()
+    handoff_to: int = -1
 
     # Lifecycle: MAPPING -> HELD -> UNMAPPING -> (gone: pages back to the pool);
     # a slab that failed to map goes MAPPING -> UNMAPPING.
@@ -277,6 +282,16 @@ class PagePool:
         for page in pages:
             del free[page]
         return pages
+
+    def take_exact(self, pages: list[int], owner: str) -> bool:
+        """Take exactly ``pages`` if every one is free under ``owner``'s tag
+        (a slab handed on keeps its pages); else take nothing."""
+        free = self.free
+        if any(free.get(page) != owner for page in pages):
+            return False
+        for page in pages:
+            del free[page]
+        return True
 
     def take_stale(self, n: int) -> list[int]:
         """Up to ``n`` free pages of other owners, to release (they leave the books)."""

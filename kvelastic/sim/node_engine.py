@@ -178,7 +178,7 @@ class NodeEngine:
             elif self.blocked is not None and msg.req_id == self.blocked.get("req"):
                 self._unblock()
         elif isinstance(msg, p.Reclaim):
-            given, refused = give_up(self.pool, msg.slabs)
+            given, refused, _ = give_up(self.pool, msg.slabs)
             self.stats["reclaimed_slabs"] += len(given)
             self.stats["refused_slabs"] += len(refused)
             self.flush_journal()

@@ -28,6 +28,7 @@ class SimResult:
     steps: int
     faults: collections.Counter
     violations: list[str]
+    handed_blocks: int = 0       # cached blocks handed on with slabs within a namespace
 
     @property
     def replay(self) -> str:
@@ -106,7 +107,7 @@ def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = 
             break
     if not w.violations:
         settle(w)
-    return SimResult(seed, steps, injected, w.violations)
+    return SimResult(seed, steps, injected, w.violations, w.handed_blocks)
 
 
 def step_boundary(engine, rng) -> None:

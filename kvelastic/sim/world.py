@@ -65,6 +65,8 @@ class SimEngine:
     def __init__(self, world: World, name: str, workers: int, demand_share: float) -> None:
         self.world = world
         self.name = name
+        # Two namespaces (engines alternate): cached slabs are handed on within one only.
+        self.namespace = f"ns{int(name.lstrip('e') or 0) % 2}"
         self.incarnation = 0
         self.pool = SlabPool(BLOCKS_PER_SLAB, block_size=16)
         self.workers = [SimWorker(r, b"") for r in range(workers)]
@@ -88,7 +90,8 @@ class SimEngine:
         self.world.connect(self.identity)
         self.world.open_peer(self, -1)
         self.send(p.RegisterEngine(version=p.PROTOCOL_VERSION, engine_id=self.name, pid=1000 + self.incarnation,
-                                   namespace="ns", page_size=PAGE, pages_per_worker=1, num_workers=len(self.workers),
+                                   namespace=self.namespace, page_size=PAGE, pages_per_worker=1,
+                                   num_workers=len(self.workers),
                                    blocks_per_slab=BLOCKS_PER_SLAB, block_bytes=PAGE // BLOCKS_PER_SLAB,
                                    held=self.pool.slab_ids() if held is None else held,
                                    occupancy=self.pool.occupancies(), token=self.token))
@@ -194,11 +197,14 @@ class SimEngine:
                     self.pool.add_slab(slab_id)
                     if not self.dying:
                         self.world.check_slab_mapped(self, slab_id)
+                        if msg.cached.get(slab_id):
+                            self.world.check_handoff(self, slab_id, msg.cached[slab_id])
+                            self.pool.adopt(slab_id, [(c.offset, c.key) for c in msg.cached[slab_id]])
         elif isinstance(msg, p.Reclaim):
-            given, refused = give_up(self.pool, msg.slabs)
+            given, refused, cached = give_up(self.pool, msg.slabs)
             self.flush_journal()
             self.world.client_send(self.identity, p.ReclaimDone(req_id=msg.req_id, engine_id=self.name,
-                                                                given=given, refused=refused))
+                                                                given=given, refused=refused, cached=cached))
 
     def on_worker_message(self, w: SimWorker, msg: p.Msg) -> None:
         if isinstance(msg, p.Registered):
@@ -216,8 +222,9 @@ class SimEngine:
                     w.channel.remove(page)
             for page in pages:
                 owner = self.world.device.content.get(page)
-                if owner not in (None, self.name):
-                    self.world.violation(f"engine {self.name} mapped page {page} holding {owner}'s data")
+                if owner not in (None, self.name) and self.world.namespace_of(owner) != self.namespace:
+                    self.world.violation(f"engine {self.name} mapped page {page} holding {owner}'s data "
+                                         "(another namespace)")
             w.mapped[msg.slab] = pages
             self.world.client_send(w.identity, p.Mapped(req_id=msg.req_id, engine_id=self.name, rank=w.rank,
                                                         slab=msg.slab))
@@ -300,6 +307,7 @@ class World:
         self.timing = timing
         self.budget_pages = budget_pages
         self.device = Device()
+        self.handed_blocks = 0     # cached blocks adopted with slabs handed on (check_handoff)
         self.wires: dict[bytes, Wire] = {}
         self.violations: list[str] = []
         self.allocator = self._new_allocator()
@@ -430,6 +438,28 @@ class World:
 
     def violation(self, what: str) -> None:
         self.violations.append(f"t={self.now:.3f} {what}")
+
+    def namespace_of(self, engine_name: str) -> str:
+        return next(e.namespace for e in self.engines if e.name == engine_name)
+
+    def check_handoff(self, engine: SimEngine, slab_id: int, cached: list[p.CachedBlock]) -> None:
+        """Blocks handed on with a slab: computed by an engine of the taker's
+        namespace, over pages that hold that namespace's KV and that no other
+        engine maps any more (an adopted block is never live elsewhere)."""
+        self.handed_blocks += len(cached)
+        for c in cached:
+            origin = c.key.decode().split(":", 1)[0]
+            if self.namespace_of(origin) != engine.namespace:
+                self.violation(f"engine {engine.name} adopted {origin}'s block across namespaces")
+        for w in engine.workers:
+            for page in w.mapped.get(slab_id, []):
+                writer = self.device.content.get(page)
+                if writer is not None and self.namespace_of(writer) != engine.namespace:
+                    self.violation(f"engine {engine.name}: adopted slab {slab_id} holds {writer}'s KV")
+                for other in self.engines:
+                    if other is not engine and any(page in pages for ow in other.workers
+                                                   for pages in ow.mapped.values()):
+                        self.violation(f"engine {engine.name}: adopted page {page} still mapped by {other.name}")
 
     def check_slab_mapped(self, engine: SimEngine, slab_id: int) -> None:
         for w in engine.workers:

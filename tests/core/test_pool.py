@@ -351,3 +351,47 @@ def test_uncache_drops_keys_and_frees_cached_blocks():
     assert removed == keys(0, 1)
     assert_unchanged(pool, lambda: pool.uncache([Block(99)]), UnknownBlock)
     check_pool(pool)
+
+
+# ---------------------------------------------------------------- handoff
+def test_a_handed_on_slab_is_adopted_with_its_keys_oldest_first():
+    giver = make_pool(slabs=(0,), bps=4)
+    blocks = giver.allocate(4)
+    giver.cache(blocks, keys(0, 1, 2, 3))
+    giver.free([blocks[2], blocks[0], blocks[3], blocks[1]])        # LRU: k2, k0, k3, k1
+    entries = giver.cached_entries([0])[0]
+    assert entries == [(blocks[i].block_id, f"k{i}".encode()) for i in (2, 0, 3, 1)]
+
+    taker = make_pool(slabs=(1,), bps=4)
+    [own] = taker.allocate(1)
+    taker.cache([own], keys(9))
+    taker.free([own])                                               # taker's own cached block
+    taker.add_slab(5)
+    mirror = Mirror()
+    mirror.apply(taker.take_journal())
+    assert taker.adopt(5, entries) == 4
+    hits = taker.lookup(keys(0, 1, 2, 3))
+    assert [b.block_id for b in hits] == [20 + blocks[i].block_id for i in range(4)]   # the same places
+    assert taker.occupancy(5) == (0, 4, 0) and taker.stats.adopted_blocks == 4
+    mirror.apply(taker.take_journal())
+    check_pool(taker, mirror)                                       # the daemon's mirror learns the keys
+    taker.touch(hits[:2])
+    assert taker.stats.adopted_hits == 2
+    taker.free(hits[:2])
+    taker.touch(hits[:1])                                           # a block counts once
+    assert taker.stats.adopted_hits == 2
+    # Adopted blocks are older than the taker's own: they go first (k2, k3; k0/k1 were touched since).
+    assert taker.evict(2) == 2 and taker.lookup(keys(9)) and not taker.lookup(keys(2))
+
+
+def test_adoption_checks_everything_first_and_skips_keys_already_cached():
+    taker = make_pool(slabs=(0, 1), bps=4)
+    [a] = taker.allocate(1)
+    taker.cache([a], keys(7))
+    assert_unchanged(taker, lambda: taker.adopt(1, [(0, b"x"), (4, b"y")]), PoolError)   # outside the slab
+    assert_unchanged(taker, lambda: taker.adopt(1, [(0, b"x"), (0, b"y")]), PoolError)   # one place twice
+    assert_unchanged(taker, lambda: taker.adopt(0, [(1, b"x")]), SlabBusy)               # not just granted
+    assert_unchanged(taker, lambda: taker.adopt(9, [(1, b"x")]), UnknownSlab)
+    assert taker.adopt(1, [(0, b"k7"), (1, b"x"), (2, b"x")]) == 1                       # k7 is here already
+    assert taker.occupancy(1) == (0, 1, 3) and [b.block_id for b in taker.lookup([b"x"])] == [5]
+    check_pool(taker)

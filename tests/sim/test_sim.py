@@ -31,14 +31,16 @@ def quiet_logs():
 
 def test_every_invariant_holds_on_the_ci_seeds():
     failures = []
-    faults = 0
+    faults = handed = 0
     for seed in range(CI_SEEDS):
         result = run_seed(seed, STEPS)
         faults += sum(result.faults.values())
+        handed += result.handed_blocks
         if result.violations:
             failures.append(f"{result.violations[0]}  (replay: {result.replay})")
     assert not failures, "\n".join(failures[:5])
     assert faults > CI_SEEDS * 10        # the runs really were hostile
+    assert handed > 0                    # and cached slabs were handed on within a namespace
 
 
 # --------------------------------------------------------- re-injected faults
@@ -104,8 +106,13 @@ def half_apply_journals(monkeypatch):
     monkeypatch.setitem(Allocator._HANDLERS, allocator_mod.p.Journal, on_journal)
 
 
+def hand_on_across_namespaces(monkeypatch):
+    """Fault 10: a cached slab is handed on with its KV whatever the taker's namespace."""
+    monkeypatch.setattr(Allocator, "_may_hand_on", staticmethod(lambda giver, taker, cached: True))
+
+
 REINJECTED = {1: unmap_on_shutdown, 4: forget_dead_workers, 5: no_deadlines, 6: trust_adoption,
-              7: drop_late_grants, 9: half_apply_journals}
+              7: drop_late_grants, 9: half_apply_journals, 10: hand_on_across_namespaces}
 
 
 @pytest.mark.parametrize("fault", sorted(REINJECTED))
