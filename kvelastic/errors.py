@@ -55,3 +55,16 @@ class SlabBusy(PoolError):
 
 class PoolBusy(PoolError):
     reason = "pool_busy"
+
+
+class InvariantViolation(KvelasticError):
+    """The books broke one of their invariants (a bug, never bad input): what
+    the self-checks raise, which the tests and simulators report."""
+
+    reason = "invariant"
+
+
+def require(condition: bool, what: str) -> None:
+    """Check an invariant (kept under ``python -O``, unlike ``assert``)."""
+    if not condition:
+        raise InvariantViolation(what)

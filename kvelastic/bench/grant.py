@@ -32,6 +32,7 @@ def _pct(samples: list[float], q: float) -> float:
 
 def engine_loop(socket_path: str, engine_id: str, rounds: int, backend: str) -> dict[str, list[float]]:
     """One engine: grow by one slab, return it, ``rounds`` times (microseconds)."""
+    from kvelastic.client.connection import expect
     from kvelastic.client.engine import EngineClient
     from kvelastic.client.worker import WorkerClient
     from kvelastic.core.pool import SlabPool
@@ -47,9 +48,10 @@ def engine_loop(socket_path: str, engine_id: str, rounds: int, backend: str) -> 
     try:
         for i in range(rounds + 5):
             t0 = time.perf_counter()
-            reply = engine.conn.call(p.Grow(engine_id=engine_id, slabs=1))
+            reply = expect(engine.conn.call(p.Grow(engine_id=engine_id, slabs=1)), p.Granted)
             t1 = time.perf_counter()
-            assert isinstance(reply, p.Granted) and len(reply.slabs) == 1, reply
+            if len(reply.slabs) != 1:
+                raise RuntimeError(f"engine {engine_id}: asked for one slab, granted {reply.slabs}")
             engine.conn.call(p.Return(engine_id=engine_id, slabs=reply.slabs))
             t2 = time.perf_counter()
             if i >= 5:  # warm-up: first pages are created, later ones reused

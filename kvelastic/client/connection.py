@@ -190,16 +190,22 @@ class Connection:
 
     def _write(self, msg: p.Msg) -> None:
         """I/O thread only. Once registered, what other threads queued goes first."""
-        assert self._dealer is not None
+        dealer = self._socket()
         if self.connected.is_set():
             self._flush_outbox()
-        self._dealer.send(p.encode(msg))
+        dealer.send(p.encode(msg))
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        """The DEALER, on the I/O thread while connected."""
+        if self._dealer is None:
+            raise DaemonUnavailable("not connected to the daemon")
+        return self._dealer
 
     def _flush_outbox(self) -> None:
-        assert self._dealer is not None
+        dealer = self._socket()
         while self._outbox:
             msg, _pending = self._outbox.popleft()
-            self._dealer.send(p.encode(msg))
+            dealer.send(p.encode(msg))
 
     def _call_here(self, msg: p.Msg, timeout: float) -> p.Msg:
         """``call`` on the I/O thread: poll the socket for the reply, keeping
@@ -343,13 +349,13 @@ class Connection:
     def _receive(self) -> None:
         """Deliver what the daemon sent, in its order: what a ``call`` on this
         thread read ahead first, then the socket until it is empty."""
-        assert self._dealer is not None
+        dealer = self._socket()
         while True:
             if self._read_ahead:
                 self._deliver(self._read_ahead.popleft())
                 continue
             try:
-                data = self._dealer.recv(zmq.NOBLOCK)
+                data = dealer.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from kvelastic import protocol as p
 from kvelastic.daemon.arbiter import Rules, is_idle
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase
+from kvelastic.errors import require
 
 
 class Reporting:
@@ -75,5 +76,5 @@ class Reporting:
         for name, pool in self.pools.items():
             pool.check(in_slabs[name], adopted[name])
         for e in (*self.engines.values(), *self.departing.values()):
-            assert e.in_flight == {sid for sid, s in e.slabs.items() if s.phase is not Phase.HELD}, "in-flight slabs"
-            assert e.unmapping == sum(s.phase is Phase.UNMAPPING for s in e.slabs.values()), "unmapping count"
+            require(e.in_flight == {sid for sid, s in e.slabs.items() if s.phase is not Phase.HELD}, "in-flight slabs")
+            require(e.unmapping == sum(s.phase is Phase.UNMAPPING for s in e.slabs.values()), "unmapping count")

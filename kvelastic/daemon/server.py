@@ -27,6 +27,7 @@ from kvelastic.daemon.allocator import Allocator, Timing
 from kvelastic.daemon.devices import Device
 from kvelastic.daemon.events import KVEventPublisher
 from kvelastic.daemon.peers import Access, PeerTable
+from kvelastic.errors import require
 from kvelastic.metrics import DaemonMetrics
 from kvelastic.vmm.errors import FdChannelError
 
@@ -238,7 +239,7 @@ class Daemon:
         for name, device in self.devices.items():
             held = {pg for e in (*self.allocator.engines.values(), *self.allocator.departing.values())
                     for s in e.slabs.values() for pg, d in zip(s.pages, s.page_devices) if d == name}
-            assert set(device.pages) == held | set(self.allocator.pools[name].free), f"device {name}: handles differ"
+            require(set(device.pages) == held | set(self.allocator.pools[name].free), f"device {name}: handles differ")
 
 
 class _RequestId(msgspec.Struct):

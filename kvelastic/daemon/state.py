@@ -23,6 +23,7 @@ from collections.abc import ItemsView, Iterator, KeysView, MutableMapping, Value
 
 from kvelastic import protocol as p
 from kvelastic.core.journal import ADD_SLAB, JournalBatch, Mirror
+from kvelastic.errors import require
 
 
 class Phase(enum.Enum):
@@ -52,7 +53,7 @@ class SlabRecord:
     # Lifecycle: MAPPING -> HELD -> UNMAPPING -> (gone: pages back to the pool);
     # a slab that failed to map goes MAPPING -> UNMAPPING.
     def mark_held(self) -> None:
-        assert self.phase is Phase.MAPPING and not self.failed, self
+        require(self.phase is Phase.MAPPING and not self.failed, f"slab {self.slab_id} is not mapping: {self.phase}")
         self.phase = Phase.HELD
 
     def begin_unmap(self, waiting: set[int], deadline: float) -> None:
@@ -317,11 +318,11 @@ class PagePool:
 
     def check(self, in_slabs: list[int], adopted: int) -> None:
         """Invariants 1 and 2 (``in_slabs``: this device's pages held in slabs)."""
-        assert len(in_slabs) == len(set(in_slabs)), "a page is in two slabs"
-        assert not set(in_slabs) & set(self.free), "a page is both free and held"
-        assert len(in_slabs) + len(self.free) == self.created, "a page is lost or counted twice"
-        assert adopted == self.adopted, "adopted pages do not match the engines' slabs"
-        assert self.in_use <= self.budget_pages, "over budget"
+        require(len(in_slabs) == len(set(in_slabs)), "a page is in two slabs")
+        require(not set(in_slabs) & set(self.free), "a page is both free and held")
+        require(len(in_slabs) + len(self.free) == self.created, "a page is lost or counted twice")
+        require(adopted == self.adopted, "adopted pages do not match the engines' slabs")
+        require(self.in_use <= self.budget_pages, "over budget")
 
 
 def owner_tag(engine: EngineRecord) -> str:

@@ -52,6 +52,7 @@ from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.allocator import Allocator, Timing
 from kvelastic.daemon.state import Phase
+from kvelastic.errors import InvariantViolation
 from kvelastic.sim import traces
 from kvelastic.sim.node_engine import (
     BUDGET_PAGES,
@@ -258,7 +259,7 @@ class NodeSim:
         if self.elastic:
             try:
                 self.allocator.check()
-            except AssertionError as exc:
+            except InvariantViolation as exc:
                 self.violation(f"books: {exc}")
             limit = p.GROW_TIMEOUT + GROW_SLACK
             for engine in self.engines:
@@ -344,7 +345,7 @@ class NodeSim:
                                    f"sent at t={sent:.3f} never answered")
             try:
                 self.allocator.check()
-            except AssertionError as exc:
+            except InvariantViolation as exc:
                 self.violation(f"books: {exc}")
 
     def _step_loop(self, engine: NodeEngine) -> None:

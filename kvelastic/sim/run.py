@@ -13,6 +13,7 @@ import sys
 from kvelastic import protocol as p
 from kvelastic.daemon.allocator import Timing
 from kvelastic.daemon.state import Phase
+from kvelastic.errors import InvariantViolation
 from kvelastic.sim.world import World
 
 HEARTBEAT = p.HEARTBEAT_INTERVAL
@@ -126,7 +127,7 @@ def check(w: World) -> None:
     """The invariants, after every step."""
     try:
         w.allocator.check()
-    except AssertionError as exc:
+    except InvariantViolation as exc:
         w.violation(f"books: {exc}")
     alloc = w.allocator
     free = set(alloc.pools["0"].free)

@@ -4,7 +4,6 @@ the test against a real Prometheus."""
 
 from __future__ import annotations
 
-import ast
 import json
 import pathlib
 import re
@@ -14,7 +13,6 @@ GRAFANA = ROOT / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "kvelastic.json"
 DATASOURCES = GRAFANA / "provisioning" / "datasources" / "kvelastic.yaml"
 PROVIDERS = GRAFANA / "provisioning" / "dashboards" / "kvelastic.yaml"
-METRICS_PY = ROOT / "kvelastic" / "metrics.py"
 
 # What a Grafana variable of each kind expands to for a query (a Prometheus regex).
 VARIABLES = ("instance", "engine")
@@ -89,56 +87,33 @@ def metric_names_in(expr: str) -> set[str]:
     return names
 
 
-# Sample names each kind of metric exposes, by the constructor that defines it.
-SUFFIXES = {
-    "Counter": ("_total", "_created"), "CounterMetricFamily": ("_total", "_created"),
-    "Gauge": ("",), "GaugeMetricFamily": ("",),
-    "Histogram": ("_bucket", "_count", "_sum", "_created"),
-    "HistogramMetricFamily": ("_bucket", "_count", "_sum", "_created"),
-    "Summary": ("", "_count", "_sum", "_created"), "SummaryMetricFamily": ("", "_count", "_sum", "_created"),
-    "Info": ("_info",), "InfoMetricFamily": ("_info",),
-}
-
-
 def metric_definitions() -> list[tuple[re.Pattern, str]]:
-    """The metrics ``kvelastic/metrics.py`` defines, read from its source (no
-    import, no daemon): each constructor call above whose first argument is the
-    metric's name, a literal or an f-string, as (regex of the sample names, kind).
-    An f-string's ``{PREFIX}`` is the module's constant; any other placeholder
-    (``{name}`` in a loop) matches a word literal of the statement around the call."""
-    tree = ast.parse(METRICS_PY.read_text())
-    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
-              and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
-              for t in n.targets if isinstance(t, ast.Name)}
-    # the innermost statement around each call: a placeholder's values are its word
-    # literals, those in lists (label names) left out
-    stmt_of: dict[ast.AST, ast.stmt] = {}
-    for stmt in (n for n in ast.walk(tree) if isinstance(n, ast.stmt)):
-        for node in ast.walk(stmt):
-            stmt_of[node] = stmt          # inner statements are walked later and win
+    """The metrics ``kvelastic/metrics.py`` exports, read from its own
+    registry over the books of a real allocator with one engine registered
+    (so every per-engine family has samples): (the family's sample names as
+    one pattern, its type). No daemon, and no reading of source code."""
+    import os
+
+    from kvelastic import protocol as p
+    from kvelastic.daemon.allocator import Allocator
+    from kvelastic.metrics import DaemonMetrics
+
+    page = 2 << 20
+    allocator = Allocator({"0": 4}, page)
+    allocator.handle(b"engine", p.RegisterEngine(
+        version=p.PROTOCOL_VERSION, engine_id="e", pid=os.getpid(), namespace="ns", page_size=page,
+        pages_per_worker=1, num_workers=1, blocks_per_slab=4, block_bytes=page // 4), now=0.0)
+    registry = DaemonMetrics(allocator.status, ["0"]).registry
     out = []
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and node.args):
-            continue
-        kind = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
-        if kind not in SUFFIXES:
-            continue
-        in_lists = {id(e) for n in ast.walk(stmt_of[node]) if isinstance(n, ast.List) for e in n.elts}
-        literals = {n.value for n in ast.walk(stmt_of[node]) if isinstance(n, ast.Constant) and id(n) not in in_lists
-                    and isinstance(n.value, str) and re.fullmatch(r"[a-z][a-z0-9_]*", n.value)}
-        word = "(?:" + "|".join(sorted(map(re.escape, literals), key=len, reverse=True)) + ")"
-        arg, pattern = node.args[0], ""
-        parts = arg.values if isinstance(arg, ast.JoinedStr) else [arg]
-        for part in parts:
-            if isinstance(part, ast.Constant):
-                pattern += re.escape(part.value)
-            elif isinstance(part, ast.FormattedValue) and isinstance(part.value, ast.Name) \
-                    and part.value.id in consts:
-                pattern += re.escape(consts[part.value.id])
-            else:
-                pattern += word
-        suffixes = "|".join(re.escape(x) for x in SUFFIXES[kind])
-        out.append((re.compile(f"{pattern}(?:{suffixes})"), kind))
+    for family in registry.collect():
+        names = {sample.name for sample in family.samples}
+        if family.type == "counter":      # declared by its base name: samples may not exist yet
+            names |= {f"{family.name}_total", f"{family.name}_created"}
+        elif family.type == "histogram":
+            names |= {f"{family.name}{x}" for x in ("_bucket", "_count", "_sum", "_created")}
+        else:
+            names.add(family.name)
+        out.append((re.compile("|".join(sorted(map(re.escape, names)))), family.type))
     return out
 
 
