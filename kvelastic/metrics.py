@@ -27,6 +27,24 @@ GRANT_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.
 DEMAND_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+# Per-engine counters from the engine's pool stats (``Journal.stats``):
+# (metric name without the prefix, the stats key, help).
+ENGINE_COUNTERS = (
+    # The hit rate: tokens, as vLLM's prefix_cache_queries / prefix_cache_hits.
+    ("prefix_cache_queries", "query_tokens",
+     "Prompt tokens looked up in an engine's prefix cache (as vLLM counts them)."),
+    ("prefix_cache_hits", "hit_tokens", "Prompt tokens served from an engine's prefix cache (as vLLM counts them)."),
+    # Block-level figures of engines that look up through the core pool.
+    ("prefix_cache_lookup_blocks", "lookup_blocks",
+     "Whole blocks looked up through the core pool's lookup (non-vLLM engines; vLLM engines count tokens only)."),
+    ("prefix_cache_hit_blocks", "hit_blocks", "Whole blocks served by the core pool's lookup (non-vLLM engines)."),
+    ("adopted_blocks", "adopted_blocks",
+     "Cached blocks an engine adopted with slabs handed on by another engine of its namespace (KV it did not "
+     "compute)."),
+    ("adopted_hits", "adopted_hits", "Adopted blocks that served a hit (each counted once)."),
+)
+
+
 class DaemonMetrics:
     """The daemon's own instruments plus the collector over its books."""
 
@@ -101,27 +119,8 @@ class DaemonCollector(Collector):
                  for name, help_ in (("grants", "Slabs granted to an engine."),
                                      ("returns", "Slabs an engine gave back when idle."),
                                      ("reclaims", "Slabs taken from an engine under pressure."))}
-        # The hit rate: tokens, as vLLM's prefix_cache_queries / prefix_cache_hits.
-        queries = CounterMetricFamily(f"{PREFIX}_prefix_cache_queries",
-                                      "Prompt tokens looked up in an engine's prefix cache (as vLLM counts them).",
-                                      labels=["device", "engine"])
-        hits = CounterMetricFamily(f"{PREFIX}_prefix_cache_hits",
-                                   "Prompt tokens served from an engine's prefix cache (as vLLM counts them).",
-                                   labels=["device", "engine"])
-        # Block-level figures of engines that look up through the core pool.
-        lookup_blocks = CounterMetricFamily(f"{PREFIX}_prefix_cache_lookup_blocks",
-                                            "Whole blocks looked up through the core pool's lookup "
-                                            "(non-vLLM engines; vLLM engines count tokens only).",
-                                            labels=["device", "engine"])
-        hit_blocks = CounterMetricFamily(f"{PREFIX}_prefix_cache_hit_blocks",
-                                         "Whole blocks served by the core pool's lookup (non-vLLM engines).",
-                                         labels=["device", "engine"])
-        adopted = CounterMetricFamily(f"{PREFIX}_adopted_blocks",
-                                      "Cached blocks an engine adopted with slabs handed on by another engine "
-                                      "of its namespace (KV it did not compute).", labels=["device", "engine"])
-        adopted_hits = CounterMetricFamily(f"{PREFIX}_adopted_hits",
-                                           "Adopted blocks that served a hit (each counted once).",
-                                           labels=["device", "engine"])
+        stats = {key: CounterMetricFamily(f"{PREFIX}_{name}", help_, labels=["device", "engine"])
+                 for name, key, help_ in ENGINE_COUNTERS}
         evictions = CounterMetricFamily(f"{PREFIX}_prefix_cache_evictions",
                                         "Cached blocks evicted, by reason.",
                                         labels=["device", "engine", "reason"])
@@ -135,13 +134,8 @@ class DaemonCollector(Collector):
             limit.add_metric([dev, eid, "max"], e.max_bytes)
             for name in slabs:
                 slabs[name].add_metric([dev, eid], getattr(e, name))
-            queries.add_metric([dev, eid], e.stats.get("query_tokens", 0))
-            hits.add_metric([dev, eid], e.stats.get("hit_tokens", 0))
-            lookup_blocks.add_metric([dev, eid], e.stats.get("lookup_blocks", 0))
-            hit_blocks.add_metric([dev, eid], e.stats.get("hit_blocks", 0))
-            adopted.add_metric([dev, eid], e.stats.get("adopted_blocks", 0))
-            adopted_hits.add_metric([dev, eid], e.stats.get("adopted_hits", 0))
+            for key, family in stats.items():
+                family.add_metric([dev, eid], e.stats.get(key, 0))
             for reason in EVICTION_REASONS:  # every series from registration on
                 evictions.add_metric([dev, eid, reason], e.stats.get(f"evictions_{reason}", 0))
-        yield from (held, cached, idle, starved, limit, *slabs.values(), queries, hits, lookup_blocks, hit_blocks,
-                    adopted, adopted_hits, evictions)
+        yield from (held, cached, idle, starved, limit, *slabs.values(), *stats.values(), evictions)

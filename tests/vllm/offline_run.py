@@ -9,23 +9,18 @@ in the environment the same run goes through kvelastic.
 """
 
 import json
-import os
 import sys
 
-from kvelastic_vllm.bench.vllm_serve import VLLM_ENV
+from tiny_llm import tiny_llm
 
 PREFIXES = ["the cache block page memory token prefix " * 12, "alpha beta gamma delta epsilon zeta " * 14]
 PROMPTS = [p + f"question number {i} about slabs" for p in PREFIXES for i in range(3)]
 
 
 def main() -> None:
-    for key, value in VLLM_ENV.items():
-        os.environ.setdefault(key, value)
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=1024, enforce_eager=True,
-              enable_prefix_caching=True, block_size=32, max_num_seqs=8, seed=0, disable_log_stats=False,
-              kv_cache_memory_bytes=64 << 20)
+    llm = tiny_llm(sys.argv[1])
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     def counters():

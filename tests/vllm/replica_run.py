@@ -22,7 +22,7 @@ import random
 import sys
 import time
 
-from kvelastic_vllm.bench.vllm_serve import VLLM_ENV
+from tiny_llm import tiny_llm
 
 OTHER = "an unrelated short prompt"
 WORDS = "the cache block page memory token prefix alpha beta gamma delta epsilon zeta question number about".split()
@@ -41,13 +41,9 @@ def batch_prompts(tokenizer, n: int = 20, limit: int = 400) -> list[str]:
 
 
 def main() -> None:
-    for key, value in VLLM_ENV.items():
-        os.environ.setdefault(key, value)
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=2048, enforce_eager=True,
-              enable_prefix_caching=True, block_size=32, max_num_seqs=8, seed=0, disable_log_stats=False,
-              kv_cache_memory_bytes=64 << 20)
+    llm = tiny_llm(sys.argv[1], max_model_len=2048)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
     def hits() -> float:

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from kvelastic_vllm.bench.vllm_serve import VLLM_ENV
+from tiny_llm import tiny_llm
 
 PREFIXES = ["the cache block page memory token prefix " * 12, "alpha beta gamma delta epsilon zeta " * 14]
 PROMPTS = [p + f"question number {i} about slabs" for p in PREFIXES for i in range(3)]
@@ -23,15 +23,11 @@ IDLE = 2.5   # seconds without a step after the second batch
 
 
 def main() -> None:
-    for key, value in VLLM_ENV.items():
-        os.environ.setdefault(key, value)
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from kvelastic.ctl import get_status
 
-    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=1024, enforce_eager=True,
-              enable_prefix_caching=True, block_size=32, max_num_seqs=8, seed=0,
-              kv_cache_memory_bytes=64 << 20)
+    llm = tiny_llm(sys.argv[1])
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for _ in range(2):
         llm.generate(PROMPTS, params, use_tqdm=False)
