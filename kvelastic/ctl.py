@@ -133,15 +133,23 @@ def _bar(fraction: float, width: int = 30) -> str:
 
 
 _COLUMNS = ("ENGINE", "NAMESPACE", "PID", "WORKERS", "SLABS", "HELD", "CACHED", "MIN", "MAX",
-            "HIT", "GRANTS", "RETURNS", "RECLAIMS")
-_RIGHT = {"PID", "WORKERS", "SLABS", "HELD", "CACHED", "MIN", "MAX", "HIT", "GRANTS", "RETURNS", "RECLAIMS"}
+            "HIT", "ADOPTED", "GRANTS", "RETURNS", "RECLAIMS")
+_RIGHT = {"PID", "WORKERS", "SLABS", "HELD", "CACHED", "MIN", "MAX", "HIT", "ADOPTED", "GRANTS", "RETURNS",
+          "RECLAIMS"}
+
+
+def _adopted(stats: dict) -> str:
+    """Blocks adopted from replicas of the namespace, and how many of them hit."""
+    n = stats.get("adopted_blocks", 0)
+    return f"{n} ({stats.get('adopted_hits', 0)} hit)" if n else "-"
 
 
 def _engine_row(e: dict) -> tuple[str, ...]:
     return (str(e["engine_id"]), str(e["namespace"]), str(e.get("pid", "")), str(e.get("workers", 0)),
             str(e["slabs"]), fmt_bytes(e["held_bytes"]), fmt_bytes(e["cached_bytes"]),
             fmt_bytes(e["min_bytes"]), fmt_bytes(e["max_bytes"]) if e["max_bytes"] else "none",
-            _hit_rate(e.get("stats", {})), str(e.get("grants", 0)), str(e.get("returns", 0)),
+            _hit_rate(e.get("stats", {})), _adopted(e.get("stats", {})), str(e.get("grants", 0)),
+            str(e.get("returns", 0)),
             str(e.get("reclaims", 0)))
 
 

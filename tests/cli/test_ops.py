@@ -81,13 +81,14 @@ def test_render_status_hit_rate_and_limits():
                            "slab_bytes": 4 * MiB, "held_bytes": 2 << 30, "cached_bytes": 512 * MiB,
                            "live_blocks": 3, "cached_blocks": 4, "min_bytes": 1 << 30, "max_bytes": 0,
                            "grants": 5, "returns": 1, "reclaims": 2,
-                           "stats": {"lookup_blocks": 1, "hit_blocks": 1, "query_tokens": 8000, "hit_tokens": 6000}}]}
+                           "stats": {"lookup_blocks": 1, "hit_blocks": 1, "query_tokens": 8000, "hit_tokens": 6000,
+                                     "adopted_blocks": 61, "adopted_hits": 42}}]}
     text = ctl.render_status(status)
     assert "budget       8.00 GiB" in text and "25.0% held" in text
     row = text.splitlines()[-1].split()
     assert row[:3] == ["a", "llama", "7"]
     assert "1.00 GiB" in text.splitlines()[-1] and "none" in row and "75.0%" in row
-    assert row[-3:] == ["5", "1", "2"]
+    assert row[-3:] == ["5", "1", "2"] and "61 (42 hit)" in text   # blocks adopted from replicas
     status["engines"] = []
     assert "no engines registered" in ctl.render_status(status)
 
