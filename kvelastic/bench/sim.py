@@ -2,9 +2,10 @@
 
 ``--scale seeds`` (the default): runs ``SEEDS`` seeded small-node
 simulations with faults (``kvelastic.sim``) and reports the steps, the
-faults injected by kind, the invariant violations (must be 0, each with its
-replay command) and the simulation speed; the baseline is the same
-simulation without faults, in the same run.
+faults injected by kind, the cached blocks handed on within a namespace,
+the invariant violations (must be 0, each with its replay command) and the
+simulation speed; the baseline is the same simulation without faults, in
+the same run.
 
 ``--scale node``: one compressed day of a GPU node (``kvelastic.sim.node``):
 8 engines on an 80 GiB device in 2 MiB pages, driven by a seeded trace;
@@ -31,14 +32,16 @@ STEPS = 300
 def _run(seeds: int, faults: bool) -> tuple[dict[str, Any], float]:
     injected: collections.Counter = collections.Counter()
     violations: list[str] = []
+    handed = 0
     start = time.perf_counter()
     for seed in range(seeds):
         result = run_seed(seed, STEPS, faults=faults)
         injected.update(result.faults)
+        handed += result.handed_blocks
         violations += [f"{v}  (replay: {result.replay})" for v in result.violations[:1]]
     elapsed = time.perf_counter() - start
     return {"seeds": seeds, "steps": seeds * STEPS, "faults": dict(sorted(injected.items())),
-            "faults_total": sum(injected.values()), "violations": len(violations),
+            "faults_total": sum(injected.values()), "handed_blocks": handed, "violations": len(violations),
             "violation_examples": violations[:5]}, elapsed
 
 
