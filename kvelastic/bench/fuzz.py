@@ -28,8 +28,8 @@ from kvelastic import protocol as p
 from kvelastic.bench import fuzzdrive as fd
 from kvelastic.bench.daemon import daemon_process, fd_count, rss_bytes
 from kvelastic.fuzz import Fuzzer, daemon_hints
+from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
 
-PAGE = 2 << 20
 LEGIT_ID = "fuzz-legitimate-engine"        # longer than any generated name: never fuzzed by accident
 LEGIT_NAMESPACE = "fuzz-legitimate-namespace"
 HELD_SLABS = 3

@@ -21,13 +21,8 @@ from typing import Any
 
 from kvelastic import protocol as p
 from kvelastic.bench.daemon import running_daemon
-
-PAGE = 2 << 20
-
-
-def _pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+from kvelastic.figures import percentile
+from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
 
 
 def engine_loop(socket_path: str, engine_id: str, rounds: int, backend: str) -> dict[str, list[float]]:
@@ -91,8 +86,8 @@ def run(quick: bool = False) -> dict[str, Any]:
                            "raw_map_p50_us": raw["raw_map_p50_us"], "raw_unmap_p50_us": raw["raw_unmap_p50_us"]}
     for label, data in (("1_engine", one), ("8_engines", eight)):
         for kind in ("grant", "return"):
-            out[f"{kind}_p50_us_{label}"] = round(_pct(data[kind], 0.5), 1)
-            out[f"{kind}_p99_us_{label}"] = round(_pct(data[kind], 0.99), 1)
+            out[f"{kind}_p50_us_{label}"] = round(percentile(data[kind], 0.5), 1)
+            out[f"{kind}_p99_us_{label}"] = round(percentile(data[kind], 0.99), 1)
     out["grant_over_raw_map_p50"] = round(out["grant_p50_us_1_engine"] / raw["raw_map_p50_us"], 1)
     out["return_over_raw_unmap_p50"] = round(out["return_p50_us_1_engine"] / raw["raw_unmap_p50_us"], 1)
     out["grant_over_raw_map_p50_8_engines"] = round(out["grant_p50_us_8_engines"] / raw["raw_map_p50_us"], 1)

@@ -30,9 +30,9 @@ from kvelastic.client.engine import EngineClient
 from kvelastic.client.worker import WorkerClient
 from kvelastic.core.pool import SlabPool
 from kvelastic.vmm import get_backend
+from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
 from kvelastic.vmm.base import Backend, Page
 
-PAGE = 2 << 20
 LAYERS, BLOCK_TOKENS, HEADS, HEAD_DIM, QUERY_TOKENS = 2, 16, 4, 64, 4
 
 

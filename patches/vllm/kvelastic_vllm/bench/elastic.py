@@ -36,6 +36,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from kvelastic.figures import percentile
 from kvelastic_vllm.bench import elastic_load as load
 from kvelastic_vllm.bench import vllm_serve
 
@@ -50,10 +51,8 @@ TARGETS = {"ttft_p99_ratio_max": 0.5, "idle_footprint_over_packed_floor_max": 1.
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+    """``percentile``, or None (JSON null) for no values."""
+    return percentile(values, q) if values else None
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:

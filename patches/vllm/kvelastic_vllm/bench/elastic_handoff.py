@@ -23,7 +23,8 @@ import sys
 import time
 from typing import Any
 
-PAGE = 2 << 20
+from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
+
 PAGES_PER_SLAB = 2          # the tiny model: one page per layer (layer-outer), one worker
 BLOCKS_PER_SLAB = 128       # 32 KiB blocks (2 layers x K,V x 32 tokens x 2 heads x 32 x fp32)
 

@@ -9,8 +9,7 @@ import torch
 
 from kvelastic.client.engine import EngineClient
 from kvelastic.core.pool import SlabPool
-
-PAGE = 2 << 20
+from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
 
 
 def kv_config(num_blocks: int, block_size: int, groups: int = 1):
