@@ -14,8 +14,10 @@ import errno
 import itertools
 import json
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from typing import TextIO
 
@@ -201,10 +203,15 @@ def top(socket_path: str, interval: float = 1.0, iterations: int | None = None,
     out = out or sys.stdout
     tty = out.isatty()
     count = 0
+    # Ctrl-C ends the loop between refreshes: raised inside a ZMQ call, a
+    # KeyboardInterrupt could leave a socket open and hang the exit.
+    stop = threading.Event()
+    previous = (signal.signal(signal.SIGINT, lambda *_: stop.set())
+                if threading.current_thread() is threading.main_thread() else None)
     try:
         if tty:
             out.write(HIDE_CURSOR)
-        while iterations is None or count < iterations:
+        while (iterations is None or count < iterations) and not stop.is_set():
             try:
                 body = render_status(get_status(socket_path, timeout))
             except (DaemonUnavailable, DaemonError) as exc:
@@ -218,10 +225,12 @@ def top(socket_path: str, interval: float = 1.0, iterations: int | None = None,
             out.flush()
             if iterations is not None and count >= iterations:
                 break
-            time.sleep(interval)
-    except KeyboardInterrupt:
+            stop.wait(interval)
+    except KeyboardInterrupt:   # a Ctrl-C before the handler was in place
         pass
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         if tty:
             out.write(SHOW_CURSOR)
             out.flush()

@@ -92,7 +92,11 @@ class Connection:
         self._fatal: Exception | None = None
         self._outbox: collections.deque[tuple[p.Msg, _Pending | None]] = collections.deque()
         self._pending: dict[int, _Pending] = {}
+        # Wakes the I/O thread. Closed only by close(), once that thread is
+        # gone, under _wake_lock: a wake racing a close never writes to a
+        # closed (or reused) descriptor.
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_lock = threading.Lock()
         self._next_req = 0
         self._req_lock = threading.Lock()
         self._stop = threading.Event()
@@ -158,14 +162,20 @@ class Connection:
 
     def wake(self) -> None:
         """Run the I/O thread's loop (and its periodic work) now."""
-        os.eventfd_write(self._wake, 1)
+        with self._wake_lock:
+            if self._wake >= 0:
+                os.eventfd_write(self._wake, 1)
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            os.eventfd_write(self._wake, 1)
+        self.wake()
         if self._thread.is_alive() and not self._on_io_thread():
             self._thread.join(5)
+        if not self._thread.is_alive():
+            with self._wake_lock:     # nobody polls it any more
+                if self._wake >= 0:
+                    os.close(self._wake)
+                    self._wake = -1
 
     # ------------------------------------------------------------ internals
     def _on_io_thread(self) -> bool:
@@ -186,7 +196,7 @@ class Connection:
             self._write(msg)
         else:
             self._outbox.append((msg, pending))
-            os.eventfd_write(self._wake, 1)
+            self.wake()
 
     def _write(self, msg: p.Msg) -> None:
         """I/O thread only. Once registered, what other threads queued goes first."""
@@ -344,7 +354,6 @@ class Connection:
                     except Exception:
                         log.exception("engine %s: periodic work failed", self.engine_id)
         self._disconnect()
-        os.close(self._wake)
 
     def _receive(self) -> None:
         """Deliver what the daemon sent, in its order: what a ``call`` on this
