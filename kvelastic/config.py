@@ -176,6 +176,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVELASTIC_HOLD_DOWN", "hold_down", "2s", parse_duration,
              "Daemon: memory moved from one engine to another is not moved back within this, unless the first "
              "has demand its own cache cannot meet (no ping-pong)."),
+    Variable("KVELASTIC_ORPHAN_CACHE_TTL", "orphan_cache_ttl", "10m", parse_duration,
+             "Daemon: a departed engine's valid cached slabs are kept this long for the next engine of its "
+             "namespace (warm restart), as the first memory to yield; `0` drops them at once."),
     Variable("KVELASTIC_LOG_LEVEL", "log_level", "info", parse_choice("debug", "info", "warning", "error"),
              "Log level of the daemon and the client."),
 )
@@ -205,6 +208,7 @@ class Config:
     grow_timeout: float
     idle_grace: float
     hold_down: float
+    orphan_cache_ttl: float
     log_level: str
 
     @classmethod

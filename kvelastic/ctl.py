@@ -137,7 +137,7 @@ def _bar(fraction: float, width: int = 30) -> str:
 _COLUMNS = ("ENGINE", "NAMESPACE", "PID", "WORKERS", "SLABS", "HELD", "CACHED", "MIN", "MAX",
             "HIT", "ADOPTED", "GRANTS", "RETURNS", "RECLAIMS")
 _RIGHT = {"PID", "WORKERS", "SLABS", "HELD", "CACHED", "MIN", "MAX", "HIT", "ADOPTED", "GRANTS", "RETURNS",
-          "RECLAIMS"}
+          "RECLAIMS", "BLOCKS", "BYTES", "AGE"}
 
 
 def _adopted(stats: dict) -> str:
@@ -176,7 +176,8 @@ def render_status(status: dict) -> str:
         f"page {fmt_bytes(status.get('page_size', 0))})",
         f"budget       {fmt_bytes(budget)}",
         f"memory       held {fmt_bytes(held)} (cached {fmt_bytes(mem.get('cached', 0))}), "
-        f"free {fmt_bytes(mem.get('free', 0))}, unallocated {fmt_bytes(mem.get('unallocated', 0))}",
+        f"free {fmt_bytes(mem.get('free', 0))}, orphaned {fmt_bytes(mem.get('orphaned', 0))}, "
+        f"unallocated {fmt_bytes(mem.get('unallocated', 0))}",
         f"usage        {_bar(held / budget if budget else 0.0)} {100.0 * held / budget if budget else 0.0:.1f}% held",
         f"pages        created {pages.get('created', 0)}, free {pages.get('free', 0)}, "
         f"adopted {pages.get('adopted', 0)}",
@@ -187,7 +188,18 @@ def render_status(status: dict) -> str:
         lines += _table(_COLUMNS, [_engine_row(e) for e in engines])
     else:
         lines.append("no engines registered")
+    orphans = sorted(status.get("orphans", []), key=lambda o: (o["namespace"], o["device"]))
+    if orphans:   # departed engines' cache, waiting for the next engine of its namespace
+        lines += ["", *_table(_ORPHAN_COLUMNS, [_orphan_row(o) for o in orphans])]
     return "\n".join(lines)
+
+
+_ORPHAN_COLUMNS = ("ORPHANED CACHE", "DEVICE", "SLABS", "BLOCKS", "BYTES", "AGE")
+
+
+def _orphan_row(o: dict) -> tuple[str, ...]:
+    return (str(o["namespace"]), str(o["device"]), str(o["slabs"]), str(o["blocks"]), fmt_bytes(o["bytes"]),
+            f"{o['oldest_seconds']:.0f} s")
 
 
 # ----------------------------------------------------------------------- top

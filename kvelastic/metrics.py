@@ -39,8 +39,8 @@ ENGINE_COUNTERS = (
      "Whole blocks looked up through the core pool's lookup (non-vLLM engines; vLLM engines count tokens only)."),
     ("prefix_cache_hit_blocks", "hit_blocks", "Whole blocks served by the core pool's lookup (non-vLLM engines)."),
     ("adopted_blocks", "adopted_blocks",
-     "Cached blocks an engine adopted with slabs handed on by another engine of its namespace (KV it did not "
-     "compute)."),
+     "Cached blocks an engine adopted with slabs handed on by another engine of its namespace or kept from a "
+     "departed one (KV it did not compute)."),
     ("adopted_hits", "adopted_hits", "Adopted blocks that served a hit (each counted once)."),
 )
 
@@ -80,7 +80,8 @@ class DaemonCollector(Collector):
         budget = GaugeMetricFamily(f"{PREFIX}_budget_bytes", "Device pool budget.", labels=["device"])
         memory = GaugeMetricFamily(f"{PREFIX}_memory_bytes",
                                    "Device memory by state: held by engines, cached (inside held), "
-                                   "free in the daemon (created, not held), unused budget.",
+                                   "free in the daemon (created, not held), orphaned (departed engines' "
+                                   "cache kept for their namespace), unused budget.",
                                    labels=["device", "state"])
         engines = GaugeMetricFamily(f"{PREFIX}_engines_connected", "Engines registered.", labels=["device"])
         quarantined = GaugeMetricFamily(f"{PREFIX}_quarantined_bytes",
@@ -88,7 +89,7 @@ class DaemonCollector(Collector):
                                         "processes are gone.", labels=["device"])
         for d in s.devices:
             budget.add_metric([d.device], d.budget_bytes)
-            for state in ("held", "cached", "free", "unallocated"):
+            for state in ("held", "cached", "free", "orphaned", "unallocated"):
                 memory.add_metric([d.device, state], getattr(d.memory, state))
             engines.add_metric([d.device], sum(1 for e in s.engines if e.device == d.device))
             quarantined.add_metric([d.device], d.pages.quarantined * s.page_size)
@@ -100,7 +101,17 @@ class DaemonCollector(Collector):
         for d in s.devices:
             moves.add_metric([d.device], d.slab_moves)
             thrash.add_metric([d.device], d.thrash)
-        yield from (budget, memory, engines, quarantined, moves, thrash)
+        orphaned = GaugeMetricFamily(f"{PREFIX}_orphaned_cache_bytes",
+                                     "Cache of departed engines kept for the next engine of their namespace "
+                                     "(warm restart), until KVELASTIC_ORPHAN_CACHE_TTL or memory pressure.",
+                                     labels=["device", "namespace"])
+        orphaned_blocks = GaugeMetricFamily(f"{PREFIX}_orphaned_cache_blocks",
+                                            "Valid cached blocks in the orphaned cache.",
+                                            labels=["device", "namespace"])
+        for o in s.orphans:
+            orphaned.add_metric([o.device, o.namespace], o.bytes)
+            orphaned_blocks.add_metric([o.device, o.namespace], o.blocks)
+        yield from (budget, memory, engines, quarantined, moves, thrash, orphaned, orphaned_blocks)
 
         held = GaugeMetricFamily(f"{PREFIX}_engine_held_bytes", "Memory held by an engine.",
                                  labels=["device", "engine", "namespace"])

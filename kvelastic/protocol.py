@@ -24,7 +24,20 @@ from typing import Annotated
 
 import msgspec
 
-from kvelastic.core.journal import ADD_SLAB, CLEAR, REMOVE, REMOVE_SLAB, STORE, ClearOp, KeyOp, Op, SlabOp
+from kvelastic.core.journal import (
+    ADD_SLAB,
+    CLEAR,
+    DONE,
+    REMOVE,
+    REMOVE_SLAB,
+    STEP,
+    STORE,
+    ClearOp,
+    KeyOp,
+    Op,
+    SlabOp,
+    StepOp,
+)
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20
@@ -41,6 +54,7 @@ REGISTER_TIMEOUT = 10.0      # a page channel whose engine is not registered by 
 SEND_PAGES_TIMEOUT = 1.0     # a worker takes its page descriptors within this
 IDLE_GRACE = 5.0             # an engine inactive this long is idle (configurable)
 HOLD_DOWN = 2.0              # memory moved away from an engine is not moved back within this (configurable)
+ORPHAN_CACHE_TTL = 600.0     # a departed engine's cache is kept this long for its namespace (configurable)
 THRASH_WINDOW = 1.0          # a move back within this of a move away counts as thrash
 
 
@@ -176,10 +190,30 @@ class ClearKeys(msgspec.Struct, tag="clear", array_like=True, frozen=True):
         return (CLEAR,)
 
 
-JournalOp = StoreKey | RemoveKey | AddSlab | RemoveSlab | ClearKeys
+StepNumber = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class StepBegun(msgspec.Struct, tag="step", array_like=True, frozen=True):
+    """Keys stored from here on belong to this model step (written once it is done)."""
+    step: StepNumber
+
+    def core(self) -> StepOp:
+        return (STEP, self.step)
+
+
+class StepDone(msgspec.Struct, tag="done", array_like=True, frozen=True):
+    """Every step up to this one finished: the blocks keyed in them hold their KV."""
+    step: StepNumber
+
+    def core(self) -> StepOp:
+        return (DONE, self.step)
+
+
+JournalOp = StoreKey | RemoveKey | AddSlab | RemoveSlab | ClearKeys | StepBegun | StepDone
 # Each class takes the op's fields after the code, in order.
 _WIRE_OP: dict[int, Callable[..., JournalOp]] = {
-    STORE: StoreKey, REMOVE: RemoveKey, ADD_SLAB: AddSlab, REMOVE_SLAB: RemoveSlab, CLEAR: ClearKeys}
+    STORE: StoreKey, REMOVE: RemoveKey, ADD_SLAB: AddSlab, REMOVE_SLAB: RemoveSlab, CLEAR: ClearKeys,
+    STEP: StepBegun, DONE: StepDone}
 
 
 def journal_ops(ops: Sequence[Op]) -> list[JournalOp]:
@@ -192,6 +226,9 @@ class Journal(Msg):
     ops: Annotated[list[JournalOp], msgspec.Meta(max_length=20_000)]   # the client sends larger journals in parts
     occupancy: dict[int, tuple[int, int, int]]
     stats: Stats = {}            # cumulative pool counters (lookups, hits, evictions_*)
+    # Answer with Ok once applied: the engine is about to run a step that may
+    # rewrite blocks whose keys this journal drops (see ``EngineClient.seal_step``).
+    sync: bool = False
 
 
 class Heartbeat(Msg):
@@ -274,6 +311,10 @@ class Registered(Msg):
     # NONE_HASH seed). The same for every engine of the namespace on this
     # node, so their hashes agree; unknown outside it, so nobody can predict them.
     hash_seed: str = ""
+    # To an engine: how long the daemon keeps a departed engine's cache (0:
+    # not at all). When it does, the engine has its journal acknowledged
+    # before a step rewrites a block whose key it dropped.
+    orphan_ttl: float = 0.0
 
 
 class Granted(Msg):
@@ -306,6 +347,7 @@ class MemoryStatus(msgspec.Struct, kw_only=True):
     cached: int                  # in engines' evictable prefix blocks
     free: int                    # pages created, free in the daemon
     unallocated: int             # budget not created yet
+    orphaned: int = 0            # departed engines' cache kept for their namespace
 
 
 class PageCounts(msgspec.Struct, kw_only=True):
@@ -347,6 +389,16 @@ class EngineStatus(msgspec.Struct, kw_only=True):
     starved_seconds: float = 0.0 # how long its demand has gone unmet (0: it has not)
 
 
+class OrphanStatus(msgspec.Struct, kw_only=True):
+    """Cache of one namespace kept after its engines left (warm start)."""
+    namespace: Name
+    device: str
+    slabs: int
+    blocks: int                  # valid cached blocks in them
+    bytes: int
+    oldest_seconds: float        # age of the oldest (it expires at the orphan TTL)
+
+
 class StatusReport(msgspec.Struct, kw_only=True):
     """The daemon's state as ``status``, ``top`` and ``/metrics`` show it; the
     top-level memory and pages add up every device's."""
@@ -359,6 +411,7 @@ class StatusReport(msgspec.Struct, kw_only=True):
     pages: PageCounts
     devices: list[DeviceStatus]
     engines: list[EngineStatus]
+    orphans: list[OrphanStatus] = []
 
 
 class StatusReply(Msg):

@@ -46,6 +46,10 @@ log = logging.getLogger("kvelastic.client")
 # costs the engine little, small enough for reclaim decisions and KV events.
 JOURNAL_INTERVAL = 0.05
 JOURNAL_MAX_OPS = 20000
+# A step that may rewrite a block whose key was dropped waits at most this
+# for the daemon to acknowledge the journal (see ``seal_step``).
+SYNC_TIMEOUT = 1.0
+SYNC_BACKOFF = 5.0
 
 
 def wire_key(key) -> bytes:
@@ -98,6 +102,9 @@ class EngineClient:
         self.budget_bytes = 0
         self.token = b""                   # this engine's secret, from its first registration
         self.hash_seed = ""                # its namespace's block-hash root, likewise
+        self.orphan_ttl = 0.0              # the daemon keeps this engine's cache after it leaves
+        self._removal_unacked = False      # a journal that dropped keys went out unacknowledged
+        self._sync_failed_at = -1e9
         self.refused_until = 0.0           # after a refused grow, no prefetch for a while
         self._grow_in_flight = False       # a reserve grow awaits its answer
         self._grow_answered = threading.Event()
@@ -127,6 +134,11 @@ class EngineClient:
         return self
 
     def close(self, unregister: bool = True) -> None:
+        if unregister and self.conn.connected.is_set() and self.lock.acquire(timeout=1.0):
+            try:  # the last steps' completions first: the cache the daemon keeps counts on them
+                self._flush_journal()
+            finally:
+                self.lock.release()
         self._closing = True  # no journal after the daemon forgot us
         if unregister and self.conn.connected.is_set():
             try:
@@ -156,6 +168,7 @@ class EngineClient:
         # NONE_HASH with it (the first registration's: hashes never change
         # under a running engine).
         self.hash_seed = self.hash_seed or reply.hash_seed
+        self.orphan_ttl = reply.orphan_ttl
         self._grow_in_flight = False
         self._grow_answered.set()
         if held:  # a restarted daemon has an empty mirror: send the whole index
@@ -163,8 +176,10 @@ class EngineClient:
             log.info("engine %s: re-registered with %d slab(s) held", self.engine_id, len(held))
 
     def _resend_index(self) -> None:
-        ops: list[p.JournalOp] = [p.StoreKey(key=wire_key(k), block=b) for k, b in self.pool.cached_keys()]
         self.pool.take_journal()
+        # The step state first: a key of a step still running must not count as written.
+        ops: list[p.JournalOp] = p.journal_ops(self.pool.journal.resync())
+        ops += [p.StoreKey(key=wire_key(k), block=b) for k, b in self.pool.cached_keys()]
         occupancy = self.pool.occupancies()
         for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):   # the daemon takes journals in parts
             last = start + JOURNAL_MAX_OPS >= len(ops)
@@ -239,6 +254,30 @@ class EngineClient:
             if now - self._last_flush >= self.journal_interval and (self.pool.journal.ops or self.pool.journal.dirty):
                 self._last_flush = now
                 self._flush_journal()
+
+    def seal_step(self) -> None:
+        """The scheduler is about to run a model step (scheduler thread, after
+        scheduling it). A step may write into blocks whose keys were dropped
+        since the daemon last acknowledged the journal; if this engine died in
+        that step, a daemon that never heard of the drop would keep those
+        blocks as valid cache. So when the daemon keeps departed engines'
+        cache and a drop is unacknowledged, the journal goes now and the step
+        waits for the acknowledgement (one round trip, only in steps that
+        follow an eviction). Bounded: after ``SYNC_TIMEOUT`` the step runs
+        anyway (the daemon must never stall an engine), logged."""
+        if not self.orphan_ttl or not (self._removal_unacked or self.pool.journal.removed) \
+                or not self.conn.connected.is_set() or time.monotonic() - self._sync_failed_at < SYNC_BACKOFF:
+            return   # no daemon (the next one gets the whole index), or a slow one: not every step waits
+        with self.lock:
+            try:
+                self._flush_journal(sync=True)
+            except (DaemonError, DaemonUnavailable) as exc:
+                now = time.monotonic()
+                if now - self._sync_failed_at > 60.0:
+                    log.warning("engine %s: the daemon did not acknowledge the journal before a step (%s): "
+                                "if this engine dies in it, a warm restart may lose its cache", self.engine_id,
+                                exc)
+                self._sync_failed_at = now
 
     def wake(self) -> None:
         """Tell the I/O thread to look at the watermarks now (cheap)."""
@@ -362,11 +401,17 @@ class EngineClient:
         self.reserve.forget(returned)
         return returned
 
-    def _flush_journal(self) -> None:
+    def _flush_journal(self, sync: bool = False) -> None:
         """Ship the journal (any thread, with ``lock`` held: taking it and
-        sending it is one step, so journals leave in the order they were taken)."""
+        sending it is one step, so journals leave in the order they were taken).
+        ``sync``: wait until the daemon applied it (scheduler thread only)."""
         batch = self.pool.take_journal()
+        self._removal_unacked |= batch.removed
         if not batch:
+            if sync and self._removal_unacked:   # an earlier journal's drop: acknowledge it
+                expect(self.conn.call(p.Journal(engine_id=self.engine_id, ops=[], occupancy={}, sync=True),
+                                      SYNC_TIMEOUT), p.Ok)
+                self._removal_unacked = False
             return
         counters = self.pool.stats.counters()
         ops = p.journal_ops(batch.ops if self.bytes_keys else [
@@ -374,7 +419,11 @@ class EngineClient:
         for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):
             chunk = ops[start:start + JOURNAL_MAX_OPS]
             last = start + JOURNAL_MAX_OPS >= len(ops)
-            self.conn.send(p.Journal(engine_id=self.engine_id, ops=chunk,
-                                     occupancy=batch.occupancy if last else {},
-                                     stats=counters if last else {}))
+            msg = p.Journal(engine_id=self.engine_id, ops=chunk, occupancy=batch.occupancy if last else {},
+                            stats=counters if last else {}, sync=sync and last)
+            if msg.sync:   # one connection, applied in order: this Ok covers every journal before it
+                expect(self.conn.call(msg, SYNC_TIMEOUT), p.Ok)
+                self._removal_unacked = False
+            else:
+                self.conn.send(msg)
 

@@ -5,6 +5,21 @@ the ordered ops plus the final occupancy of every slab touched since the last
 batch (occupancy is coalesced: only the latest counts matter). ``Mirror`` is
 the other end: the daemon applies batches to it, and the tests check that
 replaying every batch into an empty mirror yields the pool's own state.
+
+Steps (the validity rule for a cache that outlives its engine). vLLM gives a
+block its key when it schedules the step that writes the block's last
+tokens, so a key says the KV *will* be complete once that step finished.
+The journal marks steps: ``STEP n`` before the first key stored while step
+``n`` is open, ``DONE n`` once steps up to ``n`` finished (they finish in
+order). The mirror tags each stored key with the step it came in and
+calls a block *valid* when that step is done: only valid blocks outlive a
+dead engine. A pool that never marks steps (tests, simulators) has every
+key valid at once.
+
+A key dropped (``REMOVE``, ``CLEAR``) means its block may be written again:
+``removed`` tells the client that the daemon must acknowledge this journal
+before the next step runs (``EngineClient.seal_step``), or a ``kill -9``
+could leave the daemon believing in a block the dying step was rewriting.
 """
 
 from __future__ import annotations
@@ -19,13 +34,16 @@ REMOVE_SLAB: Final = 1   # (REMOVE_SLAB, slab_id)
 STORE: Final = 2         # (STORE, key, block_id)
 REMOVE: Final = 3        # (REMOVE, key, block_id)
 CLEAR: Final = 4         # (CLEAR,)  every key dropped (invalidate / reset)
+STEP: Final = 5          # (STEP, n)  keys stored from here on belong to step n
+DONE: Final = 6          # (DONE, n)  steps up to n finished: their blocks' KV is written
 
 # One op: a plain tuple whose code says its shape (for the type checker too:
 # ``op[0] == STORE`` narrows an ``Op`` to a ``KeyOp``).
 SlabOp = tuple[Literal[0, 1], int]            # ADD_SLAB, REMOVE_SLAB
 KeyOp = tuple[Literal[2, 3], Hashable, int]   # STORE, REMOVE
 ClearOp = tuple[Literal[4]]                   # CLEAR
-Op = SlabOp | KeyOp | ClearOp
+StepOp = tuple[Literal[5, 6], int]            # STEP, DONE
+Op = SlabOp | KeyOp | ClearOp | StepOp
 
 Occupancy = tuple[int, int, int]  # (live, cached, free) blocks
 
@@ -34,17 +52,58 @@ Occupancy = tuple[int, int, int]  # (live, cached, free) blocks
 class JournalBatch:
     ops: list[Op]
     occupancy: dict[int, Occupancy]
+    removed: bool = False        # a key was dropped: its block may be rewritten
 
     def __bool__(self) -> bool:
         return bool(self.ops or self.occupancy)
 
 
 class Journal:
-    __slots__ = ("ops", "dirty")
+    __slots__ = ("ops", "dirty", "removed", "begun", "done", "_marked", "_done_sent")
 
     def __init__(self) -> None:
         self.ops: list[Op] = []
         self.dirty: set[int] = set()
+        self.removed = False         # set by whoever appends REMOVE or CLEAR
+        self.begun = 0               # the last step begun
+        self.done = 0                # every step up to this one finished
+        self._marked = 0             # the last STEP op written
+        self._done_sent = 0          # the last DONE op written
+
+    # Steps: the pool calls ``mark_store`` before it appends STORE ops.
+    def begin_step(self) -> int:
+        """A model step is scheduled: the keys stored until the next one are its."""
+        self.begun += 1
+        return self.begun
+
+    def end_step(self, step: int) -> None:
+        """Step ``step`` (and every one before it) finished."""
+        if step <= self.done:
+            return
+        self.done = min(step, self.begun)
+        if self._marked > self._done_sent:   # keys of a step the daemon thinks unfinished
+            self.ops.append((DONE, self.done))
+            self._done_sent = self.done
+
+    def mark_store(self) -> None:
+        """Keys are about to be stored: tag them with the open step, if any."""
+        if self.begun > self.done and self._marked != self.begun:
+            self.ops.append((STEP, self.begun))
+            self._marked = self.begun
+
+    def resync(self) -> list[Op]:
+        """Ops that give a fresh mirror (a restarted daemon) this journal's step
+        state, to precede the whole index: what is done, and the open step
+        that every resent key is then tagged with (a key stored in a step
+        still running must not count as written)."""
+        ops: list[Op] = []
+        if self.done:
+            ops.append((DONE, self.done))
+            self._done_sent = self.done
+        if self.begun > self.done:
+            ops.append((STEP, self.begun))
+            self._marked = self.begun
+        return ops
 
     def take(self, occupancy_of: Callable[[int], Occupancy | None]) -> JournalBatch:
         """Hand out everything recorded so far; ``occupancy_of(slab)`` is None
@@ -54,9 +113,10 @@ class Journal:
             occ = occupancy_of(slab_id)
             if occ is not None:
                 occupancy[slab_id] = occ
-        batch = JournalBatch(self.ops, occupancy)
+        batch = JournalBatch(self.ops, occupancy, self.removed)
         self.ops = []
         self.dirty = set()
+        self.removed = False
         return batch
 
 
@@ -69,6 +129,9 @@ class Mirror:
         # A block holds at most one key (as in the pool): a STORE replaces the
         # block's old key, so the mirror never outgrows the blocks it covers.
         self.key_of: dict[int, Hashable] = {}
+        self.stored_in: dict[int, int] = {}   # block -> the step its key came in
+        self.step = 0                          # the last STEP seen
+        self.done = 0                          # the last DONE seen
 
     def apply(self, batch: JournalBatch) -> None:
         for op in batch.ops:
@@ -77,6 +140,11 @@ class Mirror:
                     self._unindex(self.key_of[op[2]], op[2])
                 self.index.setdefault(op[1], set()).add(op[2])
                 self.key_of[op[2]] = op[1]
+                self.stored_in[op[2]] = self.step
+            elif op[0] == STEP:
+                self.step = max(self.step, op[1])
+            elif op[0] == DONE:
+                self.done = max(self.done, op[1])
             elif op[0] == REMOVE:
                 if self.key_of.get(op[2]) == op[1]:
                     self._unindex(op[1], op[2])
@@ -87,6 +155,7 @@ class Mirror:
             elif op[0] == CLEAR:
                 self.index.clear()
                 self.key_of.clear()
+                self.stored_in.clear()
             else:
                 raise ValueError(f"unknown journal op {op!r}")
         for slab_id, occ in batch.occupancy.items():
@@ -96,6 +165,7 @@ class Mirror:
 
     def _unindex(self, key: Hashable, block: int) -> None:
         del self.key_of[block]
+        del self.stored_in[block]
         holders = self.index.get(key)
         if holders is not None:
             holders.discard(block)
@@ -104,3 +174,15 @@ class Mirror:
 
     def index_pairs(self) -> set[tuple[Hashable, int]]:
         return {(key, block_id) for key, ids in self.index.items() for block_id in ids}
+
+    def valid_blocks(self, blocks_per_slab: int) -> dict[int, list[tuple[int, Hashable]]]:
+        """Per held slab, its blocks whose KV is known written (key stored in a
+        finished step), as ``(offset in the slab, key)`` in the order they were
+        stored: what may outlive the engine."""
+        out: dict[int, list[tuple[int, Hashable]]] = {}
+        done, stored_in, slabs = self.done, self.stored_in, self.slabs
+        for block, key in self.key_of.items():
+            slab_id = block // blocks_per_slab
+            if stored_in[block] <= done and slab_id in slabs:
+                out.setdefault(slab_id, []).append((block % blocks_per_slab, key))
+        return out

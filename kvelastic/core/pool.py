@@ -199,6 +199,7 @@ class SlabPool:
         taken = {blk.block_id for blk, _ in take}
         slab.free = [blk for blk in slab.free if blk.block_id not in taken]
         now = self._clock()
+        self.journal.mark_store()
         for blk, key in reversed(take):      # the oldest ends up first in the LRU
             blk._block_hash = key
             self._index.insert(key, blk)
@@ -227,6 +228,7 @@ class SlabPool:
             raise SlabBusy(f"slab {slab_id} has {slab.live} live block(s)")
         del self._by_free[len(slab.free)][slab_id]
         evicted = 0
+        removed = self.journal.removed   # the slab leaves whole: none of its blocks is rewritten here
         for blk in slab.blocks:
             if blk._block_hash is not None:
                 del self._lru[blk.block_id]
@@ -235,6 +237,7 @@ class SlabPool:
                 evicted += 1
         if evicted:
             self.stats.evictions[reason] += evicted
+        self.journal.removed = removed
         self.num_free -= len(slab.free)
         slab.owner = None
         del self._slabs[slab_id]
@@ -388,6 +391,7 @@ class SlabPool:
                 raise UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds")
             if blk.ref_cnt <= 0:
                 raise BlockNotLive(f"block {blk.block_id} is not allocated: only live blocks are cached")
+        self.journal.mark_store()
         ops = self.journal.ops
         for i, blk in enumerate(blocks):
             key = keys[i]
@@ -444,6 +448,17 @@ class SlabPool:
         stats.query_tokens += query_tokens
         stats.hit_tokens += hit_tokens
 
+    # --------------------------------------------------------------- steps
+    def begin_step(self) -> int:
+        """A model step that may write blocks is scheduled; returns its number.
+        Keys stored until it ends count as written only once it ended (the
+        journal's validity rule, ``journal.py``)."""
+        return self.journal.begin_step()
+
+    def end_step(self, step: int) -> None:
+        """Step ``step`` and every one before it finished: their KV is written."""
+        self.journal.end_step(step)
+
     # ------------------------------------------------------------ eviction
     def evict(self, n: int, reason: str = "explicit") -> int:
         """Evict at least ``n`` cached blocks (fewer if fewer exist), whole
@@ -482,6 +497,7 @@ class SlabPool:
         self._cached_at.clear()
         self._adopted.clear()
         self.journal.ops.append((CLEAR,))
+        self.journal.removed = True
         self.stats.evictions["invalidate"] += dropped
         if self.on_cleared is not None:
             self.on_cleared()
@@ -520,7 +536,9 @@ class SlabPool:
         key = blk._block_hash
         self._adopted.discard(blk.block_id)
         self._index.remove(key, blk)
-        self.journal.ops.append((REMOVE, key, blk.block_id))
+        journal = self.journal
+        journal.ops.append((REMOVE, key, blk.block_id))
+        journal.removed = True
         blk._block_hash = blk._block_hash_num_tokens = None
         if self.on_key_removed is not None:
             self.on_key_removed(key)

@@ -39,6 +39,8 @@ from kvelastic.core.stats import COUNTER_NAMES
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.arbiter import Rules, is_hard, is_idle, pick_victims
 from kvelastic.daemon.events import journal_events
+from kvelastic.daemon.handoff import CacheHandoff, Handoff
+from kvelastic.daemon.orphans import OrphanCache
 from kvelastic.daemon.registration import Registration
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.report import Reporting
@@ -61,6 +63,7 @@ class Timing:
     grow_timeout: float = p.GROW_TIMEOUT
     idle_grace: float = p.IDLE_GRACE
     hold_down: float = p.HOLD_DOWN
+    orphan_ttl: float = p.ORPHAN_CACHE_TTL      # a departed engine's cache is kept this long (0: never)
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,13 +87,6 @@ class GrowRequest:
     handoffs: list[Handoff] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass(frozen=True)
-class Handoff:
-    pages: list[int]
-    page_devices: list[str]
-    cached: tuple[p.CachedBlock, ...]
-
-
 @dataclasses.dataclass(eq=False)
 class ReturnRequest:
     """A ``Return``: answered once every slab in it is unmapped by every worker."""
@@ -108,7 +104,7 @@ class ReclaimRequest:
     deadline: float
 
 
-class Allocator(Registration, Reporting):
+class Allocator(Registration, CacheHandoff, Reporting):
     def __init__(self, budgets: dict[str, int], page_size: int, *, backend: str = "host",
                  timing: Timing = Timing(), events: bool = True,
                  token_source: Callable[[], bytes] = lambda: secrets.token_bytes(16),
@@ -130,6 +126,7 @@ class Allocator(Registration, Reporting):
         # Engines gone from the books whose slabs still wait for their workers
         # (unmap acks, or their processes to exit when they failed).
         self.departing: dict[str, EngineRecord] = {}
+        self.orphans = OrphanCache()                      # departed engines' cache, kept for their namespace
         self.grows: dict[int, GrowRequest] = {}           # by arrival: answered in order
         self._grow_seq = 0
         self._progressing = self._again = False
@@ -277,6 +274,7 @@ class Allocator(Registration, Reporting):
                 log.warning("engine %s: no answer to a reclaim of %d slab(s): treated as refused",
                             rec.engine_id, len(rec.slabs))
                 rec.grow.reclaims.discard(rid)
+        self._expire_orphans()
         self._progress_grows()
         self._release_stale()
         return self._take()
@@ -286,11 +284,12 @@ class Allocator(Registration, Reporting):
         they hold and adopt it again from the next daemon); pages are only let go."""
         out: list[fx.Effect] = [fx.ReleasePages(name, tuple(pool.free))
                                 for name, pool in self.pools.items() if pool.free]
+        kept = [(o.pages, o.page_devices) for o in self.orphans]   # the cache kept dies with the daemon
         for engine in (*self.engines.values(), *self.departing.values()):
-            for slab in engine.slabs.values():
-                for device in set(slab.page_devices):
-                    out.append(fx.ReleasePages(device, tuple(pg for pg, d in zip(slab.pages, slab.page_devices)
-                                                             if d == device)))
+            kept += [(slab.pages, slab.page_devices) for slab in engine.slabs.values()]
+        for pages, devices in kept:
+            for device in set(devices):
+                out.append(fx.ReleasePages(device, tuple(pg for pg, d in zip(pages, devices) if d == device)))
         return out
 
     # ================================================================ engines
@@ -341,7 +340,7 @@ class Allocator(Registration, Reporting):
         return p.StatusReply(status=self.status())
 
     # ================================================================ journal
-    def _on_journal(self, identity: bytes, m: p.Journal) -> None:
+    def _on_journal(self, identity: bytes, m: p.Journal) -> p.Msg | None:
         engine = self._own_engine(identity, m.engine_id)
         # Decoding checked every op's shape and types; what is left to check
         # whole, before anything is applied, is that they name held slabs.
@@ -371,6 +370,7 @@ class Allocator(Registration, Reporting):
             if events:
                 self._out.append(fx.Publish(p.kv_events_topic(engine.engine_id, engine.namespace), tuple(events)))
         engine.last_seen = self._now
+        return p.Ok() if m.sync else None
 
     # ================================================================ grow
     def _on_grow(self, identity: bytes, m: p.Grow) -> p.Msg | None:
@@ -428,6 +428,8 @@ class Allocator(Registration, Reporting):
         cap = engine.max_slabs if not engine.max_bytes else min(engine.max_slabs,
                                                                 engine.max_bytes // engine.slab_bytes)
         owned = engine.owned_slabs()
+        if not expired:
+            owned += self._adopt_orphans(engine, req, cap - owned)
         while not expired and len(req.slabs) + len(req.mapping) < req.wanted and owned < cap:
             slab_id = engine.free_slab_id()
             if slab_id is None:
@@ -435,7 +437,7 @@ class Allocator(Registration, Reporting):
             if self._map_handoff(engine, slab_id, req):
                 owned += 1
                 continue
-            pages = self._take_pages(engine)
+            pages = self._take_pages(engine, req.demand)
             if pages is None:
                 break
             self._start_map(engine, slab_id, *pages, req)
@@ -490,44 +492,12 @@ class Allocator(Registration, Reporting):
     def _devices_of(self, engine: EngineRecord) -> set[str]:
         return {engine.worker_devices.get(r, engine.device) for r in range(engine.num_workers)} or {engine.device}
 
-    def _map_handoff(self, engine: EngineRecord, slab_id: int, req: GrowRequest) -> bool:
-        """Map a slab handed on to ``req`` by an engine of its namespace: the
-        same pages, not zeroed, with their cached blocks. False when there is
-        none (or its pages went meanwhile: then it is dropped)."""
-        while req.handoffs:
-            handoff = req.handoffs.pop(0)
-            pools = {d: self.pools[d] for d in handoff.page_devices}
-            owner = owner_tag(engine)
-            by_device: dict[str, list[int]] = {}
-            for page, device in zip(handoff.pages, handoff.page_devices):
-                by_device.setdefault(device, []).append(page)
-            if not all(pools[d].free.get(pg) == owner for d, pages in by_device.items() for pg in pages):
-                continue
-            for device, pages in by_device.items():
-                pools[device].take_exact(pages, owner)
-            self._start_map(engine, slab_id, handoff.pages, handoff.page_devices, req)
-            slab = engine.slabs.get(slab_id)
-            if slab is not None:
-                slab.handoff = handoff.cached
-            return True
-        return False
-
-    @staticmethod
-    def _handed(engine: EngineRecord, slab_ids: list[int]) -> dict[int, list[p.CachedBlock]]:
-        """The cached blocks that came with these slabs (handed on), for the grant."""
-        out: dict[int, list[p.CachedBlock]] = {}
-        for slab_id in slab_ids:
-            slab = engine.slabs.get(slab_id)
-            if slab is not None and slab.handoff:
-                out[slab_id] = list(slab.handoff)
-                slab.handoff = ()
-        return out
-
-    def _take_pages(self, engine: EngineRecord) -> tuple[list[int], list[str]] | None:
+    def _take_pages(self, engine: EngineRecord, demand: bool) -> tuple[list[int], list[str]] | None:
         """Pages for one slab, rank by rank from each worker's device, all or
         none: the engine's own free pages or clean ones. Missing pages are
-        asked of the loop (fresh ones, after releasing others' stale pages if
-        the budget needs the room); the grow waits for them."""
+        asked of the loop (fresh ones, after releasing others' stale pages,
+        and for a demand kept cache, if the budget needs the room); the grow
+        waits for them."""
         owner = owner_tag(engine)
         ranks = [(engine.worker_devices.get(r, engine.device), engine.pages_per_worker)
                  for r in range(engine.num_workers)] or [(engine.device, engine.pages_per_worker)]
@@ -538,7 +508,7 @@ class Allocator(Registration, Reporting):
         if any(short.values()):
             for device, n in short.items():
                 if n > 0:
-                    self._create(device, n)
+                    self._create(device, n, engine.engine_id if demand else "")
             return None
         pages: list[int] = []
         devices: list[str] = []
@@ -548,9 +518,10 @@ class Allocator(Registration, Reporting):
             devices += [device] * n
         return pages, devices
 
-    def _create(self, device: str, n: int) -> None:
+    def _create(self, device: str, n: int, demand_of: str = "") -> None:
         """Ask the loop for ``n`` fresh pages on ``device`` (unless already asked),
-        releasing free pages of other owners when the budget needs the room."""
+        releasing free pages of other owners when the budget needs the room,
+        then for a demand (``demand_of``: the engine) kept orphaned cache."""
         pool = self.pools[device]
         if pool.creating or self._now - pool.creation_failed_at < 1.0:
             return
@@ -558,6 +529,8 @@ class Allocator(Registration, Reporting):
             stale = pool.take_stale(n - pool.creatable())
             if stale:
                 self._out.append(fx.ReleasePages(device, tuple(stale)))
+        if pool.creatable() < n and demand_of:
+            self._yield_orphans(device, n - pool.creatable(), demand_of)
         n = min(n, pool.creatable())
         if n > 0:
             pool.creating += n
@@ -675,17 +648,6 @@ class Allocator(Registration, Reporting):
         rec.grow.reclaims.discard(m.req_id)
         self._progress_grows()
 
-    @staticmethod
-    def _may_hand_on(giver: EngineRecord, taker: EngineRecord, cached: list[p.CachedBlock]) -> bool:
-        """A slab's KV may go to ``taker`` as it is only within a namespace (the
-        tenant salt is part of it: never across tenants) and between the same
-        geometry, so each block lands where its bytes are."""
-        same = (giver.namespace == taker.namespace and giver.device == taker.device
-                and giver.pages_per_worker == taker.pages_per_worker and giver.num_workers == taker.num_workers
-                and giver.blocks_per_slab == taker.blocks_per_slab and giver.block_bytes == taker.block_bytes
-                and giver.worker_devices == taker.worker_devices)
-        return same and all(c.offset < giver.blocks_per_slab for c in cached)
-
     def _moved(self, source: EngineRecord, to_id: str) -> None:
         """A slab of ``source`` goes to engine ``to_id``: counted, and thrash if it
         is a move back (``source`` got memory from ``to_id`` moments ago)."""
@@ -738,8 +700,9 @@ class Allocator(Registration, Reporting):
         if req is not None and taker is not None and slab.pages and not engine.failed:
             owner = owner_tag(taker)   # handed on: free under the taker's tag until its grow maps them
             req.handoffs.append(Handoff(list(slab.pages), list(slab.page_devices), slab.handoff))
-        for page_id, device in zip(slab.pages, slab.page_devices):
-            self.pools[device].put_back([page_id], owner)
+        if not self._keep_orphan(engine, slab):
+            for page_id, device in zip(slab.pages, slab.page_devices):
+                self.pools[device].put_back([page_id], owner)
         self.pools[engine.device].adopted -= slab.adopted_pages
         if self.departing.get(engine.engine_id) is engine and not engine.slabs:
             del self.departing[engine.engine_id]
@@ -765,8 +728,11 @@ class Allocator(Registration, Reporting):
         """The engine left (or died): every slab is unmapped by the workers still there."""
         if self.engines.get(engine.engine_id) is not engine:
             return
-        log.log(logging.INFO if why == "unregistered" else logging.WARNING, "engine %s %s: returning its %d slab(s)",
-                engine.engine_id, why if why == "unregistered" else f"gone ({why})", len(engine.slabs))
+        kept = self._mark_orphans(engine)
+        log.log(logging.INFO if why == "unregistered" else logging.WARNING,
+                "engine %s %s: returning its %d slab(s)%s", engine.engine_id,
+                why if why == "unregistered" else f"gone ({why})", len(engine.slabs),
+                f", {kept} with valid cache kept for namespace {engine.namespace}" if kept else "")
         self._forget(engine, why)
         for slab in list(engine.slabs.values()):
             if slab.phase is not Phase.UNMAPPING:

@@ -152,7 +152,8 @@ def main() -> int:
                      if config.kv_events_endpoint else None)
         timing = Timing(ack_timeout=config.ack_timeout or p.ACK_TIMEOUT,
                         grow_timeout=config.grow_timeout or p.GROW_TIMEOUT,
-                        idle_grace=config.idle_grace, hold_down=config.hold_down)
+                        idle_grace=config.idle_grace, hold_down=config.hold_down,
+                        orphan_ttl=config.orphan_cache_ttl)
         group = socket_group(config.socket_group)
         daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing, access=Access(group=group),
                         max_engines=config.max_engines, hash_secret=load_hash_secret(config.socket))

@@ -19,6 +19,9 @@ from kvelastic.daemon.arbiter import Rules
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord
 
+if TYPE_CHECKING:
+    from kvelastic.daemon.allocator import Timing
+
 log = logging.getLogger("kvelastic.daemon")
 
 
@@ -33,6 +36,7 @@ class Registration:
     _now: float
     _token_source: Callable[[], bytes]
     hash_secret: bytes
+    timing: Timing
 
     if TYPE_CHECKING:  # the allocator's methods it calls
         def _engine(self, engine_id: str) -> EngineRecord: ...
@@ -71,7 +75,7 @@ class Registration:
             log.info("engine %s reconnected", m.engine_id)
             return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
                                 max_slabs=old.max_slabs, token=old.token, idle_grace=self.rules.idle_grace,
-                                hash_seed=self.hash_seed(old.namespace))
+                                hash_seed=self.hash_seed(old.namespace), orphan_ttl=self.timing.orphan_ttl)
         if len(self.engines) >= self.max_engines:
             raise Rejected(p.Reason.LIMIT, f"{len(self.engines)} engines registered, the most this daemon takes "
                                            f"(KVELASTIC_MAX_ENGINES)")
@@ -98,7 +102,7 @@ class Registration:
                  engine.slab_bytes, max_slabs, f", adopted {len(held)} slab(s)" if held else "")
         return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
                             max_slabs=max_slabs, token=engine.token, idle_grace=self.rules.idle_grace,
-                            hash_seed=self.hash_seed(m.namespace))
+                            hash_seed=self.hash_seed(m.namespace), orphan_ttl=self.timing.orphan_ttl)
 
     def hash_seed(self, namespace: str) -> str:
         """The namespace's root for block hashes: a keyed hash of its name under

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from kvelastic import protocol as p
 from kvelastic.daemon.arbiter import Rules, is_idle
+from kvelastic.daemon.orphans import OrphanCache
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase
 from kvelastic.errors import require
 
@@ -16,6 +17,7 @@ class Reporting:
     pools: dict[str, PagePool]
     engines: dict[str, EngineRecord]
     departing: dict[str, EngineRecord]
+    orphans: OrphanCache
     backend: str
     page_size: int
     rules: Rules
@@ -55,17 +57,19 @@ class Reporting:
                    for name, pool in self.pools.items()]
         for d in devices:
             d.slab_moves, d.thrash = self.moves[d.device], self.thrash[d.device]
+            d.memory.orphaned = len(self.orphans.pages_on(d.device)) * self.page_size
         return p.StatusReport(
             device=devices[0].device, backend=self.backend, page_size=self.page_size,
             budget_bytes=sum(d.budget_bytes for d in devices),
             memory=p.MemoryStatus(**{k: sum(getattr(d.memory, k) for d in devices)
-                                     for k in ("held", "cached", "free", "unallocated")}),
+                                     for k in ("held", "cached", "free", "unallocated", "orphaned")}),
             pages=p.PageCounts(**{k: sum(getattr(d.pages, k) for d in devices)
                                   for k in ("created", "free", "adopted", "quarantined")}),
-            devices=devices, engines=engines)
+            devices=devices, engines=engines, orphans=self.orphans.status(self._now, self.page_size))
 
     def check(self) -> None:
-        """Invariants 1 and 2 on every device (the tests and the simulator call it)."""
+        """Invariants 1 and 2 on every device (the tests and the simulator call
+        it); a kept orphan slab's pages count as held (by no engine)."""
         in_slabs: dict[str, list[int]] = {name: [] for name in self.pools}
         adopted = dict.fromkeys(self.pools, 0)
         for e in (*self.engines.values(), *self.departing.values()):
@@ -74,7 +78,7 @@ class Reporting:
                     in_slabs[device].append(page_id)
                 adopted[e.device] += s.adopted_pages
         for name, pool in self.pools.items():
-            pool.check(in_slabs[name], adopted[name])
+            pool.check(in_slabs[name] + self.orphans.pages_on(name), adopted[name])
         for e in (*self.engines.values(), *self.departing.values()):
             require(e.in_flight == {sid for sid, s in e.slabs.items() if s.phase is not Phase.HELD}, "in-flight slabs")
             require(e.unmapping == sum(s.phase is Phase.UNMAPPING for s in e.slabs.values()), "unmapping count")

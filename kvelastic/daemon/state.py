@@ -8,6 +8,9 @@ Page states (invariant 1: every page is in exactly one):
     in a slab           ``SlabRecord.pages`` of exactly one engine record's
                         slab, whatever the slab's phase:
                         mapping -> held -> unmapping -> (pages back to free)
+    orphaned            in one ``OrphanSlab`` (``orphans.py``): a departed
+                        engine's cache, mapped by no process, kept for the
+                        next engine of its namespace
 Budget (invariant 2): pages created + being created + adopted after a
 restart never exceed ``budget_pages``; an engine's slabs never exceed its
 ``max_slabs``. A free page is reused only by its last owner (or when clean):
@@ -49,6 +52,7 @@ class SlabRecord:
     # the slab was given up for; on the receiver's, until it is granted.
     handoff: tuple[p.CachedBlock, ...] = ()
     handoff_to: int = -1
+    orphan: bool = False               # its engine left: once unmapped it stays as cache (``handoff``)
 
     # Lifecycle: MAPPING -> HELD -> UNMAPPING -> (gone: pages back to the pool);
     # a slab that failed to map goes MAPPING -> UNMAPPING.
@@ -323,6 +327,25 @@ class PagePool:
         require(len(in_slabs) + len(self.free) == self.created, "a page is lost or counted twice")
         require(adopted == self.adopted, "adopted pages do not match the engines' slabs")
         require(self.in_use <= self.budget_pages, "over budget")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlabShape:
+    """Where a slab's blocks lie in its pages: two engines of one shape put
+    block ``k`` of a slab at the same bytes of the same pages' devices, so
+    their cached blocks can change hands with the pages."""
+
+    device: str
+    pages_per_worker: int
+    num_workers: int
+    blocks_per_slab: int
+    block_bytes: int
+    worker_devices: tuple[tuple[int, str], ...]
+
+
+def shape_of(engine: EngineRecord) -> SlabShape:
+    return SlabShape(engine.device, engine.pages_per_worker, engine.num_workers, engine.blocks_per_slab,
+                     engine.block_bytes, tuple(sorted(engine.worker_devices.items())))
 
 
 def owner_tag(engine: EngineRecord) -> str:

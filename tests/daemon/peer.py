@@ -69,7 +69,9 @@ def main() -> None:
         block_bytes=page_size * cfg.get("ppw", 1) // cfg.get("bps", 4),
         min_bytes=cfg.get("min_bytes", 0), max_bytes=cfg.get("max_bytes", 0),
         low_watermark=cfg.get("low_watermark", 0), keep_idle_slabs=cfg.get("keep_idle", 0),
-        shrink_grace=cfg.get("grace", 0.3), key_group_suffix=cfg.get("vllm_keys", False)).start()
+        shrink_grace=cfg.get("grace", 0.3), key_group_suffix=cfg.get("vllm_keys", False))
+    engine.journal_interval = cfg.get("journal_interval", engine.journal_interval)
+    engine.start()
     backend = get_backend(TEST_BACKEND) if num_workers else None
     workers = [WorkerClient(backend, socket_path=cfg["socket"], engine_id=cfg["engine_id"], rank=rank,
                             token=engine.token).start()
@@ -112,6 +114,17 @@ def main() -> None:
                 out["keys"] = sorted(k.hex() for k, _ in pool.cached_keys())
         elif op in ("write", "read"):
             out["values"] = view_op(workers, op, cmd.get("value", 0))
+        elif op == "step":       # a model step is being scheduled (as vLLM's schedule() begins)
+            with engine.lock:
+                out["step"] = pool.begin_step()
+        elif op == "seal":       # scheduled: before it runs, the daemon hears what it rewrites
+            engine.seal_step()
+        elif op == "end_step":
+            with engine.lock:
+                pool.end_step(cmd["n"])
+        elif op == "flush":
+            with engine.lock:
+                engine._flush_journal(sync=True)
         elif op == "send":       # a message on the engine's own connection (hex msgpack), its reply likewise
             try:
                 reply = engine.conn.call(p.decode(bytes.fromhex(cmd["msg"])), cmd.get("timeout", 2.0))

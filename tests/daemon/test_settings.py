@@ -310,6 +310,30 @@ def _hold_down(node: Node, request: pytest.FixtureRequest) -> None:
     assert not moved_back("30s", wait=2)     # 30 s of hold-down: not within 2 s
 
 
+@probe("KVELASTIC_ORPHAN_CACHE_TTL")
+def _orphan_cache_ttl(node: Node, request: pytest.FixtureRequest) -> None:
+    def kept_after_exit(ttl: str) -> DaemonProcess:
+        """An engine caches 4 blocks in a finished step and is killed."""
+        daemon = node.daemon(memory="4MiB", KVELASTIC_ORPHAN_CACHE_TTL=ttl)
+        e = node.engine(daemon, f"e{ttl}", namespace="ns", grace=60)
+        assert e.do("ensure", n=4)["ok"]
+        step = e.do("step")["step"]
+        e.do("alloc", n=4)
+        e.do("cache", prefix="sys")
+        e.do("end_step", n=step)
+        e.do("free")
+        e.do("flush")
+        e.kill()
+        wait_for(lambda: not daemon.request(p.Status()).status.engines, what="the engine gone")
+        return daemon
+
+    kept = kept_after_exit("10m")
+    wait_for(lambda: device(kept).memory.orphaned == 2 * MiB, what="its cache kept for the namespace")
+    dropped = kept_after_exit("0")
+    wait_for(lambda: device(dropped).memory.held == 0, what="its memory back")
+    assert device(dropped).memory.orphaned == 0 and not dropped.request(p.Status()).status.orphans
+
+
 @probe("KVELASTIC_LOG_LEVEL")
 def _log_level(node: Node, request: pytest.FixtureRequest) -> None:
     assert " INFO " in node.daemon().log()

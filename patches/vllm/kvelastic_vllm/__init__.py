@@ -5,7 +5,9 @@ process it starts (front end, EngineCore, workers); each patch only takes
 effect where its code runs, so patching everything everywhere is harmless:
 - EngineCore: ``get_kv_cache_configs`` registers the engine and sizes the
   cache to its virtual capacity; ``BlockPool`` becomes ``ElasticBlockPool``;
-  each scheduling step holds the pool lock; the coordinator's block need
+  its shutdown unregisters (the daemon keeps its valid cache for a restart);
+  each scheduling step holds the pool lock and is numbered in the journal,
+  its completion too (the validity rule of kept cache); the coordinator's block need
   reaches the pool before vLLM's capacity check (demand grows); prefix-cache
   queries and hits are counted as vLLM counts them, for the daemon's metrics.
 - Workers: ``allocate_kv_cache`` builds the KV views over an arena;
@@ -59,6 +61,8 @@ def register() -> None:
     # Block hashes rooted in the namespace's secret seed (the daemon's, known
     # once the engine registered, which is before EngineCore calls this).
     engine_core.init_none_hash = identity.wrap_init_none_hash(engine_core.init_none_hash, plugin.hash_seed)
+    core = engine_core.EngineCore
+    setattr(core, "shutdown", engine.wrap_shutdown(core.shutdown))   # noqa: B010 - mypy refuses a method assignment
     install_scheduler_patches()
     runners: list[type] = [model_runner.GPUModelRunner]
     model_runner.allocate_kv_cache = worker.allocate_kv_cache
@@ -90,10 +94,11 @@ def scheduler_patches() -> list[tuple[object, str, object]]:
     from kvelastic_vllm import engine
     from kvelastic_vllm.block_pool import ElasticBlockPool
 
-    mgr, coord = manager.KVCacheManager, coordinator.KVCacheCoordinator
+    mgr, coord, sched = manager.KVCacheManager, coordinator.KVCacheCoordinator, scheduler.Scheduler
     return [
         (coordinator, "BlockPool", ElasticBlockPool),
-        (scheduler.Scheduler, "schedule", engine.wrap_schedule(scheduler.Scheduler.schedule)),
+        (sched, "schedule", engine.wrap_schedule(sched.schedule)),
+        (sched, "update_from_output", engine.wrap_update_from_output(sched.update_from_output)),
         (mgr, "allocate_slots", engine.wrap_allocate_slots(mgr.allocate_slots)),
         (mgr, "record_prefix_cache_stats", engine.wrap_record_prefix_cache_stats(mgr.record_prefix_cache_stats)),
         (coord, "get_num_blocks_to_allocate", engine.wrap_get_num_blocks_to_allocate(coord.get_num_blocks_to_allocate)),

@@ -125,7 +125,12 @@ def wrap_get_kv_cache_configs(original):
 
 def wrap_schedule(original):
     """One scheduling step is atomic for the pool: a reclaim cannot take a slab
-    between the lookup of a cached block and the touch that makes it live."""
+    between the lookup of a cached block and the touch that makes it live.
+
+    Each scheduled step is numbered in the pool's journal (the blocks vLLM
+    keys while scheduling it hold their KV only once it ran: see
+    ``wrap_update_from_output``), and before it runs the daemon has
+    acknowledged any dropped key whose block it may rewrite (``seal_step``)."""
 
     plugin = state()
 
@@ -134,11 +139,32 @@ def wrap_schedule(original):
         if link is None:
             return original(self, *args, **kwargs)
         with link.client.lock:
+            step = link.pool.begin_step()
             out = original(self, *args, **kwargs)
+        out.kvelastic_step = step
+        link.client.seal_step()
         link.client.poll()
         return out
 
     return schedule
+
+
+def wrap_update_from_output(original):
+    """The model output of a step arrived: the KV of the blocks keyed while
+    scheduling it is written (steps finish in order, with or without vLLM's
+    batch queue)."""
+
+    plugin = state()
+
+    def update_from_output(self, scheduler_output, *args, **kwargs):
+        link = plugin.link
+        step = getattr(scheduler_output, "kvelastic_step", 0)
+        if link is not None and step:
+            with link.client.lock:
+                link.pool.end_step(step)
+        return original(self, scheduler_output, *args, **kwargs)
+
+    return update_from_output
 
 
 def wrap_get_num_blocks_to_allocate(original):
@@ -189,3 +215,24 @@ def wrap_record_prefix_cache_stats(original):
             link.pool.record_query(request.num_tokens, num_hits)
 
     return record_prefix_cache_stats
+
+
+def wrap_shutdown(original):
+    """The EngineCore shuts down (``vllm serve`` stopped, the ``LLM`` deleted or
+    the interpreter exiting): the engine unregisters, its journal (the last
+    steps' completions) flushed first, so the daemon keeps its valid cache
+    for the next engine of its namespace (a graceful restart starts warm)."""
+
+    plugin = state()
+
+    def shutdown(self, *args, **kwargs):
+        link = plugin.link
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if link is not None and plugin.link is link:
+                plugin.detach()
+                link.client.close()
+                log.info("kvelastic: engine %s unregistered", link.client.engine_id)
+
+    return shutdown

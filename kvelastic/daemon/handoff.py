@@ -1,0 +1,160 @@
+"""Cache that changes hands with its pages, within a namespace: the
+allocator's part that hands a reclaimed slab on to a replica, keeps a
+departed engine's valid cache (``orphans.py``) and maps it into the next
+engine of its namespace (warm start).
+
+A mixin of ``Allocator`` (``allocator.py``): it reads and writes the same
+books; nothing here does I/O. The rule it keeps (invariant 6's one
+exception): pages go with their KV only to an engine of the same namespace
+(model, weights, tenant salt) and slab shape; anyone else gets fresh pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, cast
+
+from kvelastic import protocol as p
+from kvelastic.daemon import effects as fx
+from kvelastic.daemon.orphans import OrphanCache, OrphanSlab
+from kvelastic.daemon.state import EngineRecord, PagePool, SlabRecord, owner_tag, shape_of
+
+if TYPE_CHECKING:
+    from kvelastic.daemon.allocator import GrowRequest, Timing
+
+log = logging.getLogger("kvelastic.daemon")
+
+
+@dataclasses.dataclass(frozen=True)
+class Handoff:
+    """A slab given up for a grow of the giver's namespace, unmapped: its
+    pages (free under the taker's tag) and the cached blocks they hold."""
+
+    pages: list[int]
+    page_devices: list[str]
+    cached: tuple[p.CachedBlock, ...]
+
+
+class CacheHandoff:
+    # The allocator's books this part reads and writes (``Allocator.__init__`` sets them).
+    pools: dict[str, PagePool]
+    orphans: OrphanCache
+    timing: Timing
+    _now: float
+    _out: list[fx.Effect]
+
+    if TYPE_CHECKING:  # the allocator's methods it calls
+        def _start_map(self, engine: EngineRecord, slab_id: int, pages: list[int], page_devices: list[str],
+                       req: GrowRequest | None) -> None: ...
+
+    # ------------------------------------------------- between live replicas
+    @staticmethod
+    def _may_hand_on(giver: EngineRecord, taker: EngineRecord, cached: list[p.CachedBlock]) -> bool:
+        """A slab's KV may go to ``taker`` as it is only within a namespace (the
+        tenant salt is part of it: never across tenants) and between the same
+        slab shape, so each block lands where its bytes are."""
+        return (giver.namespace == taker.namespace and shape_of(giver) == shape_of(taker)
+                and all(c.offset < giver.blocks_per_slab for c in cached))
+
+    def _map_handoff(self, engine: EngineRecord, slab_id: int, req: GrowRequest) -> bool:
+        """Map a slab handed on to ``req`` by an engine of its namespace: the
+        same pages, not zeroed, with their cached blocks. False when there is
+        none (or its pages went meanwhile: then it is dropped)."""
+        owner = owner_tag(engine)
+        while req.handoffs:
+            handoff = req.handoffs.pop(0)
+            if not all(self.pools[d].free.get(pg) == owner for pg, d in zip(handoff.pages, handoff.page_devices)):
+                continue
+            for page, device in zip(handoff.pages, handoff.page_devices):
+                self.pools[device].take_exact([page], owner)
+            self._map_kept(engine, slab_id, handoff.pages, handoff.page_devices, handoff.cached, req)
+            return True
+        return False
+
+    def _map_kept(self, engine: EngineRecord, slab_id: int, pages: list[int], page_devices: list[str],
+                  cached: tuple[p.CachedBlock, ...], req: GrowRequest) -> None:
+        self._start_map(engine, slab_id, pages, page_devices, req)
+        slab = engine.slabs.get(slab_id)
+        if slab is not None:
+            slab.handoff = cached
+
+    @staticmethod
+    def _handed(engine: EngineRecord, slab_ids: list[int]) -> dict[int, list[p.CachedBlock]]:
+        """The cached blocks that came with these slabs, for the grant."""
+        out: dict[int, list[p.CachedBlock]] = {}
+        for slab_id in slab_ids:
+            slab = engine.slabs.get(slab_id)
+            if slab is not None and slab.handoff:
+                out[slab_id] = list(slab.handoff)
+                slab.handoff = ()
+        return out
+
+    # ------------------------------------------------------ orphaned cache
+    def _mark_orphans(self, engine: EngineRecord) -> int:
+        """The engine is leaving (not failed): mark each held slab with valid
+        cached blocks to be kept once unmapped. Valid: the mirror saw its key
+        stored in a step that finished (a key of the step that was running
+        when the engine died is not). Returns the slabs marked."""
+        if self.timing.orphan_ttl <= 0 or engine.failed:
+            return 0
+        marked = 0
+        for slab_id, entries in engine.mirror.valid_blocks(engine.blocks_per_slab).items():
+            slab = engine.slabs.get(slab_id)
+            if slab is None or not slab.pages:   # adopted after a daemon restart: no handle here
+                continue
+            slab.orphan = True
+            slab.handoff = tuple(p.CachedBlock(offset, cast(bytes, key)) for offset, key in entries)
+            marked += 1
+        return marked
+
+    def _keep_orphan(self, engine: EngineRecord, slab: SlabRecord) -> bool:
+        """``slab`` of a departed engine is unmapped everywhere: keep it as
+        cache of the namespace if it was marked. True when kept."""
+        if not slab.orphan or engine.failed or not slab.pages or not slab.handoff:
+            return False
+        self.orphans.keep(OrphanSlab(engine.namespace, shape_of(engine), list(slab.pages), list(slab.page_devices),
+                                     slab.handoff, self._now, engine.engine_id))
+        slab.handoff = ()
+        return True
+
+    def _adopt_orphans(self, engine: EngineRecord, req: GrowRequest, room: int) -> int:
+        """Warm start: a grow of ``engine`` maps every kept slab of its
+        namespace and shape it has room for, on top of what it asked for.
+        Returns the slabs mapped."""
+        if not self.orphans or room <= 0:
+            return 0
+        free_ids = [s for s in range(engine.max_slabs) if s not in engine.slabs][:room]
+        taken = self.orphans.take(engine.namespace, shape_of(engine), len(free_ids))
+        for slab_id, orphan in zip(free_ids, taken):
+            self._map_kept(engine, slab_id, orphan.pages, orphan.page_devices, orphan.cached, req)
+            req.wanted += 1
+        if taken:
+            log.info("engine %s: warm start: %d kept slab(s) of namespace %s with %d cached block(s), "
+                     "left by %s", engine.engine_id, len(taken), engine.namespace,
+                     sum(len(o.cached) for o in taken), ", ".join(sorted({o.engine_id for o in taken})))
+        return len(taken)
+
+    def _expire_orphans(self) -> None:
+        ttl = self.timing.orphan_ttl
+        if self.orphans:
+            self._release_orphans(self.orphans.expired(self._now, ttl), f"older than {ttl:g} s")
+
+    def _yield_orphans(self, device: str, pages: int, for_engine: str) -> None:
+        """A demand found the budget full: kept cache goes first (oldest first)."""
+        if self.orphans:
+            self._release_orphans(self.orphans.yield_pages(device, pages), f"memory for engine {for_engine}")
+
+    def _release_orphans(self, slabs: list[OrphanSlab], why: str) -> None:
+        by_device: dict[str, list[int]] = {}
+        for o in slabs:
+            for page, device in zip(o.pages, o.page_devices):
+                by_device.setdefault(device, []).append(page)
+        for device, pages in by_device.items():
+            self.pools[device].created -= len(pages)
+            self._out.append(fx.ReleasePages(device, tuple(pages)))
+        by_ns: dict[str, int] = {}
+        for o in slabs:
+            by_ns[o.namespace] = by_ns.get(o.namespace, 0) + 1
+        for namespace, n in sorted(by_ns.items()):
+            log.info("namespace %s: %d kept cache slab(s) released (%s)", namespace, n, why)

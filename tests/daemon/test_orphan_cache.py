@@ -1,0 +1,161 @@
+"""A departed engine's valid cache stays with the daemon for its namespace:
+the next engine of that namespace maps the same pages (not zeroed) and hits
+its prefix; nobody else ever sees them. Valid means keyed in a step that
+finished; a key the daemon was told is dropped is never kept. Real daemon,
+engine and worker processes (host pages), engines killed with SIGKILL."""
+
+import pytest
+
+from tests.daemon.books import parse_metrics, value
+from tests.daemon_proc import wait_for
+
+KEEP = {"grace": 60, "journal_interval": 3600}   # no idle return; the journal goes out only when asked
+
+
+def orphans(daemon) -> list[dict]:
+    return daemon.status().get("orphans", [])
+
+
+def kept_blocks(daemon, namespace: str) -> int:
+    return sum(o["blocks"] for o in orphans(daemon) if o["namespace"] == namespace)
+
+
+def engine_stats(daemon, engine_id: str) -> dict:
+    return next(e for e in daemon.status()["engines"] if e["engine_id"] == engine_id)["stats"]
+
+
+def cache_in_a_step(engine, prefix: str, n: int, value: int, finish: bool = True) -> int:
+    """One model step: allocate ``n`` blocks, key them, write their KV, end the
+    step (or not: the process dies in it), free them (they stay cached)."""
+    step = engine.do("step")["step"]
+    assert engine.do("alloc", n=n)["ok"]
+    engine.do("cache", prefix=prefix)
+    engine.do("seal")
+    engine.do("write", value=value)
+    if finish:
+        engine.do("end_step", n=step)
+        engine.do("free")
+    return step
+
+
+def test_a_killed_engines_cache_warms_the_next_engine_of_its_namespace(daemon_factory, engines):
+    daemon = daemon_factory(memory="4MiB")                       # two slabs of 4 blocks
+    a = engines(daemon, "a", namespace="llama-1", **KEEP)
+    assert a.do("ensure", n=4)["ok"]
+    cache_in_a_step(a, "sys", 4, value=7)
+    a.do("flush")
+    a.kill()
+    wait_for(lambda: kept_blocks(daemon, "llama-1") == 4, what="a's cache kept for llama-1")
+    status = daemon.status()
+    assert status["memory"]["orphaned"] == 2 << 20 and status["memory"]["held"] == 0
+
+    b = engines(daemon, "a", namespace="llama-1", **KEEP)      # the same engine, restarted
+    assert b.do("ensure", n=1)["ok"]
+    assert b.do("lookup", prefix="sys", n=4)["hits"] == 4
+    assert sorted(b.do("read")["values"]) == [0, 7]            # the kept page as written; a fresh one
+    assert orphans(daemon) == []
+    b.do("flush")
+    wait_for(lambda: engine_stats(daemon, "a")["adopted_blocks"] == 4, what="adoption in b's journal")
+
+
+def test_keys_of_a_step_that_never_finished_are_not_kept(daemon_factory, engines):
+    daemon = daemon_factory(memory="4MiB")
+    a = engines(daemon, "a", namespace="llama-1", **KEEP)
+    assert a.do("ensure", n=4)["ok"]
+    cache_in_a_step(a, "done", 2, value=5)
+    cache_in_a_step(a, "running", 2, value=6, finish=False)     # killed mid-step
+    a.do("flush")
+    a.kill()
+    wait_for(lambda: kept_blocks(daemon, "llama-1") == 2, what="only the finished step's blocks kept")
+    b = engines(daemon, "b", namespace="llama-1", **KEEP)
+    assert b.do("ensure", n=1)["ok"]
+    assert b.do("lookup", prefix="done", n=2)["hits"] == 2
+    assert b.do("lookup", prefix="running", n=1)["hits"] == 0
+
+
+@pytest.mark.parametrize("seal", [True, False])
+def test_a_dropped_key_is_acknowledged_before_the_step_that_rewrites_its_block(daemon_factory, engines, seal):
+    """The step evicts cached blocks and rewrites them, then the engine dies.
+    Sealed (as the vLLM plugin always does), the daemon heard of the eviction
+    before the step ran and keeps nothing; unsealed, it would believe the old
+    keys and hand rewritten KV to the next engine: the case the seal exists for."""
+    daemon = daemon_factory(memory="2MiB")                       # one slab
+    a = engines(daemon, "a", namespace="llama-1", **KEEP)
+    assert a.do("ensure", n=4)["ok"]
+    cache_in_a_step(a, "old", 4, value=3)
+    a.do("flush")
+    a.do("step")
+    assert a.do("alloc", n=4)["ok"]                              # evicts the 4 cached blocks
+    if seal:
+        a.do("seal")
+    a.do("write", value=9)                                       # the step rewrites them, and dies
+    a.kill()
+    wait_for(lambda: not daemon.status()["engines"], what="a gone")
+    b = engines(daemon, "b", namespace="llama-1", **KEEP)
+    assert b.do("ensure", n=1)["ok"]
+    hits = b.do("lookup", prefix="old", n=4)["hits"]
+    if seal:
+        assert hits == 0 and b.do("read")["values"] == [0]     # nothing kept: a fresh page
+    else:
+        assert hits == 4 and b.do("read")["values"] == [9]     # stale keys over rewritten KV
+
+
+@pytest.mark.parametrize("namespace", ["llama-1-tenant-b", "mistral-7"])
+def test_another_namespace_never_gets_the_kept_cache(daemon_factory, engines, namespace):
+    daemon = daemon_factory(memory="4MiB")
+    a = engines(daemon, "a", namespace="llama-1", **KEEP)
+    assert a.do("ensure", n=4)["ok"]
+    cache_in_a_step(a, "sys", 4, value=7)
+    a.do("flush")
+    a.kill()
+    wait_for(lambda: kept_blocks(daemon, "llama-1") == 4, what="a's cache kept")
+    c = engines(daemon, "c", namespace=namespace, **KEEP)
+    assert c.do("ensure", n=4)["ok"]                             # the other slab: free budget first
+    assert c.do("lookup", prefix="sys", n=4)["hits"] == 0
+    assert c.do("read")["values"] == [0]
+    assert kept_blocks(daemon, "llama-1") == 4                   # still there for llama-1
+    samples = parse_metrics(daemon.metrics())
+    assert value(samples, "kvelastic_orphaned_cache_bytes", device="0", namespace="llama-1") == 2 << 20
+    assert value(samples, "kvelastic_orphaned_cache_blocks", device="0", namespace="llama-1") == 4
+    assert value(samples, "kvelastic_memory_bytes", device="0", state="orphaned") == 2 << 20
+
+
+def test_a_demand_takes_kept_cache_first_and_gets_fresh_pages(daemon_factory, engines):
+    daemon = daemon_factory(memory="2MiB")                       # the kept slab fills the budget
+    a = engines(daemon, "a", namespace="llama-1", **KEEP)
+    assert a.do("ensure", n=4)["ok"]
+    cache_in_a_step(a, "sys", 4, value=7)
+    a.do("flush")
+    a.kill()
+    wait_for(lambda: kept_blocks(daemon, "llama-1") == 4, what="a's cache kept")
+    c = engines(daemon, "c", namespace="mistral-7", **KEEP)
+    assert c.do("ensure", n=4, timeout=5)["ok"]
+    assert c.do("read")["values"] == [0]                         # a fresh page, never a's KV
+    assert orphans(daemon) == []
+    assert "kept cache slab(s) released (memory for engine c)" in daemon.log()
+
+
+def test_a_graceful_exit_keeps_the_cache_and_the_ttl_ends_it(daemon_factory, engines):
+    daemon = daemon_factory(memory="4MiB", KVELASTIC_ORPHAN_CACHE_TTL="2s")
+    a = engines(daemon, "a", namespace="llama-1", **KEEP)
+    assert a.do("ensure", n=4)["ok"]
+    cache_in_a_step(a, "sys", 4, value=7)
+    a.close()                        # unregisters; its last journal (the step's end) goes first
+    wait_for(lambda: kept_blocks(daemon, "llama-1") == 4, what="a's cache kept after a graceful exit")
+    wait_for(lambda: orphans(daemon) == [], timeout=10, what="the TTL to end it")
+    assert daemon.status()["memory"]["orphaned"] == 0
+    assert "kept cache slab(s) released (older than 2 s)" in daemon.log()
+
+
+def test_a_zero_ttl_keeps_nothing(daemon_factory, engines):
+    daemon = daemon_factory(memory="4MiB", KVELASTIC_ORPHAN_CACHE_TTL="0")
+    a = engines(daemon, "a", namespace="llama-1", **KEEP)
+    assert a.do("ensure", n=4)["ok"]
+    cache_in_a_step(a, "sys", 4, value=7)
+    a.do("flush")
+    a.kill()
+    wait_for(lambda: daemon.status()["memory"]["held"] == 0, what="a's memory back")
+    assert orphans(daemon) == []
+    b = engines(daemon, "b", namespace="llama-1", **KEEP)
+    assert b.do("ensure", n=1)["ok"]
+    assert b.do("lookup", prefix="sys", n=4)["hits"] == 0

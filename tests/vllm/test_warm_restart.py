@@ -1,0 +1,153 @@
+"""An engine's prefix cache outlives it: killed with SIGKILL or shut down,
+the next engine of its namespace starts warm. Real vLLM (CPU build) through
+the plugin, one process per engine life, a real daemon.
+
+One chain of engine lives on one daemon, each step checked against stock
+vLLM's greedy tokens (the same script with the plugin off):
+kill -9 -> restart (warm) -> graceful exit -> restart (warm) -> killed in
+the middle of a step -> restart: nothing of that step adopted; then engines
+of another tenant salt, another model and changed weights adopt nothing.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.daemon_proc import wait_for
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+WARM_SHARE = 0.9       # the issue's bar: >= 90% of the hits before the restart
+
+
+class Engine:
+    """``kvelastic_vllm.bench.warm_run`` (the script ``bench warm`` runs) in its own process."""
+
+    def __init__(self, model, daemon=None, **env) -> None:
+        full = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
+        if daemon is not None:
+            full.update(KVELASTIC_ENABLE="1", KVELASTIC_SOCKET=daemon.socket)
+        else:
+            full["KVELASTIC_ENABLE"] = "0"
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvelastic_vllm.bench.warm_run", str(model)], env=full,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        self._read("READY")
+
+    def _read(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        self.proc.wait(timeout=60)
+        raise AssertionError(f"engine exited with {self.proc.returncode}:\n{self.proc.stderr.read()[-4000:]}")
+
+    def do(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._read("RESULT "))
+
+    def poison(self) -> int:
+        """Dies by its own SIGKILL in the middle of a step."""
+        self.proc.stdin.write("poison\n")
+        self.proc.stdin.flush()
+        return self.proc.wait(timeout=120)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+    def exit(self) -> None:
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=120) == 0, self.proc.stderr.read()[-4000:]
+
+
+def kept(daemon) -> dict[str, int]:
+    """Orphaned cache blocks by namespace."""
+    return {o["namespace"]: o["blocks"] for o in daemon.status()["orphans"]}
+
+
+def until_kept(daemon) -> dict[str, int]:
+    return wait_for(lambda: not daemon.status()["engines"] and kept(daemon), timeout=30,
+                    what="the engine gone and its cache kept")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from kvelastic_vllm.bench.tinymodel import Shape, build_tiny_llama
+
+    root = tmp_path_factory.mktemp("models")
+    return {"tiny": build_tiny_llama(root / "tiny-llama"),
+            # Another model with the same KV geometry: only its namespace differs.
+            "other": build_tiny_llama(root / "other-llama", Shape(intermediate=384))}
+
+
+def test_the_cache_outlives_its_engine_and_nobody_else_gets_it(daemon_factory, models):
+    model = models["tiny"]
+    stock = Engine(model)
+    expected, unrelated = stock.do("workload")["tokens"], stock.do("unrelated")["tokens"]
+    stock.exit()
+
+    # 16 slabs of 2 layers x 2 MiB: room for every engine's own and the kept cache
+    daemon = daemon_factory(memory="64MiB", KVELASTIC_IDLE_GRACE="1s")
+    first = Engine(model, daemon, KVELASTIC_ENGINE_ID="llm")
+    first.do("workload")
+    before = first.do("workload")                       # the repeat: what the cache gives
+    assert before["tokens"] == expected and before["hits"] > 0
+    first.kill()                                        # SIGKILL, idle
+    namespace, blocks = next(iter(until_kept(daemon).items()))
+    assert blocks > 0
+
+    def warm_restart(how: str) -> Engine:
+        engine = Engine(model, daemon, KVELASTIC_ENGINE_ID="llm")
+        after = engine.do("workload")                   # the first repeat after the restart
+        assert after["tokens"] == expected, how
+        assert after["hits"] >= WARM_SHARE * before["hits"], (how, after["hits"], before["hits"])
+        stats = engine.do("stats")
+        assert stats["adopted_blocks"] > 0 and stats["adopted_hits"] > 0, stats
+        print(f"after {how}: {after['hits']:.0f} of {before['hits']:.0f} tokens hit "
+              f"({stats['adopted_blocks']} blocks adopted, {stats['adopted_hits']} hit)")
+        return engine
+
+    second = warm_restart("kill -9")
+    second.exit()                                       # graceful: unregisters
+    assert until_kept(daemon).get(namespace)
+    assert "engine llm unregistered" in daemon.log()
+
+    third = warm_restart("a graceful restart")
+    assert third.poison() == -9                         # killed in the middle of the unrelated prompt's step
+    until_kept(daemon)
+
+    fourth = Engine(model, daemon, KVELASTIC_ENGINE_ID="llm")
+    mid_step = fourth.do("unrelated")
+    assert mid_step["hits"] == 0 and mid_step["tokens"] == unrelated   # nothing of that step adopted
+    assert fourth.do("workload")["hits"] >= WARM_SHARE * before["hits"]
+    fourth.exit()
+    held = until_kept(daemon)[namespace]
+
+    def adopts_nothing(engine_model, **env) -> None:
+        engine = Engine(engine_model, daemon, KVELASTIC_ENGINE_ID="stranger", **env)
+        got = engine.do("workload")
+        stats = engine.do("stats")
+        engine.exit()
+        assert stats["adopted_blocks"] == 0 and got["hits"] < before["hits"], (env, stats, got["hits"])
+        assert kept(daemon).get(namespace) == held      # still kept for its own namespace
+
+    adopts_nothing(model, KVELASTIC_TENANT_SALT="tenant-b")
+    adopts_nothing(models["other"])
+    rewrite_weights(model)                              # the same folder, other weights
+    adopts_nothing(model)
+
+
+def rewrite_weights(model: pathlib.Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    [path] = model.glob("*.safetensors")
+    tensors = load_file(path)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] * 1.01
+    save_file(tensors, path, metadata={"format": "pt"})
