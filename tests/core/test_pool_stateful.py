@@ -5,7 +5,9 @@ the pool may choose (which free block best fit hands out, how many extra
 blocks page-aware eviction takes), the test checks the choice against the
 rules and then applies it to the model. After every step: the invariants of
 ``check_pool`` (refcount sync, one state per block, index both ways, cache
-limit, journal replay == pool state) and model == pool.
+limit, journal replay == pool state) and model == pool; and the journal's
+step marks give the mirror exactly the valid keys: those stored while no
+step was open, or in a step that has ended.
 """
 
 import hypothesis.strategies as st
@@ -43,6 +45,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.key: dict[int, object] = {}    # block_id -> key
         self.lru: list[int] = []            # cached block ids, oldest first
         self.cached_at: dict[int, float] = {}
+        self.tag: dict[int, int] = {}       # block_id -> the step its key was stored in
+        self.begun = self.done = 0
 
     # ----------------------------------------------------------- helpers
     def blocks(self, ids):
@@ -85,7 +89,25 @@ class PoolMachine(RuleBasedStateMachine):
             self.reconcile_evictions(min_count=excess, oldest_first=True)
         assert len(self.lru) <= MAX_CACHED
 
+    def stored(self, ids, ks):
+        """The pool stored these keys (a key a block already holds is not stored again)."""
+        for i, k in zip(ids, ks):
+            if self.key.get(i) != k:
+                self.tag[i] = self.begun if self.begun > self.done else self.done
+            self.key[i] = k
+
     # ------------------------------------------------------------- rules
+    @rule()
+    def begin_step(self):
+        self.begun = self.pool.begin_step()
+
+    @precondition(lambda self: self.begun > self.done)
+    @rule(data=st.data())
+    def end_step(self, data):
+        step = data.draw(st.integers(self.done + 1, self.begun))
+        self.pool.end_step(step)
+        self.done = step
+
     @rule(slab=st.sampled_from(SLABS))
     def add_slab(self, slab):
         if slab * BPS in self.ref:
@@ -180,8 +202,7 @@ class PoolMachine(RuleBasedStateMachine):
                 [self.pool.block(i) if i in self.ref else Block(i) for i in ids], ks))
             return
         self.pool.cache(self.blocks(ids), ks)
-        for i, k in zip(ids, ks):
-            self.key[i] = k
+        self.stored(ids, ks)
 
     @rule(n=st.integers(1, 4), data=st.data())
     def request(self, n, data):
@@ -193,7 +214,7 @@ class PoolMachine(RuleBasedStateMachine):
         got = [i for i in self.live_ids() if self.ref[i] == 1 and i not in self.key][:n]
         ks = data.draw(st.lists(KEYS, min_size=len(got), max_size=len(got)))
         self.pool.cache(self.blocks(got), ks)
-        self.key.update(zip(got, ks))
+        self.stored(got, ks)
         self.pool.free(self.blocks(got[::-1]))
         for i in got[::-1]:
             self.ref[i] -= 1
@@ -252,6 +273,9 @@ class PoolMachine(RuleBasedStateMachine):
             assert blk.block_hash == self.key.get(i)
         assert list(self.pool._lru) == self.lru
         assert set(self.pool.slab_ids()) == {i // BPS for i in self.ref}
+        valid = {slab * BPS + off: key for slab, entries in self.mirror.valid_blocks(BPS).items()
+                 for off, key in entries}
+        assert valid == {i: k for i, k in self.key.items() if self.tag[i] <= self.done}
 
 
 TestPoolStateful = PoolMachine.TestCase
