@@ -4,6 +4,9 @@ its prefix; nobody else ever sees them. Valid means keyed in a step that
 finished; a key the daemon was told is dropped is never kept. Real daemon,
 engine and worker processes (host pages), engines killed with SIGKILL."""
 
+import subprocess
+import sys
+
 import pytest
 
 from tests.daemon.books import parse_metrics, value
@@ -118,6 +121,13 @@ def test_another_namespace_never_gets_the_kept_cache(daemon_factory, engines, na
     assert value(samples, "kvelastic_orphaned_cache_bytes", device="0", namespace="llama-1") == 2 << 20
     assert value(samples, "kvelastic_orphaned_cache_blocks", device="0", namespace="llama-1") == 4
     assert value(samples, "kvelastic_memory_bytes", device="0", state="orphaned") == 2 << 20
+    out = subprocess.run([sys.executable, "-m", "kvelastic", "status"], env=daemon.env, capture_output=True,
+                         text=True, timeout=20).stdout
+    assert "orphaned 2.0 MiB" in out
+    header = next(line for line in out.splitlines() if line.startswith("ORPHANED CACHE"))
+    row = next(line for line in out.splitlines() if line.startswith("llama-1 "))
+    assert header.split()[2:] == ["DEVICE", "SLABS", "BLOCKS", "BYTES", "AGE"]
+    assert row.split()[:4] == ["llama-1", "0", "1", "4"]
 
 
 def test_a_demand_takes_kept_cache_first_and_gets_fresh_pages(daemon_factory, engines):

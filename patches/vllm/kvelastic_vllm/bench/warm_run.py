@@ -26,7 +26,7 @@ import time
 from kvelastic_vllm.bench.tinymodel import offline_llm
 
 SYSTEM = ("You are a careful assistant for a memory allocator team. Answer about pages, slabs, blocks, "
-          "prefix caches, eviction, reclaim, namespaces and warm restarts. ") * 6
+          "prefix caches, eviction, reclaim, namespaces and warm restarts. ") * 18
 QUESTIONS = ["What is a slab?", "Why keep a cache after a crash?", "How is a page zeroed?",
              "Who owns the block refcounts?", "When does a reserve decay?", "What is a namespace?"]
 UNRELATED = "zebra " + " ".join(f"w{i}" for i in range(240))
