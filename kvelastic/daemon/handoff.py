@@ -12,6 +12,7 @@ exception): pages go with their KV only to an engine of the same namespace
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from typing import TYPE_CHECKING, cast
 
@@ -124,8 +125,12 @@ class CacheHandoff:
         Returns the slabs mapped."""
         if not self.orphans or room <= 0:
             return 0
-        free_ids = [s for s in range(engine.max_slabs) if s not in engine.slabs][:room]
-        taken = self.orphans.take(engine.namespace, shape_of(engine), len(free_ids))
+        shape = shape_of(engine)
+        wanted = min(room, self.orphans.count(engine.namespace, shape))
+        if not wanted:
+            return 0
+        free_ids = list(itertools.islice((s for s in range(engine.max_slabs) if s not in engine.slabs), wanted))
+        taken = self.orphans.take(engine.namespace, shape, len(free_ids))
         for slab_id, orphan in zip(free_ids, taken):
             self._map_kept(engine, slab_id, orphan.pages, orphan.page_devices, orphan.cached, req)
             req.wanted += 1

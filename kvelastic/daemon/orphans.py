@@ -49,6 +49,9 @@ class OrphanCache:
     def keep(self, slab: OrphanSlab) -> None:
         self.slabs.append(slab)
 
+    def count(self, namespace: str, shape: SlabShape) -> int:
+        return sum(1 for o in self.slabs if o.namespace == namespace and o.shape == shape)
+
     def take(self, namespace: str, shape: SlabShape, n: int) -> list[OrphanSlab]:
         """Up to ``n`` slabs an engine of ``namespace`` and ``shape`` can map as they are."""
         taken = [o for o in self.slabs if o.namespace == namespace and o.shape == shape][:max(0, n)]
