@@ -100,13 +100,20 @@ class CacheHandoff:
         if self.timing.orphan_ttl <= 0 or engine.failed:
             return 0
         marked = 0
+        seen: set[bytes] = set()    # a key two blocks hold (vLLM may cache one twice) is kept once
         for slab_id, entries in engine.mirror.valid_blocks(engine.blocks_per_slab).items():
             slab = engine.slabs.get(slab_id)
             if slab is None or not slab.pages:   # adopted after a daemon restart: no handle here
                 continue
-            slab.orphan = True
-            slab.handoff = tuple(p.CachedBlock(offset, cast(bytes, key)) for offset, key in entries)
-            marked += 1
+            kept = []
+            for offset, key in entries:
+                if key not in seen:
+                    seen.add(cast(bytes, key))
+                    kept.append(p.CachedBlock(offset, cast(bytes, key)))
+            if kept:
+                slab.orphan = True
+                slab.handoff = tuple(kept)
+                marked += 1
         return marked
 
     def _keep_orphan(self, engine: EngineRecord, slab: SlabRecord) -> bool:

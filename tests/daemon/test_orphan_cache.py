@@ -169,3 +169,15 @@ def test_a_zero_ttl_keeps_nothing(daemon_factory, engines):
     b = engines(daemon, "b", namespace="llama-1", **KEEP)
     assert b.do("ensure", n=1)["ok"]
     assert b.do("lookup", prefix="sys", n=4)["hits"] == 0
+
+
+def test_a_key_two_blocks_hold_is_kept_once(daemon_factory, engines):
+    daemon = daemon_factory(memory="4MiB")
+    a = engines(daemon, "a", namespace="llama-1", **KEEP)
+    assert a.do("ensure", n=4)["ok"]
+    cache_in_a_step(a, "dup", 2, value=1)
+    cache_in_a_step(a, "dup", 2, value=1)      # the same keys again, on two other blocks
+    assert a.state()["cached"] == 4
+    a.do("flush")
+    a.kill()
+    wait_for(lambda: kept_blocks(daemon, "llama-1") == 2, what="each key kept once")
