@@ -18,11 +18,13 @@ def daemon_process(folder: str, memory: str, backend: str = "host", *, log_level
                    log: IO[bytes] | None = None, metrics_port: int = 0) -> Iterator[subprocess.Popen]:
     """Start ``kvelastic daemon`` with its socket at ``folder``/kvelastic.sock;
     yields the process (benchmarks that watch its memory and descriptors need
-    its PID). ``log``: where its output goes (default: inherited)."""
+    its PID). ``log``: where its output goes (default: inherited). It keeps
+    no departed engine's cache: each engine a benchmark starts starts cold
+    (``bench warm`` runs its own daemon, which does)."""
     sock = os.path.join(folder, "kvelastic.sock")
     env = dict(os.environ, KVELASTIC_SOCKET=sock, KVELASTIC_MEMORY=memory, KVELASTIC_BACKEND=backend,
                KVELASTIC_METRICS_PORT=str(metrics_port), KVELASTIC_METRICS_ADDR="127.0.0.1",
-               KVELASTIC_LOG_LEVEL=log_level)
+               KVELASTIC_LOG_LEVEL=log_level, KVELASTIC_ORPHAN_CACHE_TTL="0")
     proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "daemon"], env=env, stdout=log,
                             stderr=subprocess.STDOUT if log is not None else None)
     try:

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    proc = DaemonProcess(tmp_path_factory.mktemp("daemon"), memory="256MiB").start()
+    # Each example's engine starts cold, as stock does: no cache kept between them.
+    proc = DaemonProcess(tmp_path_factory.mktemp("daemon"), memory="256MiB", KVELASTIC_ORPHAN_CACHE_TTL="0").start()
     yield proc
     proc.stop()
 
