@@ -2,7 +2,8 @@
 
 ``--scale seeds`` (the default): runs ``SEEDS`` seeded small-node
 simulations with faults (``kvelastic.sim``) and reports the steps, the
-faults injected by kind, the cached blocks handed on within a namespace,
+faults injected by kind, the cached blocks handed on within a namespace
+(by live replicas, and from departed engines' kept cache: warm starts),
 the invariant violations (must be 0, each with its replay command) and the
 simulation speed; the baseline is the same simulation without faults, in
 the same run.
@@ -32,17 +33,19 @@ STEPS = 300
 def _run(seeds: int, faults: bool) -> tuple[dict[str, Any], float]:
     injected: collections.Counter = collections.Counter()
     violations: list[str] = []
-    handed = 0
+    handed = orphaned = kept = 0
     start = time.perf_counter()
     for seed in range(seeds):
         result = run_seed(seed, STEPS, faults=faults)
         injected.update(result.faults)
         handed += result.handed_blocks
+        orphaned += result.orphan_blocks
+        kept += result.kept_blocks
         violations += [f"{v}  (replay: {result.replay})" for v in result.violations[:1]]
     elapsed = time.perf_counter() - start
     return {"seeds": seeds, "steps": seeds * STEPS, "faults": dict(sorted(injected.items())),
-            "faults_total": sum(injected.values()), "handed_blocks": handed, "violations": len(violations),
-            "violation_examples": violations[:5]}, elapsed
+            "faults_total": sum(injected.values()), "handed_blocks": handed, "orphan_blocks": orphaned,
+            "kept_blocks": kept, "violations": len(violations), "violation_examples": violations[:5]}, elapsed
 
 
 NODE_SEED = 1

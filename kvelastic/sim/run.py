@@ -8,13 +8,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import random
 import sys
 
 from kvelastic import protocol as p
 from kvelastic.daemon.allocator import Timing
 from kvelastic.daemon.state import Phase
 from kvelastic.errors import InvariantViolation
-from kvelastic.sim.world import World
+from kvelastic.sim.world import SimEngine, World
 
 HEARTBEAT = p.HEARTBEAT_INTERVAL
 TICK = 0.1
@@ -29,21 +30,33 @@ class SimResult:
     steps: int
     faults: collections.Counter
     violations: list[str]
-    handed_blocks: int = 0       # cached blocks handed on with slabs within a namespace
+    handed_blocks: int = 0       # cached blocks handed on with slabs by a live replica of the namespace
+    orphan_blocks: int = 0       # cached blocks adopted from departed engines' kept cache (warm starts)
+    kept_blocks: int = 0         # cached blocks of departed engines kept for their namespace
 
     @property
     def replay(self) -> str:
         return f"python -m kvelastic.sim {self.seed} {self.steps}"
 
 
-def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = Timing()) -> SimResult:
+# Departed engines' cache is kept this long (the default is minutes): within a
+# run, kept slabs are adopted, lost with the daemon, yielded to demand, expire.
+ORPHAN_TTL = 5.0
+SIM_TIMING = Timing(orphan_ttl=ORPHAN_TTL)
+NAMESPACE_CHANGE = 0.3     # an engine that left comes back serving the other namespace
+# The fault table (a draw r per step, from 0.80 up): an engine departs below
+# DEPART, the daemon restarts below RESTART, then the rest (see run_seed).
+DEPART, RESTART = 0.835, 0.84
+
+
+def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = SIM_TIMING) -> SimResult:
     w = World(seed, timing=timing)
     rng = w.rng
     injected: collections.Counter = collections.Counter()
     for engine in w.engines:
         engine.start()
     last_beat = last_tick = 0.0
-    down: dict[str, float] = {}                # crashed engine -> restart time
+    down = w.restart_at                        # engine gone (crashed, or exited) -> when it comes back
     doomed: dict[str, float] = {}              # engine whose worker died -> its own crash
     for _ in range(steps):
         w.now += rng.expovariate(1 / 0.02)
@@ -57,9 +70,13 @@ def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = 
             last_tick = w.now
             w.perform(w.allocator.tick(w.now))
         for name, at in list(down.items()):
-            if w.now >= at:
+            if w.now >= at:                    # the same name comes back: a warm start, or another model
                 del down[name]
-                next(e for e in w.engines if e.name == name).start()
+                engine = next(e for e in w.engines if e.name == name)
+                if rng.random() < NAMESPACE_CHANGE:
+                    engine.namespace = "ns1" if engine.namespace == "ns0" else "ns0"
+                    injected["namespace_change"] += 1
+                engine.start()
         for name, at in list(doomed.items()):    # a dead worker's engine follows it
             if w.now >= at:
                 del doomed[name]
@@ -70,31 +87,28 @@ def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = 
         r = rng.random()
         if not faults or r < 0.80:
             if engine.alive:
-                step_boundary(engine, rng)
+                engine.advance_step(rng)
+                engine.expire_leave(w.now)
                 engine.work(rng, w.now)
-        elif r < 0.83 and engine.alive and not engine.dying:
-            if engine.workers and rng.random() < 0.4:
-                injected["worker_crash"] += 1
-                engine.kill_worker(rng.choice(engine.workers))
-                doomed[engine.name] = w.now + rng.uniform(0.05, 0.5)
-            else:
-                injected["engine_crash"] += 1
-                engine.crash()
-                down[engine.name] = w.now + rng.uniform(0.1, 2.0)
-        elif r < 0.84:
+        elif r < DEPART:                       # (each fault's share is its own: none falls through)
+            if engine.alive and not engine.dying and not engine.leaving:
+                depart(w, engine, rng, injected, doomed)
+        elif r < RESTART:
             injected["daemon_restart"] += 1
             corrupt = engine if engine.alive and rng.random() < 0.3 else None
             injected["bad_adoption"] += corrupt is not None
             w.restart_daemon(corrupt)
-        elif r < 0.88 and engine.alive and engine.workers:
-            injected["stuck_worker"] += 1
-            rng.choice(engine.workers).stuck_until = w.now + rng.choice([0.2, 1.0, 8.0, 30.0])
+        elif r < 0.88:
+            if engine.alive and engine.workers:
+                injected["stuck_worker"] += 1
+                rng.choice(engine.workers).stuck_until = w.now + rng.choice([0.2, 1.0, 8.0, 30.0])
         elif r < 0.90:
             injected["creation_failure"] += 1
             w.device.fail_creation = not w.device.fail_creation
-        elif r < 0.91 and engine.alive:
-            injected["bad_journal"] += 1
-            engine.send_bad_journal(rng)
+        elif r < 0.91:
+            if engine.alive:
+                injected["bad_journal"] += 1
+                engine.send_bad_journal(rng)
         elif r < 0.95:
             injected["late_grant"] += 1        # the client gives up on its grows at once
             for req in list(engine.pending):
@@ -108,19 +122,31 @@ def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = 
             break
     if not w.violations:
         settle(w)
-    return SimResult(seed, steps, injected, w.violations, w.handed_blocks)
+    return SimResult(seed, steps, injected, w.violations, w.handed_blocks, w.orphan_blocks, w.kept_blocks)
 
 
-def step_boundary(engine, rng) -> None:
-    """Model steps start and end; unmaps deferred during one run at its end (a safe point)."""
-    if engine.stepping and rng.random() < 0.5:
-        engine.stepping = False
-        for w in engine.workers:
-            deferred, w.deferred = w.deferred, []
-            for msg in deferred:
-                engine.unmap(w, msg)
-    elif not engine.stepping and rng.random() < 0.3:
-        engine.stepping = True
+def depart(w: World, engine: SimEngine, rng: random.Random, injected: collections.Counter,
+           doomed: dict[str, float]) -> None:
+    """An engine leaves, at any point of a step: one of its workers is killed
+    (the engine follows it), it is killed, or it exits gracefully (the step
+    in flight ends first). It comes back later under the same name."""
+    x = rng.random()
+    step = engine.step
+    sealing = step is not None and not step.running     # a graceful exit waits for a seal: a kill instead
+    if step is not None and (x < 0.75 or sealing):
+        injected["crash_sealing" if sealing else "crash_mid_step"] += 1
+    if engine.workers and x < 0.3:
+        injected["worker_crash"] += 1
+        engine.kill_worker(rng.choice(engine.workers))
+        doomed[engine.name] = w.now + rng.uniform(0.05, 0.5)
+    elif x < 0.75 or sealing:
+        injected["engine_crash"] += 1
+        engine.crash()
+        w.restart_at[engine.name] = w.now + rng.uniform(0.1, 2.0)
+    else:
+        injected["unregister"] += 1
+        engine.finish_step()
+        engine.leave()
 
 
 def check(w: World) -> None:
@@ -173,9 +199,13 @@ def settle(w: World) -> None:
     engine exits; then nothing may be held or leak."""
     for i in range(int((p.GROW_TIMEOUT + GROW_SLACK) / 0.05) + 20):
         w.now += 0.05
-        if i % 10 == 0:                        # engines alive: their heartbeats go on
-            for engine in w.engines:
-                if engine.alive:
+        for engine in w.engines:
+            if engine.alive:                   # steps in flight end; journals and heartbeats go on
+                engine.advance_step(w.rng)
+                engine.expire_leave(w.now)
+                if engine.registered and not engine.dying and not engine.leaving:
+                    engine.flush_journal()
+                if i % 10 == 0:
                     w.client_send(engine.identity, p.Heartbeat(engine_id=engine.name))
         w.deliver()
         w.perform(w.allocator.tick(w.now))
@@ -196,7 +226,8 @@ def settle(w: World) -> None:
     if status.memory.held or w.allocator.departing or w.allocator.engines:
         w.violation(f"after every engine left: held {status.memory.held} bytes, "
                     f"departing {sorted(w.allocator.departing)}")
-    leaked = w.device.pages - set(w.allocator.pools["0"].free)
+    kept = set(w.allocator.orphans.pages_on("0"))    # departed engines' cache, for their namespace
+    leaked = w.device.pages - set(w.allocator.pools["0"].free) - kept
     if leaked:
         w.violation(f"pages alive that the daemon does not know: {sorted(leaked)[:5]}")
     for departed in w.allocator.departing.values():
@@ -209,7 +240,9 @@ def main(argv: list[str]) -> int:
     seed = int(argv[0])
     steps = int(argv[1]) if len(argv) > 1 else 300
     result = run_seed(seed, steps)
-    print(f"seed {seed}: {result.steps} steps, faults {dict(result.faults)}")
+    print(f"seed {seed}: {result.steps} steps, faults {dict(result.faults)}; cached blocks adopted: "
+          f"{result.handed_blocks} handed on by replicas, {result.orphan_blocks} from departed engines' "
+          f"kept cache ({result.kept_blocks} kept)")
     for v in result.violations:
         print("  VIOLATION", v)
     return 1 if result.violations else 0

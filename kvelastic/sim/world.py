@@ -2,10 +2,22 @@
 with simulated engines, workers, pages and transports on a fake clock.
 
 The loop's part is played here: effects are performed on a fake device whose
-pages remember who last wrote them, messages travel with random delays but in
-order per connection (what ZMQ and AF_UNIX guarantee), and faults are
-injected at any step. Everything is driven by one ``random.Random(seed)``, so a
-seed replays exactly.
+pages remember what KV each block's place holds (which namespace's, of which
+key, and whether the step writing it finished), messages travel with random
+delays but in order per connection (what ZMQ and AF_UNIX guarantee), and faults
+are injected at any step. Everything is driven by one ``random.Random(seed)``,
+so a seed replays exactly.
+
+Engines work in numbered model steps, as the vLLM plugin does: a step is
+scheduled (blocks allocated, evicting cached ones when free ones run out, and
+keyed: ``SlabPool.begin_step``), sealed (``EngineClient.seal_step``: a key
+dropped since the daemon last acknowledged the journal is acknowledged before
+the step may rewrite its block), run (its blocks' KV written, torn until it
+ends) and ended (``SlabPool.end_step``). Whatever an engine adopts with a slab
+(handed on by a replica, or kept from a departed engine: the orphaned cache)
+is checked against the device: KV of exactly that key, of the taker's
+namespace, written whole by a step that finished and not rewritten since, on
+pages no other engine maps.
 """
 
 from __future__ import annotations
@@ -16,14 +28,21 @@ import random
 from collections import deque
 
 from kvelastic import protocol as p
-from kvelastic.client.engine import give_up, wire_key
+from kvelastic.client.engine import SYNC_BACKOFF, SYNC_TIMEOUT, give_up, wire_key
+from kvelastic.core.block import BlockRecord
 from kvelastic.core.pool import SlabPool
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.allocator import Allocator, Timing
+from kvelastic.daemon.orphans import OrphanCache, OrphanSlab
+from kvelastic.daemon.state import SlabShape
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
 
 BLOCKS_PER_SLAB = 4
 CLIENT_GROW_TIMEOUT = 2.0          # an engine gives up waiting for a grow after this
+UNREGISTER_TIMEOUT = 2.0           # an exiting engine waits this long for its Unregister's answer
+PROMPTS = 12                       # prompt families per namespace: requests share prefixes
+MAX_REQUEST_BLOCKS = 8
+WORKERS = (1, 1, 2)                # engine i's workers (its slab shape)
 
 
 @dataclasses.dataclass
@@ -40,13 +59,36 @@ class Wire:
         self.to_client: deque[Envelope] = deque()
 
 
+@dataclasses.dataclass(eq=False)
+class KV:
+    """What one block's place in a page holds: the KV of ``key`` (None: a
+    block not full yet, no key) in ``namespace``, written by ``writer`` in its
+    model step ``step``; ``complete`` once that step finished (until then the
+    place is torn: a kill -9 leaves it so)."""
+
+    namespace: str
+    writer: str
+    key: bytes | None
+    step: int
+    complete: bool = False
+
+
 class Device:
-    """Fake physical pages: ``content[page]`` is the engine that last wrote it."""
+    """Fake physical pages: ``content[page]`` is the engine (and its namespace)
+    that last wrote it; ``kv[(page, offset)]`` what block ``offset`` of the slab
+    the page lies in holds (each worker's page of a slab holds its share of
+    every block of it)."""
 
     def __init__(self) -> None:
         self.pages: set[int] = set()
-        self.content: dict[int, str] = {}
+        self.content: dict[int, tuple[str, str]] = {}
+        self.kv: dict[tuple[int, int], KV] = {}
         self.fail_creation = False
+
+    def forget(self, page: int) -> None:
+        self.content.pop(page, None)
+        for offset in range(BLOCKS_PER_SLAB):
+            self.kv.pop((page, offset), None)
 
 
 @dataclasses.dataclass
@@ -61,32 +103,68 @@ class SimWorker:
     registered: bool = False
 
 
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A running request: its blocks in order, the first ``keyed`` of them full
+    and keyed (key ``i`` names the KV of prompt ``prompt`` up to block ``i``)."""
+
+    prompt: int
+    blocks: list[BlockRecord]
+    keyed: int
+
+
+@dataclasses.dataclass(eq=False)
+class Step:
+    """A model step: scheduled, then (sealed and) running, then ended."""
+
+    n: int
+    writes: list[tuple[BlockRecord, bytes | None]]     # the blocks it writes, with their keys
+    sync_req: int = 0                # sealing: the sync journal whose Ok it waits for
+    sync_sent: float = 0.0
+    running: bool = False
+    torn: list[tuple[tuple[int, int], KV]] = dataclasses.field(default_factory=list)   # written, not complete
+
+
 class SimEngine:
     def __init__(self, world: World, name: str, workers: int, demand_share: float) -> None:
         self.world = world
         self.name = name
-        # Two namespaces (engines alternate): cached slabs are handed on within one only.
+        # Two namespaces (engines alternate; one may come back in the other):
+        # cached slabs change hands within one only.
         self.namespace = f"ns{int(name.lstrip('e') or 0) % 2}"
         self.incarnation = 0
         self.pool = SlabPool(BLOCKS_PER_SLAB, block_size=16)
         self.workers = [SimWorker(r, b"") for r in range(workers)]
-        self.live: list = []                   # allocated blocks (lists) of running "requests"
+        self.live: list[Request] = []         # running requests
         self.pending: dict[int, tuple[float, bool]] = {}   # Grow req_id -> (sent at, demand)
         self.alive = False
         self.dying = False                     # a worker died: the engine follows it shortly (as vLLM does)
         self.registered = False
-        self.stepping = False                  # a model step in flight: unmaps wait for its end
+        self.step: Step | None = None          # a model step in flight: unmaps wait for its end
         self.demand_share = demand_share
         self.next_req = 0
         self.token = b""                       # its secret, from its first registration
         self.identity = b""
         self.max_slabs = 0
+        # The seal (as EngineClient.seal_step): the daemon keeps departed
+        # engines' cache, so a dropped key is acknowledged before a step runs.
+        self.orphan_ttl = 0.0
+        self.removal_unacked = False
+        self.sync_failed_at = -1e9
+        self.leaving = 0                       # the Unregister it waits for (a graceful exit)
+        self.leave_sent = 0.0
+
+    @property
+    def stepping(self) -> bool:
+        return self.step is not None
 
     # ------------------------------------------------------------- lifecycle
     def start(self, held: list[int] | None = None) -> None:
         self.incarnation += 1
         self.alive = True
         self.identity = f"E:{self.name}:{self.incarnation}".encode()
+        if self.step is not None and self.step.sync_req:
+            self.sync_answered(ok=False)     # the connection it waited on is gone: the call fails
         self.world.connect(self.identity)
         self.world.open_peer(self, -1)
         self.send(p.RegisterEngine(version=p.PROTOCOL_VERSION, engine_id=self.name, pid=1000 + self.incarnation,
@@ -95,12 +173,12 @@ class SimEngine:
                                    blocks_per_slab=BLOCKS_PER_SLAB, block_bytes=PAGE // BLOCKS_PER_SLAB,
                                    held=self.pool.slab_ids() if held is None else held,
                                    occupancy=self.pool.occupancies(), token=self.token))
-        if self.pool.slab_ids():     # as the real client: a new daemon gets the whole index
+        if self.pool.slab_ids():     # as the real client: a new daemon gets the step state, then the whole index
             self.pool.take_journal()
-            self.world.client_send(self.identity, p.Journal(
-                engine_id=self.name,
-                ops=[p.StoreKey(key=wire_key(key), block=block) for key, block in self.pool.cached_keys()],
-                occupancy=self.pool.occupancies()))
+            ops = p.journal_ops(self.pool.journal.resync())
+            ops += [p.StoreKey(key=wire_key(key), block=block) for key, block in self.pool.cached_keys()]
+            self.world.client_send(self.identity, p.Journal(engine_id=self.name, ops=ops,
+                                                            occupancy=self.pool.occupancies()))
         if self.token:               # workers know the secret already (a reconnect); else they wait for it
             for w in self.workers:
                 self.start_worker(w)
@@ -117,13 +195,14 @@ class SimEngine:
                                                             token=w.token))
 
     def kill_worker(self, w: SimWorker) -> None:
-        """One worker dies (kill -9, OOM): its mappings vanish; the engine is doomed."""
+        """One worker dies (kill -9, OOM): its mappings vanish; the engine is
+        doomed (a step in flight never ends: the others wait on the dead one)."""
         self.dying = True
+        w.mapped.clear()                       # the process is gone, then its sockets close
+        w.channel.clear()
         if w.identity in self.world.wires:
             self.world.close(w.identity)
             self.world.close_peer(self, w.rank, w.token)
-        w.mapped.clear()
-        w.channel.clear()
 
     def disconnect(self) -> None:
         """Close every connection still open (a dead worker's already is)."""
@@ -134,16 +213,37 @@ class SimEngine:
                 self.world.close_peer(self, rank, token)
 
     def crash(self) -> None:
-        """kill -9 of the engine and its workers: every connection closes, mappings vanish."""
+        """kill -9 of the engine and its workers: every connection closes, mappings
+        vanish, and what a step in flight was writing stays torn."""
         self.alive = self.registered = self.dying = False
-        self.disconnect()
-        self.token = b""                       # a new process registers afresh
-        for w in self.workers:
+        for w in self.workers:                 # the processes are gone, then their sockets close
             w.mapped.clear()
             w.channel.clear()
+            w.deferred = []
+        self.disconnect()
+        self.token = b""                       # a new process registers afresh
         self.pool = SlabPool(BLOCKS_PER_SLAB, block_size=16)
         self.live.clear()
         self.pending.clear()
+        self.step = None
+        self.removal_unacked, self.sync_failed_at, self.leaving = False, -1e9, 0
+
+    def leave(self) -> None:
+        """A graceful exit between steps (as ``EngineClient.close``): the last
+        steps' completions first, then Unregister; the processes exit once it
+        is answered (or after a while). Its requests end: their full blocks
+        stay cached, for the daemon to keep."""
+        for req in self.live:
+            self.pool.free(req.blocks[::-1])
+        self.live.clear()
+        self.flush_journal()
+        self.leaving = self.send(p.Unregister(engine_id=self.name))
+        self.leave_sent = self.world.now
+
+    def gone(self) -> None:
+        """The exiting engine's processes are gone; it comes back later."""
+        self.crash()
+        self.world.restart_at[self.name] = self.world.now + self.world.rng.uniform(0.1, 2.0)
 
     def reconnect(self, held: list[int] | None = None) -> None:
         """The daemon went away: re-register with what the pool holds (adoption);
@@ -171,15 +271,24 @@ class SimEngine:
 
     def flush_journal(self) -> None:
         batch = self.pool.take_journal()
+        self.removal_unacked |= batch.removed
         if batch:
             self.world.client_send(self.identity, p.Journal(engine_id=self.name, ops=p.journal_ops(batch.ops),
                                                             occupancy=batch.occupancy,
                                                             stats={"block_ops": self.pool.stats.block_ops}))
 
     def on_message(self, msg: p.Msg) -> None:
+        step = self.step
+        if step is not None and step.sync_req and msg.req_id == step.sync_req and isinstance(msg, (p.Ok, p.Error)):
+            self.sync_answered(ok=isinstance(msg, p.Ok))
+            return
+        if self.leaving and msg.req_id == self.leaving and isinstance(msg, (p.Ok, p.Error)):
+            self.gone()
+            return
         if isinstance(msg, p.Registered):
             first = not self.token
             self.registered, self.max_slabs, self.token = True, msg.max_slabs, msg.token
+            self.orphan_ttl = msg.orphan_ttl
             if first:                          # its workers get the secret now (vLLM: with the KV config)
                 for w in self.workers:
                     self.start_worker(w)
@@ -195,10 +304,10 @@ class SimEngine:
             for slab_id in msg.slabs:
                 if slab_id not in self.pool.slab_ids():
                     self.pool.add_slab(slab_id)
-                    if not self.dying:
+                    if not self.dying and not self.leaving:
                         self.world.check_slab_mapped(self, slab_id)
                         if msg.cached.get(slab_id):
-                            self.world.check_handoff(self, slab_id, msg.cached[slab_id])
+                            self.world.check_adoption(self, slab_id, msg.cached[slab_id])
                             self.pool.adopt(slab_id, [(c.offset, c.key) for c in msg.cached[slab_id]])
         elif isinstance(msg, p.Reclaim):
             given, refused, cached = give_up(self.pool, msg.slabs)
@@ -221,10 +330,10 @@ class SimEngine:
                 if page in w.channel:
                     w.channel.remove(page)
             for page in pages:
-                owner = self.world.device.content.get(page)
-                if owner not in (None, self.name) and self.world.namespace_of(owner) != self.namespace:
-                    self.world.violation(f"engine {self.name} mapped page {page} holding {owner}'s data "
-                                         "(another namespace)")
+                wrote = self.world.device.content.get(page)
+                if wrote is not None and wrote[1] != self.namespace:
+                    self.world.violation(f"engine {self.name} ({self.namespace}) mapped page {page} holding "
+                                         f"{wrote[0]}'s data (namespace {wrote[1]})")
             w.mapped[msg.slab] = pages
             self.world.client_send(w.identity, p.Mapped(req_id=msg.req_id, engine_id=self.name, rank=w.rank,
                                                         slab=msg.slab))
@@ -244,48 +353,163 @@ class SimEngine:
 
     # ------------------------------------------------------------- workload
     def work(self, rng: random.Random, now: float) -> None:
-        """One random pool operation, as a scheduler step would do it."""
-        if not self.registered or self.dying:
+        """One thing the engine does: between steps the scheduler schedules
+        one or ends requests; any time the I/O thread ships the journal or
+        returns an idle slab."""
+        if not self.registered or self.dying or self.leaving:
             return
-        pool = self.pool
         op = rng.random()
-        if op < 0.45:
-            n = rng.randint(1, 6)
-            if pool.num_available < n:
-                self.grow(math.ceil((n - pool.num_available) / BLOCKS_PER_SLAB),
-                          demand=rng.random() < self.demand_share)
-                return
-            blocks = pool.allocate(n)
-            self.live.append(blocks)
-            for blk in blocks:                 # the model writes KV into the pages of those blocks
-                for w in self.workers:
-                    pages = w.mapped.get(blk.block_id // BLOCKS_PER_SLAB)
-                    if pages is None:
-                        self.world.violation(f"engine {self.name}: block {blk.block_id} live on an unmapped slab")
-                        continue
-                    for page in pages:
-                        self.world.device.content[page] = self.name
-        elif op < 0.75 and self.live:
-            blocks = self.live.pop(rng.randrange(len(self.live)))
-            keys = [f"{self.name}:{rng.randrange(40)}".encode() for _ in blocks]
-            if rng.random() < 0.7:
-                pool.cache(blocks, keys)
-            pool.free(blocks)
-        elif op < 0.85:
-            hits = pool.lookup([f"{self.name}:{rng.randrange(40)}".encode()])
-            if hits:
-                pool.touch(hits)
-                self.live.append(hits)
-        elif op < 0.93:
-            idle = pool.idle_slabs()
+        if self.step is None and op < 0.5:
+            self.schedule_step(rng)
+        elif self.step is None and op < 0.75 and self.live:
+            req = self.live.pop(rng.randrange(len(self.live)))
+            self.pool.free(req.blocks[::-1])   # the tail first: it is evicted first
+        elif 0.8 <= op < 0.9:
+            idle = self.pool.idle_slabs()
             if idle:
                 slab_id = rng.choice(idle)
-                pool.take_slab_back(slab_id, reason="return")
+                self.pool.take_slab_back(slab_id, reason="return")
                 self.flush_journal()
                 self.send(p.Return(engine_id=self.name, slabs=[slab_id]))
-        else:
+        elif op >= 0.9:
             self.flush_journal()
         self.expire_grows(now)
+
+    def key(self, prompt: int, i: int) -> bytes:
+        return f"{self.namespace}:{prompt}:{i}".encode()
+
+    def schedule_step(self, rng: random.Random) -> None:
+        """Schedule a model step: a new request (its prefix hits, the rest
+        allocated, the full blocks keyed) or one more block of a running one.
+        Allocating evicts cached blocks when free ones run out: the step then
+        rewrites them. Short of blocks, it asks the daemon instead."""
+        pool = self.pool
+        growing = [r for r in self.live if len(r.blocks) < MAX_REQUEST_BLOCKS or r.keyed < len(r.blocks)]
+        if growing and rng.random() < 0.4:
+            req = rng.choice(growing)
+            if req.keyed < len(req.blocks):            # its last block fills up: keyed now, written by the step
+                n = pool.begin_step()
+                blk, key = req.blocks[-1], self.key(req.prompt, req.keyed)
+                pool.cache([blk], [key])
+                req.keyed += 1
+                writes: list[tuple[BlockRecord, bytes | None]] = [(blk, key)]
+            else:
+                if pool.num_available < 1:
+                    self.grow(1, demand=rng.random() < self.demand_share)
+                    return
+                n = pool.begin_step()
+                blk = pool.allocate(1)[0]
+                req.blocks.append(blk)
+                writes = [(blk, None)]
+        else:
+            prompt, length = rng.randrange(PROMPTS), rng.randint(1, 6)
+            keys = [self.key(prompt, i) for i in range(length)]
+            hits = pool.lookup(keys[:length - 1])      # the last block is computed, never hit (as vLLM)
+            need = length - len(hits)
+            short = need - (pool.num_available - sum(1 for blk in hits if not blk.ref_cnt))
+            if short > 0:
+                self.grow(math.ceil(short / BLOCKS_PER_SLAB), demand=rng.random() < self.demand_share)
+                return
+            n = pool.begin_step()
+            pool.touch(hits)
+            new = pool.allocate(need)
+            full = need if rng.random() < 0.5 else need - 1
+            if full:
+                pool.cache(new[:full], keys[len(hits):len(hits) + full])
+            self.live.append(Request(prompt, hits + new, len(hits) + full))
+            writes = [(blk, keys[len(hits) + i] if i < full else None) for i, blk in enumerate(new)]
+        self.step = Step(n, writes)
+        if self.needs_seal():
+            self.seal()
+        else:
+            self.run_step()
+
+    def needs_seal(self) -> bool:
+        """``EngineClient.seal_step``'s rule: the daemon keeps departed engines'
+        cache and a dropped key is not acknowledged yet (not while there is no
+        daemon, nor for a while after a sync failed)."""
+        return bool(self.orphan_ttl) and (self.removal_unacked or self.pool.journal.removed) \
+            and self.registered and self.world.now - self.sync_failed_at >= SYNC_BACKOFF
+
+    def seal(self) -> None:
+        """Ship the journal with ``sync``: the step runs once the daemon's Ok is back."""
+        step = self.step
+        if step is None:
+            return
+        batch = self.pool.take_journal()
+        self.removal_unacked |= batch.removed
+        step.sync_req = self.send(p.Journal(engine_id=self.name, ops=p.journal_ops(batch.ops),
+                                            occupancy=batch.occupancy,
+                                            stats={"block_ops": self.pool.stats.block_ops}, sync=True))
+        step.sync_sent = self.world.now
+
+    def sync_answered(self, ok: bool) -> None:
+        """The seal's answer: Ok (every journal before it applied), or a failure
+        (an error, no answer in time, the connection lost): the step runs anyway."""
+        if ok:
+            self.removal_unacked = False
+        else:
+            self.sync_failed_at = self.world.now
+        if self.step is not None:
+            self.step.sync_req = 0
+            self.run_step()
+
+    def run_step(self) -> None:
+        """The model writes the step's blocks into every worker's pages: torn
+        until the step ends."""
+        step = self.step
+        if step is None:
+            return
+        step.running = True
+        world = self.world
+        world.check_rewrite(self, step)
+        kv, content = world.device.kv, world.device.content
+        for blk, key in step.writes:
+            slab_id, offset = divmod(blk.block_id, BLOCKS_PER_SLAB)
+            for w in self.workers:
+                pages = w.mapped.get(slab_id)
+                if pages is None:             # a dead worker's (its engine is dying) writes nothing
+                    if not self.dying:
+                        world.violation(f"engine {self.name}: block {blk.block_id} live on an unmapped slab")
+                    continue
+                for page in pages:
+                    written = KV(self.namespace, self.name, key, step.n)
+                    kv[(page, offset)] = written
+                    content[page] = (self.name, self.namespace)
+                    step.torn.append(((page, offset), written))
+
+    def advance_step(self, rng: random.Random) -> None:
+        """The step in flight: a seal that waited too long gives up; a running
+        step ends (not on a dying engine: it waits on its dead worker)."""
+        step = self.step
+        if step is None:
+            return
+        if step.sync_req:
+            if self.world.now - step.sync_sent > SYNC_TIMEOUT:
+                self.sync_answered(ok=False)
+        elif not self.dying and rng.random() < 0.5:
+            self.finish_step()
+
+    def finish_step(self) -> None:
+        """The running step ends: its KV is whole, the pool hears it, and the
+        unmaps deferred during it run (a safe point)."""
+        step = self.step
+        if step is None or not step.running:
+            return
+        kv = self.world.device.kv
+        for where, written in step.torn:
+            if kv.get(where) is written:
+                written.complete = True
+        self.step = None
+        self.pool.end_step(step.n)
+        for w in self.workers:
+            deferred, w.deferred = w.deferred, []
+            for msg in deferred:
+                self.unmap(w, msg)
+
+    def expire_leave(self, now: float) -> None:
+        if self.leaving and now - self.leave_sent > UNREGISTER_TIMEOUT:
+            self.gone()
 
     def grow(self, slabs: int, demand: bool) -> None:
         if len(self.pending) < 3 and self.pool.num_slabs + slabs <= max(self.max_slabs, 1):
@@ -299,6 +523,26 @@ class SimEngine:
                 del self.pending[req]
 
 
+class WatchedOrphans(OrphanCache):
+    """The allocator's orphaned cache, watched by the world: every slab kept
+    is checked against the device at once, and the pages of slabs taken are
+    remembered so that their adoption counts as a warm start."""
+
+    def __init__(self, world: World) -> None:
+        super().__init__()
+        self.world = world
+
+    def keep(self, slab: OrphanSlab) -> None:
+        self.world.check_kept(slab)
+        super().keep(slab)
+
+    def take(self, namespace: str, shape: SlabShape, n: int) -> list[OrphanSlab]:
+        taken = super().take(namespace, shape, n)
+        for slab in taken:
+            self.world.from_orphans.update(slab.pages)
+        return taken
+
+
 class World:
     def __init__(self, seed: int, engines: int = 3, budget_pages: int = 24, timing: Timing = Timing()) -> None:
         self.rng = random.Random(seed)
@@ -307,20 +551,30 @@ class World:
         self.timing = timing
         self.budget_pages = budget_pages
         self.device = Device()
-        self.handed_blocks = 0     # cached blocks adopted with slabs handed on (check_handoff)
+        self.handed_blocks = 0     # cached blocks adopted with slabs handed on by a live replica
+        self.orphan_blocks = 0     # cached blocks adopted from the orphaned cache (a warm start)
+        self.kept_blocks = 0       # cached blocks of departed engines kept for their namespace
+        self.from_orphans: set[int] = set()      # pages of orphaned slabs taken, not granted yet
+        self.restart_at: dict[str, float] = {}   # engines that left -> when they come back
         self.wires: dict[bytes, Wire] = {}
         self.violations: list[str] = []
         self.allocator = self._new_allocator()
-        self.engines = [SimEngine(self, f"e{i}", workers=1 + (i % 2), demand_share=0.5) for i in range(engines)]
+        # Namespaces alternate (an engine may come back in the other one): e0 and
+        # e1 have one slab shape in two namespaces, so what either leaves is in
+        # reach of the other's grows; e2 has two workers.
+        self.engines = [SimEngine(self, f"e{i}", workers=WORKERS[i % len(WORKERS)], demand_share=0.5)
+                        for i in range(engines)]
         self.peer_count: dict[tuple[str, int], int] = {}
         self.grow_sent: dict[tuple[bytes, int], float] = {}
         self.daemon_epoch = 0
+        self.stopped = False       # the daemon exited: its successor is not up yet
 
     def _new_allocator(self) -> Allocator:
         allocator = Allocator({"0": self.budget_pages}, PAGE, timing=self.timing, events=False,
                               token_source=lambda: self.rng.randbytes(16))
         # Page ids of a restarted daemon must not collide with pages still mapped.
         allocator._next_page = 1_000_000 * getattr(self, "daemon_epoch", 0)
+        allocator.orphans = WatchedOrphans(self)
         return allocator
 
     # ------------------------------------------------------------ transport
@@ -342,10 +596,12 @@ class World:
                 self.grow_sent[(identity, msg.req_id)] = self.now
 
     def open_peer(self, engine: SimEngine, rank: int, token: bytes = b"") -> None:
-        self.perform(self.allocator.peer_opened(engine.name, rank, self.now, token))
+        if not self.stopped:
+            self.perform(self.allocator.peer_opened(engine.name, rank, self.now, token))
 
     def close_peer(self, engine: SimEngine, rank: int, token: bytes = b"") -> None:
-        self.perform(self.allocator.peer_closed(engine.name, rank, self.now, token))
+        if not self.stopped:               # a daemon that exited hears nothing more
+            self.perform(self.allocator.peer_closed(engine.name, rank, self.now, token))
 
     # -------------------------------------------------------------- effects
     def perform(self, effects: list[fx.Effect]) -> None:
@@ -376,7 +632,7 @@ class World:
                     self.device.pages.discard(page)
                     if not any(page in pages for eng in self.engines for w in eng.workers
                                for pages in w.mapped.values()):
-                        self.device.content.pop(page, None)
+                        self.device.forget(page)
 
     def find_worker(self, engine_id: str, rank: int) -> SimWorker | None:
         for engine in self.engines:
@@ -417,6 +673,7 @@ class World:
         """SIGTERM and a new daemon: nothing is unmapped; engines reconnect and adopt.
         What the old daemon sent before it exited still reaches the clients."""
         self.perform(self.allocator.shutdown())
+        self.stopped = True
         for identity, wire in list(self.wires.items()):
             engine, worker = self.owner_of(identity)
             while wire.to_client and identity in self.wires:
@@ -425,6 +682,7 @@ class World:
                     engine.on_worker_message(worker, msg)
                 elif engine is not None:
                     engine.on_message(msg)
+        self.stopped = False
         self.daemon_epoch += 1
         self.allocator = self._new_allocator()
         self.grow_sent.clear()
@@ -433,33 +691,80 @@ class World:
                 for w in engine.workers:
                     self.close(w.identity)
                 self.close(engine.identity)
+                if engine.leaving:            # its Unregister went with the daemon: it just exits
+                    engine.gone()
+                    continue
                 held = engine.pool.slab_ids()
                 engine.reconnect(held + held[:1] if engine is corrupt and held else None)
 
     def violation(self, what: str) -> None:
         self.violations.append(f"t={self.now:.3f} {what}")
 
-    def namespace_of(self, engine_name: str) -> str:
-        return next(e.namespace for e in self.engines if e.name == engine_name)
-
-    def check_handoff(self, engine: SimEngine, slab_id: int, cached: list[p.CachedBlock]) -> None:
-        """Blocks handed on with a slab: computed by an engine of the taker's
-        namespace, over pages that hold that namespace's KV and that no other
-        engine maps any more (an adopted block is never live elsewhere)."""
-        self.handed_blocks += len(cached)
+    def check_adoption(self, engine: SimEngine, slab_id: int, cached: list[p.CachedBlock]) -> None:
+        """Blocks adopted with a granted slab (handed on by a live replica, or
+        kept from a departed engine): each one's place in every page holds KV
+        of exactly that key, of the taker's namespace, written whole by a step
+        that finished and not rewritten since; and no other engine maps those
+        pages (an adopted block is never live elsewhere)."""
+        pages = [page for w in engine.workers for page in w.mapped.get(slab_id, [])]
+        if any(page in self.from_orphans for page in pages):
+            self.orphan_blocks += len(cached)
+            self.from_orphans.difference_update(pages)
+        else:
+            self.handed_blocks += len(cached)
         for c in cached:
-            origin = c.key.decode().split(":", 1)[0]
-            if self.namespace_of(origin) != engine.namespace:
-                self.violation(f"engine {engine.name} adopted {origin}'s block across namespaces")
-        for w in engine.workers:
-            for page in w.mapped.get(slab_id, []):
-                writer = self.device.content.get(page)
-                if writer is not None and self.namespace_of(writer) != engine.namespace:
-                    self.violation(f"engine {engine.name}: adopted slab {slab_id} holds {writer}'s KV")
-                for other in self.engines:
-                    if other is not engine and any(page in pages for ow in other.workers
-                                                   for pages in ow.mapped.values()):
-                        self.violation(f"engine {engine.name}: adopted page {page} still mapped by {other.name}")
+            if c.key.split(b":", 1)[0] != engine.namespace.encode():
+                self.violation(f"engine {engine.name} ({engine.namespace}) adopted block {c.key!r} of another "
+                               "namespace")
+            for page in pages:
+                self.check_block(f"engine {engine.name} ({engine.namespace}) adopted slab {slab_id}:",
+                                 engine.namespace, page, c)
+        for page in pages:
+            for other in self.engines:
+                if other is not engine and any(page in mapped for ow in other.workers
+                                               for mapped in ow.mapped.values()):
+                    self.violation(f"engine {engine.name}: adopted page {page} still mapped by {other.name}")
+
+    def check_kept(self, slab: OrphanSlab) -> None:
+        """A departed engine's slab kept as cache of its namespace: unmapped
+        everywhere, and every block it keeps valid (as an adoption needs it)."""
+        self.kept_blocks += len(slab.cached)
+        for page in slab.pages:
+            for other in self.engines:
+                if any(page in mapped for w in other.workers for mapped in w.mapped.values()):
+                    self.violation(f"orphaned page {page} of {slab.engine_id} still mapped by {other.name}")
+            for c in slab.cached:
+                self.check_block(f"slab of {slab.engine_id} kept for {slab.namespace}:", slab.namespace, page, c)
+
+    def check_block(self, what: str, namespace: str, page: int, c: p.CachedBlock) -> None:
+        kv = self.device.kv.get((page, c.offset))
+        if kv is None:
+            self.violation(f"{what} block {c.offset} ({c.key!r}) of page {page} holds no KV")
+        elif kv.namespace != namespace:
+            self.violation(f"{what} block {c.offset} ({c.key!r}) of page {page} holds KV of namespace "
+                           f"{kv.namespace} (by {kv.writer})")
+        elif kv.key != c.key:
+            self.violation(f"{what} block {c.offset} of page {page} holds KV of {kv.key!r}, not {c.key!r} "
+                           f"(rewritten by {kv.writer} in its step {kv.step})")
+        elif not kv.complete:
+            self.violation(f"{what} block {c.offset} ({c.key!r}) of page {page} is torn: {kv.writer}'s step "
+                           f"{kv.step} writing it never finished")
+
+    def check_rewrite(self, engine: SimEngine, step: Step) -> None:
+        """A step starts writing its blocks: the daemon must hold none of them
+        as valid cache of this engine (the seal made it hear every key dropped
+        before the step runs; a key stored for this step is valid only once it
+        ended), or a kill -9 now would leave it a torn block to keep."""
+        record = self.allocator.engines.get(engine.name)
+        if record is None or record.identity != engine.identity or record.failed:
+            return
+        valid = record.mirror.valid_blocks(record.blocks_per_slab)
+        for blk, _key in step.writes:
+            slab_id, offset = divmod(blk.block_id, BLOCKS_PER_SLAB)
+            for at, key in valid.get(slab_id, ()):
+                if at == offset:
+                    self.violation(f"engine {engine.name}: step {step.n} writes block {blk.block_id}, which "
+                                   f"the daemon holds as valid cache of {key!r}")
 
     def check_slab_mapped(self, engine: SimEngine, slab_id: int) -> None:
         for w in engine.workers:

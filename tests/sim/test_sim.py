@@ -1,5 +1,9 @@
 """Deterministic simulation of a node (kvelastic.sim): the real allocator and
 real engine pools under faults, every invariant checked after every step.
+Engines number their model steps and seal them as the client does; they die
+at any point of a step and come back under the same name (a warm start that
+adopts what the daemon kept), or in the other namespace. Every adoption (a
+replica's hand-off, or kept cache) is checked against the simulated device.
 
 The second test re-injects the daemon faults the simulator exists to catch
 and shows each is found within the seeds CI runs. (Faults of the I/O loop
@@ -12,11 +16,12 @@ import logging
 
 import pytest
 
-from kvelastic.core.journal import JournalBatch
+from kvelastic.core.journal import JournalBatch, Mirror
 from kvelastic.daemon import allocator as allocator_mod
 from kvelastic.daemon.allocator import Allocator, Timing
+from kvelastic.daemon.orphans import OrphanCache
 from kvelastic.sim import world as world_mod
-from kvelastic.sim.run import run_seed
+from kvelastic.sim.run import SIM_TIMING, run_seed
 
 CI_SEEDS = 300
 STEPS = 300
@@ -31,16 +36,18 @@ def quiet_logs():
 
 def test_every_invariant_holds_on_the_ci_seeds():
     failures = []
-    faults = handed = 0
+    faults = handed = orphaned = 0
     for seed in range(CI_SEEDS):
         result = run_seed(seed, STEPS)
         faults += sum(result.faults.values())
         handed += result.handed_blocks
+        orphaned += result.orphan_blocks
         if result.violations:
             failures.append(f"{result.violations[0]}  (replay: {result.replay})")
-    assert not failures, "\n".join(failures[:5])
+    assert not failures, f"{len(failures)} seed(s) failed:\n" + "\n".join(failures[:5])
     assert faults > CI_SEEDS * 10        # the runs really were hostile
-    assert handed > 0                    # and cached slabs were handed on within a namespace
+    assert handed > 0                    # cached slabs were handed on within a namespace
+    assert orphaned > CI_SEEDS // 10     # and departed engines' cache was adopted (warm starts)
 
 
 # --------------------------------------------------------- re-injected faults
@@ -71,7 +78,7 @@ def no_deadlines(monkeypatch):
             return False
         return original(self, req)
     monkeypatch.setattr(Allocator, "_advance", advance)
-    return Timing(ack_timeout=1e9, grow_timeout=1e9)
+    return Timing(ack_timeout=1e9, grow_timeout=1e9, orphan_ttl=SIM_TIMING.orphan_ttl)
 
 
 def trust_adoption(monkeypatch):
@@ -111,13 +118,42 @@ def hand_on_across_namespaces(monkeypatch):
     monkeypatch.setattr(Allocator, "_may_hand_on", staticmethod(lambda giver, taker, cached: True))
 
 
+def every_key_valid(monkeypatch):
+    """Fault 11: the mirror counts every stored key as written, also one of a
+    step still running (or never finished: its engine died in it)."""
+    def valid_blocks(self, blocks_per_slab):
+        out = {}
+        for block, key in self.key_of.items():
+            if block // blocks_per_slab in self.slabs:
+                out.setdefault(block // blocks_per_slab, []).append((block % blocks_per_slab, key))
+        return out
+    monkeypatch.setattr(Mirror, "valid_blocks", valid_blocks)
+
+
+def no_seal(monkeypatch):
+    """Fault 12: engines run steps without having the daemon acknowledge the
+    keys they dropped (no sync journal before a step that rewrites them)."""
+    monkeypatch.setattr(world_mod.SimEngine, "needs_seal", lambda self: False)
+
+
+def orphans_across_namespaces(monkeypatch):
+    """Fault 13: a departed engine's kept cache goes to any engine of its slab shape."""
+    def take(self, namespace, shape, n):
+        taken = [o for o in self.slabs if o.shape == shape][:max(0, n)]
+        self._drop(taken)
+        return taken
+    monkeypatch.setattr(OrphanCache, "count", lambda self, namespace, shape: sum(o.shape == shape for o in self))
+    monkeypatch.setattr(OrphanCache, "take", take)
+
+
 REINJECTED = {1: unmap_on_shutdown, 4: forget_dead_workers, 5: no_deadlines, 6: trust_adoption,
-              7: drop_late_grants, 9: half_apply_journals, 10: hand_on_across_namespaces}
+              7: drop_late_grants, 9: half_apply_journals, 10: hand_on_across_namespaces,
+              11: every_key_valid, 12: no_seal, 13: orphans_across_namespaces}
 
 
 @pytest.mark.parametrize("fault", sorted(REINJECTED))
 def test_the_simulator_catches_each_reinjected_fault(fault, monkeypatch):
-    timing = REINJECTED[fault](monkeypatch) or Timing()
+    timing = REINJECTED[fault](monkeypatch) or SIM_TIMING
     for seed in range(CI_SEEDS):
         result = run_seed(seed, STEPS, timing=timing)
         if result.violations:
