@@ -169,6 +169,7 @@ class EngineClient:
         # under a running engine).
         self.hash_seed = self.hash_seed or reply.hash_seed
         self.orphan_ttl = reply.orphan_ttl
+        self._sync_failed_at = -1e9        # a seal that failed with the old connection: this daemon answers
         self._grow_in_flight = False
         self._grow_answered.set()
         if held:  # a restarted daemon has an empty mirror: send the whole index
@@ -177,9 +178,12 @@ class EngineClient:
 
     def _resend_index(self) -> None:
         self.pool.take_journal()
-        # The step state first: a key of a step still running must not count as written.
-        ops: list[p.JournalOp] = p.journal_ops(self.pool.journal.resync())
+        # A mirror the daemon kept (the same daemon, a new connection) may
+        # miss drops that were on their way: it starts over. Then the step
+        # state: a key of a step still running must not count as written.
+        ops: list[p.JournalOp] = [p.ClearKeys(), *p.journal_ops(self.pool.journal.resync())]
         ops += [p.StoreKey(key=wire_key(k), block=b) for k, b in self.pool.cached_keys()]
+        self._removal_unacked = False      # every drop so far is in what this sends (the keys left)
         occupancy = self.pool.occupancies()
         for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):   # the daemon takes journals in parts
             last = start + JOURNAL_MAX_OPS >= len(ops)

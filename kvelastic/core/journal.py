@@ -175,6 +175,17 @@ class Mirror:
     def index_pairs(self) -> set[tuple[Hashable, int]]:
         return {(key, block_id) for key, ids in self.index.items() for block_id in ids}
 
+    def valid_in(self, slab_id: int, blocks_per_slab: int) -> list[tuple[int, Hashable]]:
+        """One slab's valid blocks as ``(offset, key)``, whether or not the
+        mirror still counts the slab as held (a departed engine's, unmapping)."""
+        first = slab_id * blocks_per_slab
+        out: list[tuple[int, Hashable]] = []
+        for block in range(first, first + blocks_per_slab):
+            key = self.key_of.get(block)
+            if key is not None and self.stored_in[block] <= self.done:
+                out.append((block - first, key))
+        return out
+
     def valid_blocks(self, blocks_per_slab: int) -> dict[int, list[tuple[int, Hashable]]]:
         """Per held slab, its blocks whose KV is known written (key stored in a
         finished step), as ``(offset in the slab, key)`` in the order they were

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from kvelastic import protocol as p
-from kvelastic.core.journal import JournalBatch
+from kvelastic.core.journal import JournalBatch, Op
 from kvelastic.core.stats import COUNTER_NAMES
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.arbiter import Rules, is_hard, is_idle, pick_victims
@@ -341,18 +341,15 @@ class Allocator(Registration, CacheHandoff, Reporting):
 
     # ================================================================ journal
     def _on_journal(self, identity: bytes, m: p.Journal) -> p.Msg | None:
+        gone = self.departing.get(m.engine_id)
+        if m.engine_id not in self.engines and gone is not None and gone.identity == identity and not gone.failed:
+            return self._on_departed_journal(gone, m)
         engine = self._own_engine(identity, m.engine_id)
-        # Decoding checked every op's shape and types; what is left to check
-        # whole, before anything is applied, is that they name held slabs.
-        known = set(engine.slabs) | {op.slab for op in m.ops if isinstance(op, p.AddSlab)}
-        for op in m.ops:
-            if isinstance(op, (p.StoreKey, p.RemoveKey)) and op.block // engine.blocks_per_slab not in known:
-                raise Rejected(p.Reason.BAD_JOURNAL, f"block {op.block} lies in slab "
-                                                     f"{op.block // engine.blocks_per_slab}, which engine "
-                                                     f"{engine.engine_id} does not hold")
+        self._check_journal_blocks(engine, m)
         unknown = set(m.stats) - COUNTER_NAMES
         if unknown:
             raise Rejected(p.Reason.BAD_JOURNAL, f"unknown counters {sorted(unknown)[:3]}")
+        known = set(engine.slabs) | {op.slab for op in m.ops if isinstance(op, p.AddSlab)}
         for slab_id, occ in m.occupancy.items():
             if slab_id not in known:
                 raise Rejected(p.Reason.BAD_JOURNAL, f"occupancy of slab {slab_id}, which engine "
@@ -370,6 +367,28 @@ class Allocator(Registration, CacheHandoff, Reporting):
             if events:
                 self._out.append(fx.Publish(p.kv_events_topic(engine.engine_id, engine.namespace), tuple(events)))
         engine.last_seen = self._now
+        return p.Ok() if m.sync else None
+
+    @staticmethod
+    def _check_journal_blocks(engine: EngineRecord, m: p.Journal) -> None:
+        """Decoding checked every op's shape and types; what is left to check
+        whole, before anything is applied, is that they name held slabs."""
+        known = set(engine.slabs) | {op.slab for op in m.ops if isinstance(op, p.AddSlab)}
+        for op in m.ops:
+            if isinstance(op, (p.StoreKey, p.RemoveKey)) and op.block // engine.blocks_per_slab not in known:
+                raise Rejected(p.Reason.BAD_JOURNAL, f"block {op.block} lies in slab "
+                                                     f"{op.block // engine.blocks_per_slab}, which engine "
+                                                     f"{engine.engine_id} does not hold")
+
+    def _on_departed_journal(self, engine: EngineRecord, m: p.Journal) -> p.Msg | None:
+        """The journal of an engine the daemon dropped while its process may
+        still run steps (one of its workers died first), on the connection it
+        registered: its keys and steps still reach the mirror, so the cache
+        kept once its slabs are unmapped leaves out a block such a step
+        rewrote (its seal is answered). Nothing else of it counts any more."""
+        self._check_journal_blocks(engine, m)
+        keys: list[Op] = [op.core() for op in m.ops if not isinstance(op, (p.AddSlab, p.RemoveSlab))]
+        engine.mirror.apply(JournalBatch(keys, {}))
         return p.Ok() if m.sync else None
 
     # ================================================================ grow

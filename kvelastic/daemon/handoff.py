@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.orphans import OrphanCache, OrphanSlab
-from kvelastic.daemon.state import EngineRecord, PagePool, SlabRecord, owner_tag, shape_of
+from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag, shape_of
 
 if TYPE_CHECKING:
     from kvelastic.daemon.allocator import GrowRequest, Timing
@@ -93,37 +93,38 @@ class CacheHandoff:
 
     # ------------------------------------------------------ orphaned cache
     def _mark_orphans(self, engine: EngineRecord) -> int:
-        """The engine is leaving (not failed): mark each held slab with valid
-        cached blocks to be kept once unmapped. Valid: the mirror saw its key
-        stored in a step that finished (a key of the step that was running
-        when the engine died is not). Returns the slabs marked."""
+        """The engine is leaving (not failed): each held slab is to be kept
+        as cache of its namespace once no process maps it, with the blocks
+        then valid. Until then the departing engine's journals still reach
+        its mirror (``_on_departed_journal``): a worker dies first and the
+        engine may run steps before it follows, whose dropped keys must
+        count. Returns the slabs marked."""
         if self.timing.orphan_ttl <= 0 or engine.failed:
             return 0
         marked = 0
-        seen: set[bytes] = set()    # a key two blocks hold (vLLM may cache one twice) is kept once
-        for slab_id, entries in engine.mirror.valid_blocks(engine.blocks_per_slab).items():
-            slab = engine.slabs.get(slab_id)
-            if slab is None or not slab.pages:   # adopted after a daemon restart: no handle here
-                continue
-            kept = []
-            for offset, key in entries:
-                if key not in seen:
-                    seen.add(cast(bytes, key))
-                    kept.append(p.CachedBlock(offset, cast(bytes, key)))
-            if kept:
+        for slab in engine.slabs.values():
+            if slab.phase is Phase.HELD and slab.pages:   # adopted after a daemon restart: no handle here
                 slab.orphan = True
-                slab.handoff = tuple(kept)
                 marked += 1
         return marked
 
     def _keep_orphan(self, engine: EngineRecord, slab: SlabRecord) -> bool:
         """``slab`` of a departed engine is unmapped everywhere: keep it as
-        cache of the namespace if it was marked. True when kept."""
-        if not slab.orphan or engine.failed or not slab.pages or not slab.handoff:
+        cache of the namespace if it was marked and holds valid blocks (keys
+        stored in a step that finished, as the mirror has them now; a key two
+        blocks hold is kept once). True when kept."""
+        if not slab.orphan or engine.failed or not slab.pages or self.timing.orphan_ttl <= 0:
+            return False
+        kept = []
+        for offset, key in engine.mirror.valid_in(slab.slab_id, engine.blocks_per_slab):
+            wire = cast(bytes, key)
+            if wire not in engine.kept_keys:
+                engine.kept_keys.add(wire)
+                kept.append(p.CachedBlock(offset, wire))
+        if not kept:
             return False
         self.orphans.keep(OrphanSlab(engine.namespace, shape_of(engine), list(slab.pages), list(slab.page_devices),
-                                     slab.handoff, self._now, engine.engine_id))
-        slab.handoff = ()
+                                     tuple(kept), self._now, engine.engine_id))
         return True
 
     def _adopt_orphans(self, engine: EngineRecord, req: GrowRequest, room: int) -> int:

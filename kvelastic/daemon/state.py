@@ -52,7 +52,7 @@ class SlabRecord:
     # the slab was given up for; on the receiver's, until it is granted.
     handoff: tuple[p.CachedBlock, ...] = ()
     handoff_to: int = -1
-    orphan: bool = False               # its engine left: once unmapped it stays as cache (``handoff``)
+    orphan: bool = False               # its engine left: once unmapped, its valid blocks stay as cache
 
     # Lifecycle: MAPPING -> HELD -> UNMAPPING -> (gone: pages back to the pool);
     # a slab that failed to map goes MAPPING -> UNMAPPING.
@@ -104,6 +104,7 @@ class EngineRecord:
     grants: int = 0
     returns: int = 0
     reclaims: int = 0
+    kept_keys: set[bytes] = dataclasses.field(default_factory=set)   # keys already kept for its namespace
 
     @property
     def pages_per_slab(self) -> int:

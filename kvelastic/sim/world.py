@@ -175,8 +175,9 @@ class SimEngine:
                                    occupancy=self.pool.occupancies(), token=self.token))
         if self.pool.slab_ids():     # as the real client: a new daemon gets the step state, then the whole index
             self.pool.take_journal()
-            ops = p.journal_ops(self.pool.journal.resync())
+            ops = [p.ClearKeys(), *p.journal_ops(self.pool.journal.resync())]
             ops += [p.StoreKey(key=wire_key(key), block=block) for key, block in self.pool.cached_keys()]
+            self.removal_unacked = False       # every drop so far is in what this sends
             self.world.client_send(self.identity, p.Journal(engine_id=self.name, ops=ops,
                                                             occupancy=self.pool.occupancies()))
         if self.token:               # workers know the secret already (a reconnect); else they wait for it
@@ -289,6 +290,7 @@ class SimEngine:
             first = not self.token
             self.registered, self.max_slabs, self.token = True, msg.max_slabs, msg.token
             self.orphan_ttl = msg.orphan_ttl
+            self.sync_failed_at = -1e9         # as the client: this daemon answers seals
             if first:                          # its workers get the secret now (vLLM: with the KV config)
                 for w in self.workers:
                     self.start_worker(w)
