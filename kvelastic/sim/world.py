@@ -757,13 +757,13 @@ class World:
         as valid cache of this engine (the seal made it hear every key dropped
         before the step runs; a key stored for this step is valid only once it
         ended), or a kill -9 now would leave it a torn block to keep."""
-        record = self.allocator.engines.get(engine.name)
+        alloc = self.allocator
+        record = alloc.engines.get(engine.name) or alloc.departing.get(engine.name)   # dropped, still stepping
         if record is None or record.identity != engine.identity or record.failed:
             return
-        valid = record.mirror.valid_blocks(record.blocks_per_slab)
         for blk, _key in step.writes:
             slab_id, offset = divmod(blk.block_id, BLOCKS_PER_SLAB)
-            for at, key in valid.get(slab_id, ()):
+            for at, key in record.mirror.valid_in(slab_id, record.blocks_per_slab):
                 if at == offset:
                     self.violation(f"engine {engine.name}: step {step.n} writes block {blk.block_id}, which "
                                    f"the daemon holds as valid cache of {key!r}")

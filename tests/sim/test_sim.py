@@ -121,13 +121,11 @@ def hand_on_across_namespaces(monkeypatch):
 def every_key_valid(monkeypatch):
     """Fault 11: the mirror counts every stored key as written, also one of a
     step still running (or never finished: its engine died in it)."""
-    def valid_blocks(self, blocks_per_slab):
-        out = {}
-        for block, key in self.key_of.items():
-            if block // blocks_per_slab in self.slabs:
-                out.setdefault(block // blocks_per_slab, []).append((block % blocks_per_slab, key))
-        return out
-    monkeypatch.setattr(Mirror, "valid_blocks", valid_blocks)
+    def valid_in(self, slab_id, blocks_per_slab):
+        first = slab_id * blocks_per_slab
+        return [(block - first, self.key_of[block]) for block in range(first, first + blocks_per_slab)
+                if block in self.key_of]
+    monkeypatch.setattr(Mirror, "valid_in", valid_in)
 
 
 def no_seal(monkeypatch):
