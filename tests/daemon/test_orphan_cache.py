@@ -41,14 +41,22 @@ def cache_in_a_step(engine, prefix: str, n: int, value: int, finish: bool = True
     return step
 
 
-def test_a_killed_engines_cache_warms_the_next_engine_of_its_namespace(daemon_factory, engines):
-    daemon = daemon_factory(memory="4MiB")                       # two slabs of 4 blocks
+def killed_with_cache(daemon, engines, keep: bool = True):
+    """Engine ``a`` of llama-1 caches 4 blocks ("sys", bytes 7) in a finished
+    step, its journal acknowledged, and is killed with SIGKILL; with ``keep``
+    the test waits until the daemon kept them."""
     a = engines(daemon, "a", namespace="llama-1", **KEEP)
     assert a.do("ensure", n=4)["ok"]
     cache_in_a_step(a, "sys", 4, value=7)
     a.do("flush")
     a.kill()
-    wait_for(lambda: kept_blocks(daemon, "llama-1") == 4, what="a's cache kept for llama-1")
+    if keep:
+        wait_for(lambda: kept_blocks(daemon, "llama-1") == 4, what="a's cache kept for llama-1")
+
+
+def test_a_killed_engines_cache_warms_the_next_engine_of_its_namespace(daemon_factory, engines):
+    daemon = daemon_factory(memory="4MiB")                       # two slabs of 4 blocks
+    killed_with_cache(daemon, engines)
     status = daemon.status()
     assert status["memory"]["orphaned"] == 2 << 20 and status["memory"]["held"] == 0
 
@@ -106,12 +114,7 @@ def test_a_dropped_key_is_acknowledged_before_the_step_that_rewrites_its_block(d
 @pytest.mark.parametrize("namespace", ["llama-1-tenant-b", "mistral-7"])
 def test_another_namespace_never_gets_the_kept_cache(daemon_factory, engines, namespace):
     daemon = daemon_factory(memory="4MiB")
-    a = engines(daemon, "a", namespace="llama-1", **KEEP)
-    assert a.do("ensure", n=4)["ok"]
-    cache_in_a_step(a, "sys", 4, value=7)
-    a.do("flush")
-    a.kill()
-    wait_for(lambda: kept_blocks(daemon, "llama-1") == 4, what="a's cache kept")
+    killed_with_cache(daemon, engines)
     c = engines(daemon, "c", namespace=namespace, **KEEP)
     assert c.do("ensure", n=4)["ok"]                             # the other slab: free budget first
     assert c.do("lookup", prefix="sys", n=4)["hits"] == 0
@@ -132,12 +135,7 @@ def test_another_namespace_never_gets_the_kept_cache(daemon_factory, engines, na
 
 def test_a_demand_takes_kept_cache_first_and_gets_fresh_pages(daemon_factory, engines):
     daemon = daemon_factory(memory="2MiB")                       # the kept slab fills the budget
-    a = engines(daemon, "a", namespace="llama-1", **KEEP)
-    assert a.do("ensure", n=4)["ok"]
-    cache_in_a_step(a, "sys", 4, value=7)
-    a.do("flush")
-    a.kill()
-    wait_for(lambda: kept_blocks(daemon, "llama-1") == 4, what="a's cache kept")
+    killed_with_cache(daemon, engines)
     c = engines(daemon, "c", namespace="mistral-7", **KEEP)
     assert c.do("ensure", n=4, timeout=5)["ok"]
     assert c.do("read")["values"] == [0]                         # a fresh page, never a's KV
@@ -159,11 +157,7 @@ def test_a_graceful_exit_keeps_the_cache_and_the_ttl_ends_it(daemon_factory, eng
 
 def test_a_zero_ttl_keeps_nothing(daemon_factory, engines):
     daemon = daemon_factory(memory="4MiB", KVELASTIC_ORPHAN_CACHE_TTL="0")
-    a = engines(daemon, "a", namespace="llama-1", **KEEP)
-    assert a.do("ensure", n=4)["ok"]
-    cache_in_a_step(a, "sys", 4, value=7)
-    a.do("flush")
-    a.kill()
+    killed_with_cache(daemon, engines, keep=False)
     wait_for(lambda: daemon.status()["memory"]["held"] == 0, what="a's memory back")
     assert orphans(daemon) == []
     b = engines(daemon, "b", namespace="llama-1", **KEEP)

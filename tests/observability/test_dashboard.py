@@ -44,11 +44,13 @@ REQUIRED_PANELS = {
     "Starved engines": {"kvelastic_engine_starved_seconds"},
     "Idle engines": {"kvelastic_engine_idle"},
     "Quarantined memory": {"kvelastic_quarantined_bytes"},
+    "Kept cache of departed engines": {"kvelastic_orphaned_cache_bytes"},
+    "Blocks adopted and their hits per second": {"kvelastic_adopted_blocks_total", "kvelastic_adopted_hits_total"},
 }
 # Per-engine panels: they follow the Engine variable.
 ENGINE_PANELS = ("Memory per engine", "Slab grants, returns and reclaims per second",
                  "Prefix-cache hit rate per engine", "Prefix-cache evictions by reason", "Starved engines",
-                 "Idle engines")
+                 "Idle engines", "Blocks adopted and their hits per second")
 # Panels that query no data source (Grafana's alert list reads the alerting API).
 QUERYLESS = {"alertlist"}
 DS = "${DS_PROMETHEUS}"
