@@ -14,7 +14,9 @@ Rules it keeps (the invariants the tests and the simulator check):
   its last owner's tag and is reused only by that owner (engine id and
   namespace); for anyone else it is released and a new one created. The one
   exception stays inside a namespace: a slab given up for a grow of the same
-  namespace and geometry is handed on as it is, with its cached blocks.
+  namespace and geometry is handed on as it is, with its cached blocks, and
+  a departed engine's slab with valid cached blocks is kept (``orphans.py``)
+  for the next engine of its namespace (``handoff.py``).
 - Every wait has a deadline. A map or unmap not acknowledged in time fails
   the engine: its pages are quarantined (never re-lent) until every process
   of it is gone. A grow is answered by its deadline with what it got.
