@@ -20,7 +20,7 @@ from kvelastic.core.journal import JournalBatch, Mirror
 from kvelastic.daemon import allocator as allocator_mod
 from kvelastic.daemon.allocator import Allocator, Timing
 from kvelastic.daemon.orphans import OrphanCache
-from kvelastic.sim import world as world_mod
+from kvelastic.sim import engine as engine_mod
 from kvelastic.sim.run import SIM_TIMING, run_seed
 
 CI_SEEDS = 300
@@ -88,13 +88,13 @@ def trust_adoption(monkeypatch):
 
 def drop_late_grants(monkeypatch):
     """Fault 7: a grant whose request the client gave up on is dropped."""
-    original = world_mod.SimEngine.on_message
+    original = engine_mod.SimEngine.on_message
 
     def on_message(self, msg):
-        if isinstance(msg, world_mod.p.Granted) and msg.req_id not in self.pending:
+        if isinstance(msg, engine_mod.p.Granted) and msg.req_id not in self.pending:
             return
         original(self, msg)
-    monkeypatch.setattr(world_mod.SimEngine, "on_message", on_message)
+    monkeypatch.setattr(engine_mod.SimEngine, "on_message", on_message)
 
 
 def half_apply_journals(monkeypatch):
@@ -131,7 +131,7 @@ def every_key_valid(monkeypatch):
 def no_seal(monkeypatch):
     """Fault 12: engines run steps without having the daemon acknowledge the
     keys they dropped (no sync journal before a step that rewrites them)."""
-    monkeypatch.setattr(world_mod.SimEngine, "needs_seal", lambda self: False)
+    monkeypatch.setattr(engine_mod.SimEngine, "needs_seal", lambda self: False)
 
 
 def orphans_across_namespaces(monkeypatch):
