@@ -22,7 +22,8 @@ from kvelastic.daemon.orphans import OrphanCache, OrphanSlab
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag, shape_of
 
 if TYPE_CHECKING:
-    from kvelastic.daemon.allocator import GrowRequest, Timing
+    from kvelastic.daemon.allocator import Timing
+    from kvelastic.daemon.growth import GrowRequest
 
 log = logging.getLogger("kvelastic.daemon")
 
