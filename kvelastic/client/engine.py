@@ -104,7 +104,7 @@ class EngineClient:
         self.hash_seed = ""                # its namespace's block-hash root, likewise
         self.orphan_ttl = 0.0              # the daemon keeps this engine's cache after it leaves
         self._removal_unacked = False      # a journal that dropped keys went out unacknowledged
-        self._sync_failed_at = -1e9
+        self._sync_failed_at = self._sync_warned_at = -1e9
         self.refused_until = 0.0           # after a refused grow, no prefetch for a while
         self._grow_in_flight = False       # a reserve grow awaits its answer
         self._grow_answered = threading.Event()
@@ -277,7 +277,8 @@ class EngineClient:
                 self._flush_journal(sync=True)
             except (DaemonError, DaemonUnavailable) as exc:
                 now = time.monotonic()
-                if now - self._sync_failed_at > 60.0:
+                if now - self._sync_warned_at > 60.0:     # one line a minute while it lasts
+                    self._sync_warned_at = now
                     log.warning("engine %s: the daemon did not acknowledge the journal before a step (%s): "
                                 "if this engine dies in it, a warm restart may lose its cache", self.engine_id,
                                 exc)
