@@ -147,10 +147,19 @@ def single(samples: list[dict]) -> float:
     return samples[0]["value"]
 
 
+# Kept cache exists only once an engine has left, and this workload's engines
+# stay: that query evaluates (a PromQL error fails) and returns nothing here.
+# tests/daemon/test_orphan_cache.py checks its series' values after a departure.
+NO_DATA_IN_THIS_WORKLOAD = {("Kept cache of departed engines", "A")}
+
+
 def test_every_panel_query_returns_data_that_agrees_with_the_workload(run):
     status, by_id, target = run["status"], run["by_id"], run["target"]
     results = evaluate(run, {"instance": [target], "engine": ["a", "b"]})
     for (title, ref), samples in results.items():
+        if (title, ref) in NO_DATA_IN_THIS_WORKLOAD:
+            assert samples == [], (title, ref, samples)
+            continue
         assert samples, f"panel {title!r} query {ref} returned no data"
         for s in samples:
             assert math.isfinite(s["value"]), f"panel {title!r} query {ref}: {s}"
