@@ -162,6 +162,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVELASTIC_SOCKET_GROUP", "socket_group", "", str,
              "Daemon: the group (name or id) whose members may connect besides the daemon's own user and root; "
              "its sockets are given to it. Default: the daemon's own group."),
+    Variable("KVELASTIC_OPERATOR_GROUP", "operator_group", "", str,
+             "Daemon: the group (name or id) whose members are operators besides root and the daemon's own user: "
+             "they may change limits, invalidate caches and register engines with a guaranteed minimum. "
+             "Default: none."),
     Variable("KVELASTIC_MAX_ENGINES", "max_engines", "256", lambda t: _positive_int(t),
              "Daemon: the most engines it registers at once (each costs a little memory and a few descriptors)."),
     Variable("KVELASTIC_ACK_TIMEOUT", "ack_timeout", "5s", parse_duration,
@@ -203,6 +207,7 @@ class Config:
     engine_max_memory: int
     tenant_salt: str
     socket_group: str
+    operator_group: str
     max_engines: int
     ack_timeout: float
     grow_timeout: float

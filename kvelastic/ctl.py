@@ -3,8 +3,10 @@
 ``kvelastic status|top|limit|invalidate`` (see ``kvelastic.cli``) talk to the
 daemon over its ZMQ socket: a fresh DEALER per request, one frame out, one
 frame back. A ZMQ connect to a missing ``ipc://`` path does not fail, so the
-socket file is checked first (a stale file left by a killed daemon refuses a
-plain AF_UNIX connect at once) and every request has a timeout.
+socket file is checked first with a plain AF_UNIX connect (a stale file left
+by a killed daemon refuses it at once), and every request has a timeout. That
+connection also says who listens (``trust.check_daemon``): no request goes to
+a process that is not a daemon this user may trust (``UntrustedDaemon``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import zmq
 
 from kvelastic import protocol as p
 from kvelastic.client.connection import DaemonError, DaemonUnavailable, expect
+from kvelastic.client.trust import UntrustedDaemon, check_daemon
 from kvelastic.config import Config
 from kvelastic.errors import ConfigError
 
@@ -40,22 +43,30 @@ def _unavailable(socket_path: str, what: str = "no daemon is running on") -> Dae
 
 
 def _probe(socket_path: str) -> None:
-    """Fail fast when nobody listens: no socket file, or a stale one."""
+    """Fail fast when nobody listens (no socket file, or a stale one), and
+    refuse a listener that is not a daemon to trust (``UntrustedDaemon``)."""
     if not os.path.exists(socket_path):
         raise _unavailable(socket_path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(1.0)
     try:
-        sock.connect(socket_path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        raise _unavailable(socket_path) from None
-    except PermissionError:
-        raise DaemonUnavailable(f"permission denied on the daemon socket {socket_path} "
-                                "(run as the daemon's user or a member of its group)") from None
-    except OSError as exc:
-        if exc.errno in (errno.ENOTSOCK, errno.ECONNREFUSED):
+        try:
+            sock.connect(socket_path)
+        except (ConnectionRefusedError, FileNotFoundError):
             raise _unavailable(socket_path) from None
-        # Anything else (a slow accept queue...): let the request's timeout decide.
+        except PermissionError:
+            raise DaemonUnavailable(f"permission denied on the daemon socket {socket_path} "
+                                    "(run as the daemon's user or a member of its group)") from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOTSOCK, errno.ECONNREFUSED):
+                raise _unavailable(socket_path) from None
+            # A slow accept queue...: without a connection, nobody can say who listens.
+            raise DaemonUnavailable(f"the daemon on {socket_path} did not take a connection ({exc}); "
+                                    "try again") from None
+        try:
+            check_daemon(sock, socket_path)
+        except OSError as exc:              # its folder went away under us
+            raise _unavailable(socket_path, f"cannot check the daemon's folder ({exc}) on") from None
     finally:
         sock.close()
 
@@ -65,7 +76,8 @@ def request(socket_path: str, msg: p.Msg, timeout: float = DEFAULT_TIMEOUT) -> p
 
     Raises ``DaemonUnavailable`` when no daemon answers within ``timeout``
     seconds, ``DaemonError`` (with ``.reason`` and ``.message``) when it answers
-    with an ``Error``.
+    with an ``Error``, ``UntrustedDaemon`` (nothing sent) when the process on
+    the socket is not a daemon to trust.
     """
     _probe(socket_path)
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
@@ -226,7 +238,7 @@ def top(socket_path: str, interval: float = 1.0, iterations: int | None = None,
         while (iterations is None or count < iterations) and not stop.is_set():
             try:
                 body = render_status(get_status(socket_path, timeout))
-            except (DaemonUnavailable, DaemonError) as exc:
+            except (DaemonUnavailable, DaemonError, UntrustedDaemon) as exc:
                 if count == 0:
                     raise
                 body = f"kvelastic: {getattr(exc, 'message', exc)}"
@@ -278,6 +290,9 @@ def run_command(args: argparse.Namespace) -> int:
         return 1
     except DaemonError as exc:
         print(f"kvelastic {args.command}: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 1
+    except UntrustedDaemon as exc:
+        print(f"kvelastic {args.command}: refused: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:          # e.g. `kvelastic status | head -1`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

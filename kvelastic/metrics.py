@@ -10,6 +10,7 @@ Per-engine series are produced at scrape time from the daemon's books
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -69,6 +70,29 @@ class DaemonMetrics:
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
         self.registry.register(DaemonCollector(snapshot))
+        # The loop publishes a snapshot every tick (it was just taken when this
+        # is built); a scrape reports how old the one it reads is.
+        self._published_at = time.monotonic()
+        self.registry.register(SnapshotAgeCollector(lambda: time.monotonic() - self._published_at))
+
+    def published(self) -> None:
+        """The loop has just published a fresh snapshot."""
+        self._published_at = time.monotonic()
+
+
+class SnapshotAgeCollector(Collector):
+    """How old the numbers on /metrics are: they come from the snapshot the
+    loop publishes each tick, so a loop that is stuck shows here (and fires
+    KvelasticDaemonDown) while /metrics still answers."""
+
+    def __init__(self, age: Callable[[], float]) -> None:
+        self._age = age
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(f"{PREFIX}_snapshot_age_seconds",
+                                "Seconds since the daemon's loop published the status snapshot these metrics "
+                                "come from (it does every 0.1 s; more than a few seconds: the loop is stuck).",
+                                value=max(0.0, self._age()))
 
 
 class DaemonCollector(Collector):

@@ -86,11 +86,15 @@ class Reason(str, enum.Enum):
     BAD_TOKEN = "bad_token"              # an engine's secret missing or wrong
     NOT_ALLOWED = "not_allowed"          # a page channel from a user outside the daemon's user and group
     ENGINE_GONE = "engine_gone"          # not a rejection: the answer to the grows of an engine that left
+    NOT_OPERATOR = "not_operator"        # a tenant asked what only an operator may (limits, invalidate, a minimum)
+    CHANNEL_LIMIT = "channel_limit"      # too many page channels or lifelines open for one user or engine
 
 
 # Bounds on what a client may send: everything the daemon keeps per engine is
 # proportional to what it holds, not to what it says.
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]       # engine ids, namespaces
+# A name as the daemon shows it: a tenant's carries ``@uid<N>`` (``daemon/tenancy.py``).
+ShownName = Annotated[str, msgspec.Meta(min_length=1, max_length=160)]
 Key = Annotated[bytes, msgspec.Meta(max_length=256)]                    # a prefix-cache key
 Stats = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], int], msgspec.Meta(max_length=64)]
 # An engine's registration secret: given to it over its own connection, and
@@ -98,6 +102,10 @@ Stats = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], int], msgspe
 # own re-registrations. Nobody else can act for that engine without it.
 Token = Annotated[bytes, msgspec.Meta(max_length=64)]
 SlabIds = Annotated[list[int], msgspec.Meta(max_length=1 << 16)]        # more slabs than any device has
+MIN_TOKEN = 16               # bytes of a new engine's secret (it chooses it: ``EngineClient``)
+MAX_WORKERS = 1024           # workers (ranks) of one engine
+# A page channel's rank: a worker's, or -1 for the engine's own lifeline.
+Rank = Annotated[int, msgspec.Meta(ge=-1, lt=MAX_WORKERS)]
 
 
 class Msg(msgspec.Struct, tag=True, kw_only=True, array_like=False):
@@ -122,7 +130,10 @@ class RegisterEngine(Msg):
     max_bytes: int = 0           # 0: no cap beyond the budget
     held: SlabIds = []           # slab ids still held (re-register after a daemon restart)
     occupancy: dict[int, tuple[int, int, int]] = {}
-    token: Token = b""           # its secret, when it re-registers (after a reconnect or a daemon restart)
+    # Its secret, chosen by the engine (at least MIN_TOKEN random bytes) and
+    # shown first in its lifeline's hello: only the process that knows it can
+    # keep the engine alive, re-register it or act as its workers.
+    token: Token = b""
 
 
 class RegisterWorker(Msg):
@@ -239,6 +250,15 @@ class Unregister(Msg):
     engine_id: Name
 
 
+class Busy(Msg):
+    """A worker is inside a model step and holds these slabs' unmaps until it
+    ends (invariant 5): their acknowledgement deadline is pushed back. Sent
+    again while the step runs; a frozen worker sends nothing and misses it."""
+    engine_id: Name
+    rank: int
+    slabs: SlabIds
+
+
 # ------------------------------------------- client answers to daemon commands
 class CachedBlock(msgspec.Struct, array_like=True, frozen=True):
     """A cached block of a slab, by its place in the slab (``block_id %
@@ -280,7 +300,7 @@ class Status(Msg):
 
 
 class SetLimit(Msg):
-    engine_id: Name
+    engine_id: ShownName         # as ``status`` shows it
     min_bytes: int
     max_bytes: int
 
@@ -315,6 +335,9 @@ class Registered(Msg):
     # not at all). When it does, the engine has its journal acknowledged
     # before a step rewrites a block whose key it dropped.
     orphan_ttl: float = 0.0
+    # To a worker: the daemon's deadline for each map and unmap ack; a worker
+    # in a longer step says ``Busy`` well within it.
+    ack_timeout: float = ACK_TIMEOUT
 
 
 class Granted(Msg):
@@ -326,6 +349,12 @@ class Granted(Msg):
 
 class Reclaim(Msg):
     slabs: list[int]
+
+
+class Failed(Msg):
+    """To an engine: the daemon failed it (a worker missed a deadline). Its
+    pages stay quarantined until its processes are gone; it must restart."""
+    reason: str
 
 
 class ClearIndex(Msg):
@@ -368,8 +397,8 @@ class DeviceStatus(msgspec.Struct, kw_only=True):
 
 
 class EngineStatus(msgspec.Struct, kw_only=True):
-    engine_id: Name
-    namespace: Name
+    engine_id: ShownName
+    namespace: ShownName
     pid: int
     device: str
     workers: int
@@ -391,7 +420,7 @@ class EngineStatus(msgspec.Struct, kw_only=True):
 
 class OrphanStatus(msgspec.Struct, kw_only=True):
     """Cache of one namespace kept after its engines left (warm start)."""
-    namespace: Name
+    namespace: ShownName
     device: str
     slabs: int
     blocks: int                  # valid cached blocks in them
@@ -419,9 +448,9 @@ class StatusReply(Msg):
 
 
 Message = (
-    RegisterEngine | RegisterWorker | Grow | Return | Journal | Heartbeat | Unregister
+    RegisterEngine | RegisterWorker | Grow | Return | Journal | Heartbeat | Unregister | Busy
     | ReclaimDone | Mapped | Unmapped | Status | SetLimit | Invalidate
-    | Ok | Error | Registered | Granted | Reclaim | ClearIndex | MapSlab | UnmapSlab | StatusReply
+    | Ok | Error | Registered | Granted | Reclaim | Failed | ClearIndex | MapSlab | UnmapSlab | StatusReply
 )
 
 # ------------------------------------------- KV events, in vLLM's wire format
@@ -475,8 +504,10 @@ def fd_socket_path(socket_path: str) -> str:
 class Hello(msgspec.Struct):
     version: int
     engine_id: Name
-    rank: int                    # worker rank, or -1 for the engine's lifeline
-    token: Token = b""           # a worker's: its engine's secret (descriptors go only to such a channel)
+    rank: Rank                   # worker rank, or -1 for the engine's lifeline
+    # Its engine's secret: a lifeline or page channel counts for the engine
+    # only with it (descriptors go only to such a channel).
+    token: Token = b""
 
 
 def write_hello(sock: socket.socket, engine_id: str, rank: int, token: bytes = b"") -> None:

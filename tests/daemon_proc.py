@@ -29,7 +29,10 @@ def free_port() -> int:
 
 
 class DaemonProcess:
-    def __init__(self, tmp: pathlib.Path, memory: str = "64MiB", metrics: bool = True, **env: str) -> None:
+    def __init__(self, tmp: pathlib.Path, memory: str = "64MiB", metrics: bool = True, nofile: int = 0,
+                 **env: str) -> None:
+        """``nofile``: the daemon's descriptor limit (soft and hard), 0: as inherited."""
+        self.nofile = nofile
         self.socket = str(tmp / "kvelastic.sock")
         self.metrics_port = free_port() if metrics else 0
         self.log_path = tmp / "daemon.log"
@@ -41,7 +44,7 @@ class DaemonProcess:
     def start(self, timeout: float = 15.0) -> DaemonProcess:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "daemon"], env=self.env,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+                                     stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=self._limits)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -52,6 +55,12 @@ class DaemonProcess:
             except TimeoutError:
                 pass
         raise RuntimeError(f"daemon did not come up:\n{self.log()}")
+
+    def _limits(self) -> None:   # in the child, before exec
+        if self.nofile:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -8,6 +8,10 @@ When the lifeline reports the daemon gone, the thread reconnects with
 exponential backoff and calls ``handshake`` again (re-registration), so a
 daemon restart is invisible to the caller apart from failed requests while
 it is down.
+
+Before it says anything, the thread checks who listens on the lifeline
+(``trust.check_daemon``): a process that is not the daemon this client may
+trust never hears the hello, the registration or the engine's secret.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import msgspec
 import zmq
 
 from kvelastic import protocol as p
+from kvelastic.client.trust import UntrustedDaemon, check_daemon
 from kvelastic.errors import KvelasticError
 from kvelastic.vmm import fdchannel
 
@@ -33,7 +38,8 @@ log = logging.getLogger("kvelastic.client")
 BACKOFF_MIN, BACKOFF_MAX = 0.05, 2.0
 NO_SOCKET_GRACE = 3.0
 # A registration refused for one of these will be refused again: fail at start.
-FATAL_REASONS = ("version", "geometry", "engine_exists", "limit", "unknown_device", "bad_rank", "bad_token")
+FATAL_REASONS = ("version", "geometry", "engine_exists", "limit", "unknown_device", "bad_rank", "bad_token",
+                 "not_operator")
 
 
 class DaemonUnavailable(KvelasticError):
@@ -242,14 +248,23 @@ class Connection:
         return reply
 
     def _connect(self) -> fdchannel.FdChannel | None:
-        """Open the lifeline and the control socket and register: the
-        lifeline once registered, None when that failed."""
+        """Open the lifeline, check who listens on it, open the control
+        socket and register: the lifeline once registered, None when that
+        failed (``_fatal`` set when the listener is not a daemon to trust)."""
         try:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError:
+            return None
+        try:
             sock.settimeout(2.0)
             sock.connect(p.fd_socket_path(self.socket_path))
+            check_daemon(sock, self.socket_path)     # before the hello: it names us and shows our secret
             p.write_hello(sock, self.engine_id, self.rank, self.token)
             sock.settimeout(None)
+        except UntrustedDaemon as exc:
+            sock.close()
+            self._fatal = exc
+            return None
         except OSError:
             sock.close()
             return None
@@ -312,12 +327,15 @@ class Connection:
                 lifeline = self._connect()
                 if lifeline is not None:
                     backoff = BACKOFF_MIN
+                    self._fatal = None       # a refusal of an earlier attempt is over
                     if self.reconnects or self.connected.is_set():
                         log.info("engine %s: reconnected to the daemon", self.engine_id)
                     self.connected.set()     # what the handshake read ahead: delivered on the first pass
                 else:
                     if self._fatal is not None:
-                        log.error("engine %s: daemon refused us: %s", self.engine_id, self._fatal)
+                        log.error("engine %s: %s: %s", self.engine_id, "refused to talk to the process on the "
+                                  "daemon's socket" if isinstance(self._fatal, UntrustedDaemon) else
+                                  "daemon refused us", self._fatal)
                         if not self.reconnects:
                             break  # never connected: start() reports it
                     self._drain_outbox_offline()

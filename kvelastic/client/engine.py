@@ -27,6 +27,7 @@ import collections
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -100,7 +101,11 @@ class EngineClient:
         self.lock = threading.RLock()
         self.max_slabs = 0
         self.budget_bytes = 0
-        self.token = b""                   # this engine's secret, from its first registration
+        # This engine's secret, its own choice: shown in its lifeline's hello
+        # and its registrations, given to its workers; nobody else can keep
+        # the engine alive, act as its workers or take its id over.
+        self.token = secrets.token_bytes(32)
+        self.failed = ""                   # the daemon failed this engine (why): it must restart
         self.hash_seed = ""                # its namespace's block-hash root, likewise
         self.orphan_ttl = 0.0              # the daemon keeps this engine's cache after it leaves
         self._removal_unacked = False      # a journal that dropped keys went out unacknowledged
@@ -119,6 +124,7 @@ class EngineClient:
         self.conn = Connection(socket_path, engine_id, -1, handshake=self._register,
                                on_command=self._on_command, on_tick=self._tick,
                                tick_interval=tick_interval, name=f"kvelastic-engine-{engine_id}")
+        self.conn.token = self.token
 
     @property
     def low_watermark(self) -> int:
@@ -163,7 +169,7 @@ class EngineClient:
         self.reserve.idle_grace = reply.idle_grace   # the daemon's clock for "idle"
         # Kept for good: a re-registration (also with a restarted daemon) shows
         # it, and so do this engine's workers (``WorkerClient(token=...)``).
-        self.token = reply.token
+        self.token = self.conn.token = reply.token   # its own (a daemon before 7b chose one)
         # The namespace's root for block hashes; the vLLM plugin seeds vLLM's
         # NONE_HASH with it (the first registration's: hashes never change
         # under a running engine).
@@ -351,6 +357,11 @@ class EngineClient:
             self._run_or_defer(lambda: self._reclaim(msg))
         elif isinstance(msg, p.ClearIndex):
             self._run_or_defer(self._clear_index)
+        elif isinstance(msg, p.Failed):
+            self.failed = msg.reason
+            self._closing = True    # the daemon forgot it: no more journals, heartbeats or grows
+            log.error("engine %s: the daemon failed this engine (%s); its memory stays quarantined until its "
+                      "processes exit: restart it", self.engine_id, msg.reason)
 
     def _reclaim(self, msg: p.Reclaim) -> None:
         given, refused, cached = give_up(self.pool, msg.slabs)

@@ -38,8 +38,11 @@ class WorkerClient:
         self._mu = threading.Lock()
         self._steps = 0            # model steps (or their sampling) in flight
         self._deferred: list[p.UnmapSlab] = []
+        self._ack_timeout = p.ACK_TIMEOUT     # the daemon's, from registration
+        self._busy_at = 0.0                   # when the daemon last heard that unmaps wait for a step
         self.conn = Connection(socket_path, engine_id, rank, handshake=self._register,
-                               on_command=self._on_command, name=f"kvelastic-worker-{engine_id}-{rank}")
+                               on_command=self._on_command, on_tick=self._tick, tick_interval=0.05,
+                               name=f"kvelastic-worker-{engine_id}-{rank}")
         self.conn.token = token    # the engine's secret: descriptors come only to a channel that shows it
 
     def start(self, timeout: float = 10.0) -> WorkerClient:
@@ -63,6 +66,7 @@ class WorkerClient:
                                                   rank=self.rank, pid=os.getpid(), device=self.device,
                                                   mapped=sorted(self.slabs), token=conn.token), timeout=5.0),
                        p.Registered)
+        self._ack_timeout = reply.ack_timeout
         if self.arena is None:
             # The engine's whole virtual capacity: one region per page of a slab.
             self.max_slabs = reply.max_slabs
@@ -93,8 +97,18 @@ class WorkerClient:
             with self._mu:
                 if self._steps:
                     self._deferred.append(msg)
+                    self._busy_at = 0.0      # say so now: the step may outlast the ack deadline
                     return
             self._unmap(msg)
+
+    def _tick(self, now: float) -> None:
+        """While a step holds unmaps, tell the daemon well within its ack
+        deadline (``Busy``), so a long step is never taken for a hung worker."""
+        with self._mu:
+            waiting = [m.slab for m in self._deferred]
+        if waiting and now - self._busy_at >= self._ack_timeout / 4:
+            self._busy_at = now
+            self.conn.send(p.Busy(engine_id=self.engine_id, rank=self.rank, slabs=waiting))
 
     def _map(self, msg: p.MapSlab) -> None:
         lifeline = self.conn.lifeline

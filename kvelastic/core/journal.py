@@ -132,6 +132,11 @@ class Mirror:
         self.stored_in: dict[int, int] = {}   # block -> the step its key came in
         self.step = 0                          # the last STEP seen
         self.done = 0                          # the last DONE seen
+        # With ``blocks_per_slab`` set (the daemon's mirrors), the keyed blocks
+        # of each slab, so a slab's valid blocks cost what it holds, not what
+        # its geometry allows.
+        self.blocks_per_slab = 0
+        self._in_slab: dict[int, dict[int, None]] = {}
 
     def apply(self, batch: JournalBatch) -> None:
         for op in batch.ops:
@@ -141,6 +146,8 @@ class Mirror:
                 self.index.setdefault(op[1], set()).add(op[2])
                 self.key_of[op[2]] = op[1]
                 self.stored_in[op[2]] = self.step
+                if self.blocks_per_slab:
+                    self._in_slab.setdefault(op[2] // self.blocks_per_slab, {})[op[2]] = None
             elif op[0] == STEP:
                 self.step = max(self.step, op[1])
             elif op[0] == DONE:
@@ -156,6 +163,7 @@ class Mirror:
                 self.index.clear()
                 self.key_of.clear()
                 self.stored_in.clear()
+                self._in_slab.clear()
             else:
                 raise ValueError(f"unknown journal op {op!r}")
         for slab_id, occ in batch.occupancy.items():
@@ -166,6 +174,11 @@ class Mirror:
     def _unindex(self, key: Hashable, block: int) -> None:
         del self.key_of[block]
         del self.stored_in[block]
+        if self.blocks_per_slab:
+            slab = self._in_slab[block // self.blocks_per_slab]
+            del slab[block]
+            if not slab:
+                del self._in_slab[block // self.blocks_per_slab]
         holders = self.index.get(key)
         if holders is not None:
             holders.discard(block)
@@ -180,7 +193,9 @@ class Mirror:
         mirror still counts the slab as held (a departed engine's, unmapping)."""
         first = slab_id * blocks_per_slab
         out: list[tuple[int, Hashable]] = []
-        for block in range(first, first + blocks_per_slab):
+        keyed = self._in_slab.get(slab_id, {}) if self.blocks_per_slab == blocks_per_slab else \
+            range(first, first + blocks_per_slab)
+        for block in keyed:
             key = self.key_of.get(block)
             if key is not None and self.stored_in[block] <= self.done:
                 out.append((block - first, key))

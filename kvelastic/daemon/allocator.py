@@ -48,6 +48,7 @@ from kvelastic.daemon.registration import Registration
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.report import Reporting
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag
+from kvelastic.daemon.tenancy import Credential
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -104,12 +105,17 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
         self.events = events
         self.engines: dict[str, EngineRecord] = {}
         # Engines gone from the books whose slabs still wait for their workers
-        # (unmap acks, or their processes to exit when they failed).
-        self.departing: dict[str, EngineRecord] = {}
+        # (unmap acks, or their processes to exit when they failed), by their
+        # registration's serial: an id registered again meanwhile never
+        # overwrites its predecessor's record (no page leaves the books).
+        self.departing: dict[int, EngineRecord] = {}
+        self._serial = 0
+        self._cred: Credential | None = None       # the sender of the message being handled
         self.orphans = OrphanCache()                      # departed engines' cache, kept for their namespace
         self.grows: dict[int, GrowRequest] = {}           # by arrival: answered in order
         self._grow_seq = 0
-        self._progressing = self._again = False
+        self._progressing = self._again = self.more_work = False
+        self._started = 0
         self.reclaims: dict[int, ReclaimRequest] = {}
         self.returns: dict[tuple[bytes, int], ReturnRequest] = {}   # by (client, Return req_id)
         # Open page channels and lifelines: (engine id, rank) -> {token shown in the hello: count}.
@@ -125,13 +131,22 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
         self._out: list[fx.Effect] = []
 
     # ================================================================ inputs
-    def handle(self, identity: bytes, msg: p.Msg, now: float) -> list[fx.Effect]:
-        """One decoded message from ``identity``: its reply and everything it set off."""
+    def handle(self, identity: bytes, msg: p.Msg, now: float, cred: Credential | None = None) -> list[fx.Effect]:
+        """One decoded message from ``identity``: its reply and everything it set off.
+        ``cred``: who sent it, as the kernel says (None: an in-process caller,
+        trusted as the daemon's own user). A tenant's engine ids and namespaces
+        are qualified with its uid here, before any handler sees them."""
         self._now = now
+        self._cred = cred
         handler = self._HANDLERS.get(type(msg))
         try:
             if handler is None:
                 raise Rejected(p.Reason.UNEXPECTED, f"{type(msg).__name__} is not a request")
+            if cred is not None and cred.tenant and not isinstance(msg, (p.SetLimit, p.Invalidate)):
+                if hasattr(msg, "engine_id"):
+                    msg.engine_id = cred.scope(msg.engine_id)
+                if isinstance(msg, p.RegisterEngine):
+                    msg.namespace = cred.scope(msg.namespace)
             reply = handler(self, identity, msg)
         except Rejected as exc:
             engine_id = getattr(msg, "engine_id", "-")
@@ -160,6 +175,17 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
         self._logged.add(seen)
         log.warning(fmt, *args)
 
+    def _operator(self, what: str) -> None:
+        """Refuse ``what`` unless the sender holds the operator's credential."""
+        cred = self._cred
+        if cred is not None and not cred.operator:
+            raise Rejected(p.Reason.NOT_OPERATOR, f"{what} needs the operator's credential (root, the daemon's "
+                                                  f"user or the operator group); uid {cred.uid} is a tenant")
+
+    def departed(self, engine_id: str) -> list[EngineRecord]:
+        """Departing records of ``engine_id`` (earlier registrations of it)."""
+        return [e for e in self.departing.values() if e.engine_id == engine_id]
+
     def peer_opened(self, engine_id: str, rank: int, now: float, token: bytes = b"") -> list[fx.Effect]:
         self._now = now
         tokens = self.peers.setdefault((engine_id, rank), {})
@@ -168,7 +194,9 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
         return self._take()
 
     def peer_closed(self, engine_id: str, rank: int, now: float, token: bytes = b"") -> list[fx.Effect]:
-        """A lifeline or page channel closed: that process is gone (or going)."""
+        """A lifeline or page channel closed: that process is gone (or going).
+        Only a channel that showed a record's secret speaks for it: closing
+        one that did not (an impostor's, whatever rank it named) changes nothing."""
         self._now = now
         key = (engine_id, rank)
         tokens = self.peers[key]
@@ -177,25 +205,23 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
             del tokens[token]
         if not tokens:
             del self.peers[key]
-        gone = self.departing.get(engine_id)
+        for gone in self.departed(engine_id):
+            if gone.token == token and not self._alive(gone, rank):
+                self._settle_departed(gone)      # nothing of that process maps its pages now
         engine = self.engines.get(engine_id)
-        if any(self._alive(e, rank) for e in (gone, engine) if e is not None):
-            return self._take()     # another channel of that process (or an impostor's) closed
-        if gone is not None:              # nothing of that process maps its pages now
-            self._settle_departed(gone)
+        if engine is None or engine.token != token or self._alive(engine, rank):
+            return self._take()     # not its secret, or another channel of that process is still open
         # A worker that never finished registering (it came back before its
         # engine after a daemon restart) takes nothing with it.
-        if engine is not None and (rank < 0 or rank in engine.workers):
+        if rank < 0 or rank in engine.workers:
             who = "engine" if rank < 0 else f"worker {rank}"
             engine.workers.pop(rank, None)
             self._drop(engine, f"{who} disconnected")
         return self._take()
 
     def _alive(self, engine: EngineRecord, rank: int) -> bool:
-        """A channel of that process is open: any lifeline for the engine itself,
-        for a worker only one that showed the engine's secret."""
-        tokens = self.peers.get((engine.engine_id, rank), {})
-        return bool(tokens) if rank < 0 else tokens.get(engine.token, 0) > 0
+        """A channel of that process is open: one that showed the engine's secret."""
+        return self.peers.get((engine.engine_id, rank), {}).get(engine.token, 0) > 0
 
     def channel_failed(self, engine_id: str, rank: int, why: str, now: float) -> list[fx.Effect]:
         """Page descriptors could not be sent to a worker in time: the engine is failed."""
@@ -203,6 +229,21 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
         engine = self.engines.get(engine_id)
         if engine is not None:
             self._fail(engine, f"page channel of worker {rank} failed: {why}")
+        return self._take()
+
+    def pages_unsent(self, engine_id: str, rank: int, slab_id: int, why: str, now: float) -> list[fx.Effect]:
+        """The loop could not export a slab's pages for a worker (the daemon is
+        out of descriptors): nothing was sent to it, and the slab fails to map
+        as if that worker had said so. The engine is not at fault."""
+        self._now = now
+        engine = self.engines.get(engine_id)
+        slab = engine.slabs.get(slab_id) if engine is not None else None
+        if engine is not None and slab is not None and slab.phase is Phase.MAPPING and rank in slab.waiting:
+            log.error("engine %s: pages of slab %d not sent to worker %d: %s", engine_id, slab_id, rank, why)
+            slab.waiting.discard(rank)
+            slab.failed = True
+            if not slab.waiting:
+                self._mapped(engine, slab)
         return self._take()
 
     def pages_created(self, device: str, asked: int, page_ids: list[int], now: float) -> list[fx.Effect]:
@@ -224,6 +265,13 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
         ids = list(range(self._next_page, self._next_page + n))
         self._next_page += n
         return ids
+
+    def resume(self, now: float) -> list[fx.Effect]:
+        """Go on with grows paced in an earlier pass (``more_work``)."""
+        self._now = now
+        self.more_work = False
+        self._progress_grows()
+        return self._take()
 
     def tick(self, now: float) -> list[fx.Effect]:
         """Deadlines and idle work, a few times a second."""
@@ -293,11 +341,31 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
             engine.unresponsive = False
             log.info("engine %s: heartbeats again", engine.engine_id)
 
+    def _on_busy(self, identity: bytes, m: p.Busy) -> None:
+        """A worker in a long model step holds these unmaps until it ends: their
+        deadline moves on (a frozen worker sends nothing and still misses it)."""
+        engine = self._record_of_worker(identity, m.engine_id, m.rank)
+        if engine is None or engine.failed:
+            raise Rejected(p.Reason.UNEXPECTED_ACK, f"engine {m.engine_id} worker {m.rank}: no unmap pending")
+        deadline = self._now + self.timing.ack_timeout
+        for slab_id in m.slabs:
+            slab = engine.slabs.get(slab_id)
+            if slab is not None and slab.phase is Phase.UNMAPPING and m.rank in slab.waiting:
+                slab.busy_until[m.rank] = max(slab.busy_until.get(m.rank, 0.0), deadline)
+
+    def _record_of_worker(self, identity: bytes, engine_id: str, rank: int) -> EngineRecord | None:
+        """The registration (live or departing) whose worker ``rank`` registered on ``identity``."""
+        for engine in (self.engines.get(engine_id), *self.departed(engine_id)):
+            if engine is not None and engine.workers.get(rank) == identity:
+                return engine
+        return None
+
     def _on_unregister(self, identity: bytes, m: p.Unregister) -> p.Msg:
         self._drop(self._own_engine(identity, m.engine_id), "unregistered")
         return p.Ok()
 
     def _on_set_limit(self, identity: bytes, m: p.SetLimit) -> p.Msg:
+        self._operator("setting an engine's limits")
         engine = self._engine(m.engine_id)
         if m.min_bytes < 0 or m.max_bytes < 0 or (m.max_bytes and m.min_bytes > m.max_bytes):
             raise Rejected(p.Reason.LIMIT, f"need 0 <= min <= max, got min {m.min_bytes} max {m.max_bytes}")
@@ -308,6 +376,7 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
         return p.Ok()
 
     def _on_invalidate(self, identity: bytes, m: p.Invalidate) -> p.Msg:
+        self._operator("invalidating a prefix cache")
         targets = [e for e in self.engines.values() if m.target in (e.engine_id, e.namespace)]
         if not targets:
             raise Rejected(p.Reason.UNKNOWN_TARGET, f"no engine or namespace called {m.target!r}")
@@ -321,17 +390,17 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
 
     # ================================================================ journal
     def _on_journal(self, identity: bytes, m: p.Journal) -> p.Msg | None:
-        gone = self.departing.get(m.engine_id)
-        if m.engine_id not in self.engines and gone is not None and gone.identity == identity and not gone.failed:
-            return self._on_departed_journal(gone, m)
+        if m.engine_id not in self.engines:
+            for gone in self.departed(m.engine_id):
+                if gone.identity == identity and not gone.failed:
+                    return self._on_departed_journal(gone, m)
         engine = self._own_engine(identity, m.engine_id)
         self._check_journal_blocks(engine, m)
         unknown = set(m.stats) - COUNTER_NAMES
         if unknown:
             raise Rejected(p.Reason.BAD_JOURNAL, f"unknown counters {sorted(unknown)[:3]}")
-        known = set(engine.slabs) | {op.slab for op in m.ops if isinstance(op, p.AddSlab)}
         for slab_id, occ in m.occupancy.items():
-            if slab_id not in known:
+            if not self._journal_may_name(engine, slab_id):
                 raise Rejected(p.Reason.BAD_JOURNAL, f"occupancy of slab {slab_id}, which engine "
                                                      f"{engine.engine_id} does not hold")
             if len(occ) != 3 or sum(occ) != engine.blocks_per_slab or min(occ) < 0:
@@ -350,14 +419,21 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
         return p.Ok() if m.sync else None
 
     @staticmethod
-    def _check_journal_blocks(engine: EngineRecord, m: p.Journal) -> None:
+    def _journal_may_name(engine: EngineRecord, slab_id: int) -> bool:
+        """A slab granted to the engine (held, or on its way back): never one
+        it was not granted, so the mirror stays as large as what it holds."""
+        slab = engine.slabs.get(slab_id)
+        return slab is not None and slab.phase is not Phase.MAPPING
+
+    @classmethod
+    def _check_journal_blocks(cls, engine: EngineRecord, m: p.Journal) -> None:
         """Decoding checked every op's shape and types; what is left to check
-        whole, before anything is applied, is that they name held slabs."""
-        known = set(engine.slabs) | {op.slab for op in m.ops if isinstance(op, p.AddSlab)}
+        whole, before anything is applied, is that they name granted slabs."""
         for op in m.ops:
-            if isinstance(op, (p.StoreKey, p.RemoveKey)) and op.block // engine.blocks_per_slab not in known:
-                raise Rejected(p.Reason.BAD_JOURNAL, f"block {op.block} lies in slab "
-                                                     f"{op.block // engine.blocks_per_slab}, which engine "
+            slab_id = op.block // engine.blocks_per_slab if isinstance(op, (p.StoreKey, p.RemoveKey)) else \
+                op.slab if isinstance(op, (p.AddSlab, p.RemoveSlab)) else None
+            if slab_id is not None and not cls._journal_may_name(engine, slab_id):
+                raise Rejected(p.Reason.BAD_JOURNAL, f"{type(op).__name__} names slab {slab_id}, which engine "
                                                      f"{engine.engine_id} does not hold")
 
     def _on_departed_journal(self, engine: EngineRecord, m: p.Journal) -> p.Msg | None:
@@ -449,6 +525,7 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
                           if rank in engine.workers and self._alive(engine, rank)},
                          self._now + self.timing.ack_timeout)
         engine.mirror.slabs.pop(slab.slab_id, None)
+        slab.asked = set(slab.waiting)
         for rank in sorted(slab.waiting):
             self._command(engine.workers[rank],
                           p.UnmapSlab(slab=slab.slab_id, offsets=engine.worker_offsets(slab.slab_id, rank)))
@@ -456,14 +533,19 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
             self._unmapped(engine, slab)
 
     def _on_unmapped(self, identity: bytes, m: p.Unmapped) -> None:
-        engine = self.engines.get(m.engine_id) or self.departing.get(m.engine_id)
-        if engine is not None and engine.workers.get(m.rank) != identity:
+        """A worker let go of a slab. For a failed engine too, if the worker was
+        asked to unmap it: a late ack releases that rank's hold on the
+        quarantined pages (they come back once no rank holds them)."""
+        engine = self._record_of_worker(identity, m.engine_id, m.rank)
+        if engine is None and (m.engine_id in self.engines or self.departed(m.engine_id)):
             raise Rejected(p.Reason.NOT_OWNER, f"worker {m.rank} of {m.engine_id} registered on another connection")
         slab = engine.slabs.get(m.slab) if engine else None
         if engine is None or slab is None or slab.phase is not Phase.UNMAPPING or m.rank not in slab.waiting \
-                or engine.failed:
+                or (engine.failed and m.rank not in slab.asked):
             raise Rejected(p.Reason.UNEXPECTED_ACK,
                            f"engine {m.engine_id} worker {m.rank}: no unmap of slab {m.slab} pending")
+        if engine.failed:
+            log.info("engine %s: worker %d unmapped quarantined slab %d late", m.engine_id, m.rank, m.slab)
         slab.waiting.discard(m.rank)
         if not slab.waiting:
             self._unmapped(engine, slab)
@@ -488,8 +570,8 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
             for page_id, device in zip(slab.pages, slab.page_devices):
                 self.pools[device].put_back([page_id], owner)
         self.pools[engine.device].adopted -= slab.adopted_pages
-        if self.departing.get(engine.engine_id) is engine and not engine.slabs:
-            del self.departing[engine.engine_id]
+        if self.departing.get(engine.serial) is engine and not engine.slabs:
+            del self.departing[engine.serial]
             log.info("engine %s: all memory back in the pool", engine.engine_id)
         self._progress_grows()
 
@@ -506,7 +588,7 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
         if self.events:  # its prefix cache is gone with it
             self._out.append(fx.Publish(p.kv_events_topic(engine.engine_id, engine.namespace),
                                         (p.AllBlocksCleared(),)))
-        self.departing[engine.engine_id] = engine
+        self.departing[engine.serial] = engine
 
     def _drop(self, engine: EngineRecord, why: str) -> None:
         """The engine left (or died): every slab is unmapped by the workers still there."""
@@ -530,6 +612,9 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
             return
         self._forget(engine, why)
         self._quarantine(engine, why)
+        # Told, so it stops short of more grows and its operator sees why it
+        # must restart; its pages stay quarantined while its processes live.
+        self._out.append(fx.Send(engine.identity, p.Failed(reason=why)))
         self._progress_grows()
 
     def _quarantine(self, engine: EngineRecord, why: str) -> None:
@@ -537,21 +622,28 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
         engine.failed = True
         log.error("engine %s failed (%s): %d slab(s) quarantined until its processes are gone",
                   engine.engine_id, why, len(engine.slabs))
+        alive = self._alive_ranks(engine)
         for slab in engine.slabs.values():
-            engine.begin_unmap(slab, set(), float("inf"))    # waits for its processes, not for acks
+            # Waits for its processes to go (or a late ack of an unmap it was
+            # asked for), never for a deadline; ranks that acked are done.
+            waiting = slab.waiting & alive if slab.phase is Phase.UNMAPPING else set(alive)
+            engine.begin_unmap(slab, waiting, float("inf"))
         self._settle_departed(engine)
 
     def _settle_departed(self, engine: EngineRecord) -> None:
-        """Slabs of a departed engine wait only for workers that still exist;
-        a failed engine's pages come back only once none does."""
-        alive = {rank for (eid, rank) in self.peers if eid == engine.engine_id and rank >= 0
-                 and self._alive(engine, rank)}
+        """Slabs of a departed engine wait only for workers that still exist
+        (a failed engine's: every worker alive when it failed, until it is
+        gone or acknowledged an unmap it was asked for)."""
+        alive = self._alive_ranks(engine)
         for slab in list(engine.slabs.values()):
-            slab.waiting = set(alive) if engine.failed else slab.waiting & alive
+            slab.waiting &= alive
             if not slab.waiting:
                 self._unmapped(engine, slab)
-        if not engine.slabs:
-            self.departing.pop(engine.engine_id, None)
+        if not engine.slabs and self.departing.get(engine.serial) is engine:
+            del self.departing[engine.serial]
+
+    def _alive_ranks(self, engine: EngineRecord) -> set[int]:
+        return {rank for rank in range(engine.num_workers) if self._alive(engine, rank)}
 
     def _release_stale(self) -> None:
         """Idle work: free pages of owners no longer registered go back to the
@@ -568,9 +660,12 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
     # ================================================================ output
     def _command(self, identity: bytes, msg: p.Msg) -> int:
         """An unsolicited message to a client, with a request id of the daemon's."""
-        self._next_req += 1
-        msg.req_id = self._next_req
+        msg.req_id = self._new_req_id()
         self._out.append(fx.Send(identity, msg))
+        return msg.req_id
+
+    def _new_req_id(self) -> int:
+        self._next_req += 1
         return self._next_req
 
     def _take(self) -> list[fx.Effect]:
@@ -582,7 +677,7 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
     _HANDLERS: ClassVar[dict[type[p.Msg], Callable[[Allocator, bytes, Any], p.Msg | None]]] = {
         p.RegisterEngine: Registration._on_register_engine, p.RegisterWorker: Registration._on_register_worker,
         p.Grow: Growth._on_grow, p.Return: _on_return, p.Journal: _on_journal,
-        p.Heartbeat: _on_heartbeat, p.Unregister: _on_unregister,
+        p.Heartbeat: _on_heartbeat, p.Unregister: _on_unregister, p.Busy: _on_busy,
         p.ReclaimDone: _on_reclaim_done, p.Mapped: Growth._on_mapped,
         p.Unmapped: _on_unmapped, p.Status: _on_status, p.SetLimit: _on_set_limit,
         p.Invalidate: _on_invalidate,

@@ -23,14 +23,19 @@ class Send:
 
 @dataclasses.dataclass(frozen=True)
 class SendPages:
-    """Page descriptors to one worker over its page channel, before the
-    ``MapSlab`` that names them. Failure: ``Allocator.channel_failed``."""
+    """Page descriptors to one worker over its page channel, then ``then``
+    (the ``MapSlab`` that names them), never one without the other. The
+    daemon could not export them (out of descriptors): ``Allocator.pages_unsent``,
+    the slab fails to map, the engine carries on. The worker's channel
+    failed: ``Allocator.channel_failed``, the engine is failed."""
 
     engine_id: str
     rank: int
     device: str
     pages: tuple[int, ...]
     token: bytes                       # only a channel that showed this secret gets them
+    then: Send | None = None
+    slab: int = -1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,17 @@ socket: ``(topic, sequence number, payload)`` with the topic
 ``kv@ENGINE@NAMESPACE`` (llm-d's convention), so a router subscribes once per
 node. The last ``buffer`` batches are kept; a subscriber that missed some asks
 the ROUTER replay socket for everything from a sequence number on, exactly as
-with vLLM's ``ZmqEventPublisher``.
+with vLLM's ``ZmqEventPublisher`` (the same frames).
+
+Replays run on the daemon's loop, so each call does bounded work: a replay is a
+cursor over the kept batches, up to what was published when it was asked for;
+each ``serve_replay()`` sends at most ``REPLAY_BATCHES_PER_CALL`` batches in all,
+one requester after another (round robin), and the loop comes back while
+``has_work()``. A requester (ZMQ identity) has one replay at a time (asking
+again replaces it), at most ``MAX_REPLAYS`` requesters are served at once (the
+next one gets the end marker alone), each may ask ``REPLAY_RATE`` times a
+second (extra requests are dropped), and one that does not read its answers is
+skipped until its queue has room, and dropped after ``REPLAY_STALL_TIMEOUT``.
 """
 
 from __future__ import annotations
@@ -14,7 +24,8 @@ import collections
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -26,21 +37,59 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 MAX_REPLAY_BYTES = 16 << 20   # replay history kept, whatever the batch count allows
+REPLAY_BATCHES_PER_CALL = 64  # batches one serve_replay() sends, every requester together
+REPLAY_BYTES_PER_CALL = 4 << 20   # and their bytes (at least one batch is sent)
+REPLAY_REQUESTS_PER_CALL = 64     # requests one serve_replay() reads
+MAX_REPLAYS = 64              # requesters with a replay in progress
+REPLAY_RATE = 10.0            # replay requests a second per requester (a burst of as many)
+REPLAY_RETRY = 0.01           # a requester whose queue is full is tried again after this
+REPLAY_STALL_TIMEOUT = 30.0   # ... and loses its replay when it has read nothing for this long
+MAX_REQUESTERS = 4096         # requesters whose request rate is remembered (the least recent go)
+LOG_EVERY = 60.0              # a repeated refusal is logged at most this often
+
+
+@dataclass
+class _Replay:
+    next_seq: int             # the next batch to send (or the oldest kept, if that is later)
+    end_seq: int              # what had been published when it was asked for (exclusive)
+    progressed_at: float      # when it last sent something
+    retry_at: float = 0.0     # its queue was full: not tried again before this
+
+
+@dataclass
+class _Requester:
+    tokens: float             # requests it may still make now
+    updated: float
+    warned_at: float = float("-inf")
 
 
 class KVEventPublisher:
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, replay_endpoint: str, buffer: int) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, replay_endpoint: str, buffer: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(endpoint)
         self.replay = ctx.socket(zmq.ROUTER)
         self.replay.setsockopt(zmq.LINGER, 0)
+        # A full queue to a requester (or one that is gone) is an error we see,
+        # not a batch silently dropped: its replay waits, or ends.
+        self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.replay.bind(replay_endpoint)
         self.endpoints = (endpoint, replay_endpoint)
         self._buffer: collections.deque[tuple[int, bytes, bytes]] = collections.deque(maxlen=buffer)
         self._buffered_bytes = 0
         self._seq = 0
         self._encoder = msgspec.msgpack.Encoder()
+        self._clock = clock
+        self._replays: dict[bytes, _Replay] = {}
+        self._turns: collections.deque[bytes] = collections.deque()   # the same keys, in serving order
+        self._requesters: collections.OrderedDict[bytes, _Requester] = collections.OrderedDict()
+        self.requests = 0             # replay requests read (well-formed)
+        self.malformed = 0            # and not
+        self.refused = 0              # requests answered with the end marker alone (MAX_REPLAYS busy)
+        self.rate_limited = 0         # requests dropped (a requester asking too often)
+        self.abandoned = 0            # replays dropped because their requester stopped reading
+        self._logged_at: dict[str, float] = {}
 
     def publish(self, topic: bytes, events: list[p.KVEvent]) -> None:
         if not events:
@@ -59,23 +108,123 @@ class KVEventPublisher:
         except zmq.Again:
             pass  # a slow subscriber catches up through replay
 
+    def has_work(self) -> bool:
+        """A replay in progress can send now: the loop should come back at once
+        (a requester whose queue is full counts again once its retry is due)."""
+        if not self._replays:
+            return False
+        now = self._clock()
+        return any(r.retry_at <= now for r in self._replays.values())
+
     def serve_replay(self) -> None:
-        """Answer waiting replay requests: ``(b"", start_seq)`` -> every kept
-        batch from ``start_seq`` on, then an end marker."""
-        while True:
+        """Read waiting replay requests, ``(b"", start_seq)``, and send the next
+        few batches of the replays in progress: each requester gets every kept
+        batch from ``start_seq`` on, up to the ones published when it asked,
+        then the end marker ``(b"", b"", END_SEQ, b"")``. Bounded work per call."""
+        now = self._clock()
+        self._read_requests(now)
+        self._send_batches(now)
+
+    def _read_requests(self, now: float) -> None:
+        for _ in range(REPLAY_REQUESTS_PER_CALL):
             try:
                 frames = self.replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if len(frames) != 3 or len(frames[2]) != 8:
-                log.warning("kv events: malformed replay request (%d frames)", len(frames))
+                self.malformed += 1
+                self._log_every("malformed", "kv events: malformed replay request (%d frames; %d so far)",
+                                len(frames), self.malformed)
                 continue
             client, _, start = frames
-            start_seq = int.from_bytes(start, "big")
-            for seq, topic, payload in self._buffer:
-                if seq >= start_seq:
-                    self.replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
-            self.replay.send_multipart((client, b"", b"", END_SEQ, b""))
+            self.requests += 1
+            if not self._admit(client, now):
+                continue
+            if client not in self._replays:
+                if len(self._replays) >= MAX_REPLAYS:
+                    self.refused += 1
+                    self._log_every("refused", "kv events: %d replays in progress, the most served at once: "
+                                    "a new request gets the end marker alone (%d so far)", MAX_REPLAYS, self.refused)
+                    self._send(client, (b"", b"", END_SEQ, b""))
+                    continue
+                self._turns.append(client)
+            # a new request from the same requester replaces its replay in progress
+            self._replays[client] = _Replay(int.from_bytes(start, "big"), self._seq, now)
+
+    def _admit(self, client: bytes, now: float) -> bool:
+        """The requester's rate limit (a token bucket of ``REPLAY_RATE``)."""
+        r = self._requesters.get(client)
+        if r is None:
+            r = self._requesters[client] = _Requester(REPLAY_RATE, now)
+            if len(self._requesters) > MAX_REQUESTERS:
+                self._requesters.popitem(last=False)
+        else:
+            self._requesters.move_to_end(client)
+            r.tokens = min(REPLAY_RATE, r.tokens + (now - r.updated) * REPLAY_RATE)
+            r.updated = now
+        if r.tokens >= 1.0:
+            r.tokens -= 1.0
+            return True
+        self.rate_limited += 1
+        if now - r.warned_at >= LOG_EVERY:
+            r.warned_at = now
+            log.warning("kv events: replay requester %s asks more than %g times a second: extra requests "
+                        "dropped (%d so far, all requesters)", client.hex(), REPLAY_RATE, self.rate_limited)
+        return False
+
+    def _send_batches(self, now: float) -> None:
+        batches, nbytes = REPLAY_BATCHES_PER_CALL, 0
+        waiting = 0                           # requesters in a row that could not be sent to
+        while batches > 0 and nbytes < REPLAY_BYTES_PER_CALL and waiting < len(self._turns):
+            client = self._turns.popleft()
+            replay = self._replays[client]
+            if replay.retry_at > now:
+                self._turns.append(client)
+                waiting += 1
+                continue
+            oldest = self._buffer[0][0] if self._buffer else self._seq
+            seq = max(replay.next_seq, oldest)     # batches evicted meanwhile: from the oldest kept one
+            if seq < replay.end_seq:
+                _, topic, payload = self._buffer[seq - oldest]
+                frames: tuple[bytes, ...] = (b"", topic, seq.to_bytes(8, "big"), payload)
+            else:
+                frames = (b"", b"", END_SEQ, b"")
+            sent = self._send(client, frames)
+            if sent is None:                       # its queue is full: the others go first
+                if now - replay.progressed_at >= REPLAY_STALL_TIMEOUT:
+                    self.abandoned += 1
+                    self._log_every("abandoned", "kv events: a replay requester read nothing for %g s: "
+                                    "its replay dropped (%d so far)", REPLAY_STALL_TIMEOUT, self.abandoned)
+                    del self._replays[client]
+                    continue
+                replay.retry_at = now + REPLAY_RETRY
+                self._turns.append(client)
+                waiting += 1
+                continue
+            waiting = 0
+            if not sent or seq >= replay.end_seq:  # gone, or done
+                del self._replays[client]
+                continue
+            batches -= 1
+            nbytes += len(frames[3])
+            replay.next_seq, replay.progressed_at = seq + 1, now
+            self._turns.append(client)
+
+    def _send(self, client: bytes, frames: tuple[bytes, ...]) -> bool | None:
+        """True: sent; None: the requester's queue is full; False: it is gone."""
+        try:
+            self.replay.send_multipart((client, *frames), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return None
+        except zmq.ZMQError:                       # EHOSTUNREACH: disconnected
+            return False
+
+    def _log_every(self, what: str, message: str, *args: object) -> None:
+        now = self._clock()
+        if now - self._logged_at.get(what, float("-inf")) >= LOG_EVERY:
+            self._logged_at[what] = now
+            log.warning(message, *args)
 
     def ipc_paths(self) -> list[str]:
         return [e[len("ipc://"):] for e in self.endpoints if e.startswith("ipc://")]

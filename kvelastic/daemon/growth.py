@@ -29,6 +29,11 @@ log = logging.getLogger("kvelastic.daemon")
 
 MAX_GROW = 4096              # slabs in one grow request
 MAX_PENDING_GROWS = 8        # grow requests one engine may have waiting
+# Work per pass, so that a large grow never holds the loop: slabs whose
+# mapping starts in one pass (the rest go on in the next, ``Allocator.resume``),
+# and pages asked of the loop at once (it creates one batch per pass).
+SLABS_PER_PASS = 64
+CREATE_BATCH = 256
 
 
 @dataclasses.dataclass(eq=False)
@@ -56,7 +61,7 @@ class Growth:
     # The allocator's books this part reads and writes (``Allocator.__init__`` sets them).
     pools: dict[str, PagePool]
     engines: dict[str, EngineRecord]
-    departing: dict[str, EngineRecord]
+    departing: dict[int, EngineRecord]
     grows: dict[int, GrowRequest]
     reclaims: dict[int, ReclaimRequest]
     timing: Timing
@@ -64,6 +69,8 @@ class Growth:
     _grow_seq: int
     _progressing: bool
     _again: bool
+    _started: int               # slabs whose mapping started in this pass
+    more_work: bool             # a grow was paced: the loop comes back at once
     _now: float
     _out: list[fx.Effect]
 
@@ -71,6 +78,8 @@ class Growth:
         def _own_engine(self, identity: bytes, engine_id: str) -> EngineRecord: ...
         def _engine(self, engine_id: str) -> EngineRecord: ...
         def _command(self, identity: bytes, msg: p.Msg) -> int: ...
+        def _new_req_id(self) -> int: ...
+        def departed(self, engine_id: str) -> list[EngineRecord]: ...
         def _reclaim_for(self, req: GrowRequest, requester: EngineRecord, short: int) -> None: ...
         def _start_unmap(self, engine: EngineRecord, slab: SlabRecord) -> None: ...
         def _map_handoff(self, engine: EngineRecord, slab_id: int, req: GrowRequest) -> bool: ...
@@ -107,6 +116,7 @@ class Growth:
             self._again = True
             return
         self._progressing = True
+        self._started = 0
         try:
             self._again = True
             while self._again:
@@ -135,28 +145,36 @@ class Growth:
                                                                 engine.max_bytes // engine.slab_bytes)
         owned = engine.owned_slabs()
         if not expired:
-            owned += self._adopt_orphans(engine, req, cap - owned)
+            adopted = self._adopt_orphans(engine, req, min(cap - owned, SLABS_PER_PASS - self._started))
+            owned += adopted
+            self._started += adopted
+        paced = False
         while not expired and len(req.slabs) + len(req.mapping) < req.wanted and owned < cap:
+            if self._started >= SLABS_PER_PASS:
+                paced = self.more_work = True
+                break
             slab_id = engine.free_slab_id()
             if slab_id is None:
                 break
             if self._map_handoff(engine, slab_id, req):
                 owned += 1
+                self._started += 1
                 continue
             pages = self._take_pages(engine, req.demand)
             if pages is None:
                 break
             self._start_map(engine, slab_id, *pages, req)
             owned += 1
+            self._started += 1
         short = req.wanted - len(req.slabs) - len(req.mapping)
         req.incoming = {(eid, s) for eid, s in req.incoming if self._on_its_way(eid, s)}
         creating = any(self.pools[d].creating for d in self._devices_of(engine))
         # A reserve refill never takes memory from another engine (no ping-pong).
         if not expired and short > 0 and req.demand and owned < cap and not req.reclaims \
-                and not req.incoming and req.reclaim_rounds < 3 and not creating:
+                and not req.incoming and req.reclaim_rounds < 3 and not creating and not paced:
             req.reclaim_rounds += 1
             self._reclaim_for(req, engine, short)
-        waiting = req.mapping or req.reclaims or (short > 0 and req.incoming) or creating
+        waiting = paced or req.mapping or req.reclaims or (short > 0 and req.incoming) or creating
         if waiting and not expired:
             return False
         latency = self._now - req.started
@@ -191,9 +209,11 @@ class Growth:
 
     def _on_its_way(self, engine_id: str, slab_id: int) -> bool:
         """A reclaimed slab still unmapping by an engine that is not failed."""
-        owner = self.engines.get(engine_id) or self.departing.get(engine_id)
-        slab = owner.slabs.get(slab_id) if owner is not None and not owner.failed else None
-        return slab is not None and slab.phase is Phase.UNMAPPING
+        for owner in (self.engines.get(engine_id), *self.departed(engine_id)):
+            slab = owner.slabs.get(slab_id) if owner is not None and not owner.failed else None
+            if slab is not None and slab.phase is Phase.UNMAPPING:
+                return True
+        return False
 
     def _devices_of(self, engine: EngineRecord) -> set[str]:
         return {engine.worker_devices.get(r, engine.device) for r in range(engine.num_workers)} or {engine.device}
@@ -237,7 +257,7 @@ class Growth:
                 self._out.append(fx.ReleasePages(device, tuple(stale)))
         if pool.creatable() < n and demand_of:
             self._yield_orphans(device, n - pool.creatable(), demand_of)
-        n = min(n, pool.creatable())
+        n = min(n, pool.creatable(), CREATE_BATCH)
         if n > 0:
             pool.creating += n
             self._out.append(fx.CreatePages(device, n))
@@ -252,9 +272,10 @@ class Growth:
         for rank in range(engine.num_workers):
             mine = pages[rank * engine.pages_per_worker:(rank + 1) * engine.pages_per_worker]
             offsets = engine.worker_offsets(slab_id, rank)
+            command = fx.Send(engine.workers[rank], p.MapSlab(req_id=self._new_req_id(), slab=slab_id,
+                                                             pages=list(zip(mine, offsets))))
             self._out.append(fx.SendPages(engine.engine_id, rank, engine.worker_devices[rank], tuple(mine),
-                                          engine.token))
-            self._command(engine.workers[rank], p.MapSlab(slab=slab_id, pages=list(zip(mine, offsets))))
+                                          engine.token, command, slab_id))
         if not slab.waiting:
             self._mapped(engine, slab)
 

@@ -12,7 +12,6 @@ exception): pages go with their KV only to an engine of the same namespace
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 from typing import TYPE_CHECKING, cast
 
@@ -135,12 +134,14 @@ class CacheHandoff:
         if not self.orphans or room <= 0:
             return 0
         shape = shape_of(engine)
-        wanted = min(room, self.orphans.count(engine.namespace, shape))
+        # Slab ids still unmapping are taken too: never more than the ids free.
+        wanted = min(room, self.orphans.count(engine.namespace, shape), engine.max_slabs - len(engine.slabs))
         if not wanted:
             return 0
-        free_ids = list(itertools.islice((s for s in range(engine.max_slabs) if s not in engine.slabs), wanted))
-        taken = self.orphans.take(engine.namespace, shape, len(free_ids))
-        for slab_id, orphan in zip(free_ids, taken):
+        taken = self.orphans.take(engine.namespace, shape, wanted)
+        for orphan in taken:
+            slab_id = engine.free_slab_id()
+            assert slab_id is not None     # wanted <= the ids free
             self._map_kept(engine, slab_id, orphan.pages, orphan.page_devices, orphan.cached, req)
             req.wanted += 1
         if taken:

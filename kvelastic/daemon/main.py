@@ -7,6 +7,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import sys
 
 from kvelastic import protocol as p
@@ -15,6 +16,7 @@ from kvelastic.daemon.allocator import Timing
 from kvelastic.daemon.devices import Device
 from kvelastic.daemon.peers import Access
 from kvelastic.daemon.server import Daemon, sd_notify
+from kvelastic.daemon.tenancy import Tenancy
 from kvelastic.errors import ConfigError, KvelasticError
 from kvelastic.protocol import fd_socket_path
 from kvelastic.vmm import get_backend
@@ -56,10 +58,18 @@ def open_devices(config: Config) -> list[Device]:
 
 def prepare_socket_dir(path: str) -> None:
     """Create the socket's folder (owner and group only) and refuse to start
-    over a live daemon; a stale socket from a crash is removed."""
+    over a live daemon; a stale socket from a crash is removed. A socket path
+    that is a symbolic link was planted by someone: refused too."""
     folder = os.path.dirname(path) or "."
-    os.makedirs(folder, mode=0o750, exist_ok=True)
+    try:
+        os.makedirs(folder, mode=0o750, exist_ok=True)
+    except FileExistsError:
+        pass                    # not a folder (a dangling link...): check_socket_dir says what it is
     check_socket_dir(folder)
+    for name in (path, fd_socket_path(path)):
+        if os.path.islink(name):
+            raise KvelasticError(f"{name} is a symbolic link (to {os.readlink(name)}), not a socket of this daemon: "
+                                 f"someone who can write {folder} put it there; remove it (and find out who)")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(fd_socket_path(path))
@@ -76,8 +86,8 @@ def prepare_socket_dir(path: str) -> None:
             pass
 
 
-def socket_group(name: str) -> int:
-    """``KVELASTIC_SOCKET_GROUP`` as a group id (default: the daemon's own group)."""
+def socket_group(name: str, variable: str = "KVELASTIC_SOCKET_GROUP") -> int:
+    """``KVELASTIC_SOCKET_GROUP`` (or ``variable``) as a group id (default: the daemon's own group)."""
     if not name:
         return os.getegid()
     if name.isdigit():
@@ -87,14 +97,22 @@ def socket_group(name: str) -> int:
     try:
         return grp.getgrnam(name).gr_gid
     except KeyError:
-        raise KvelasticError(f"KVELASTIC_SOCKET_GROUP={name!r}: no such group") from None
+        raise KvelasticError(f"{variable}={name!r}: no such group") from None
 
 
 def check_socket_dir(folder: str) -> None:
     """Refuse a socket folder that someone else could use to squat or delete
-    the daemon's sockets: it must be the daemon user's (or root's) and not
-    writable by others (a predictable /tmp path may have been made by anyone)."""
-    st = os.stat(folder)
+    the daemon's sockets: it must be a real folder (a symbolic link can be
+    re-pointed by whoever made it, and a predictable /tmp path may have been
+    made by anyone), the daemon user's (or root's), and not writable by others."""
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode):
+        raise KvelasticError(f"the socket folder {folder} is a symbolic link (to {os.readlink(folder)}), which whoever "
+                             f"made it can re-point at a folder of their own: set KVELASTIC_SOCKET to a path in a "
+                             f"real folder (e.g. {os.path.realpath(folder)} if that one is yours), or remove the link")
+    if not stat.S_ISDIR(st.st_mode):
+        raise KvelasticError(f"the socket folder {folder} is not a folder: remove it, or set KVELASTIC_SOCKET "
+                             "to a path in a folder you own")
     if st.st_uid not in (os.geteuid(), 0):
         raise KvelasticError(f"the socket folder {folder} belongs to uid {st.st_uid}, not to this user "
                              f"(uid {os.geteuid()}): remove it, or set KVELASTIC_SOCKET to a folder you own")
@@ -111,11 +129,15 @@ def load_hash_secret(socket_path: str) -> bytes:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        st = os.stat(path)
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise KvelasticError(f"{path} is not a file (a symbolic link?), and it is never followed: it must be a "
+                                 f"file of this user with mode 0600 (it holds the key of the prefix-cache hash "
+                                 f"seeds): remove it, a new one is made at start") from None
         if st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise KvelasticError(f"{path} must belong to this user with mode 0600 (it holds the key of the "
                                  f"prefix-cache hash seeds): remove it, a new one is made at start") from None
-        with open(path, "rb") as f:
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
             secret = f.read()
         if len(secret) != HASH_SECRET_BYTES:
             raise KvelasticError(f"{path} holds {len(secret)} bytes, not {HASH_SECRET_BYTES}: remove it, "
@@ -155,7 +177,9 @@ def main() -> int:
                         idle_grace=config.idle_grace, hold_down=config.hold_down,
                         orphan_ttl=config.orphan_cache_ttl)
         group = socket_group(config.socket_group)
+        operators = socket_group(config.operator_group, "KVELASTIC_OPERATOR_GROUP") if config.operator_group else None
         daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing, access=Access(group=group),
+                        tenancy=Tenancy(operator_group=operators),
                         max_engines=config.max_engines, hash_secret=load_hash_secret(config.socket))
     except KvelasticError as exc:
         print(f"kvelastic daemon: {exc}", file=sys.stderr)

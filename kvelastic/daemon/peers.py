@@ -23,11 +23,13 @@ import msgspec
 import zmq
 
 from kvelastic import protocol as p
+from kvelastic.daemon.tenancy import Credential, Tenancy, groups_of
 from kvelastic.vmm import fdchannel
 
 log = logging.getLogger("kvelastic.daemon")
 MAX_HELLO = 4096
 MAX_GREETING = 256            # connections still greeting; more wait in the kernel's backlog
+MIN_CHANNELS_PER_TENANT = 64  # the least a tenant may hold open, whatever the descriptor limit
 
 
 @dataclasses.dataclass
@@ -37,6 +39,7 @@ class Peer:
     rank: int           # -1: the engine itself
     since: float = 0.0  # greeted at
     token: bytes = b""  # the secret its hello showed
+    cred: Credential | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,39 +50,36 @@ class Access:
     uid: int = dataclasses.field(default_factory=os.geteuid)
     group: int = dataclasses.field(default_factory=os.getegid)
 
-    def allows(self, conn: socket.socket) -> bool:
+    def allows(self, conn: socket.socket) -> tuple[int, int, int] | None:
+        """The peer's ``(uid, gid, pid)`` if it may connect, else None."""
         pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                             struct.calcsize("3i")))
-        if uid in (0, self.uid) or gid == self.group or self.group in _groups_of(pid):
-            return True
+        if uid in (0, self.uid) or gid == self.group or self.group in groups_of(pid):
+            return uid, gid, pid
         log.warning("page channel: refused pid %d (uid %d, gid %d): not the daemon's user nor in group %d",
                     pid, uid, gid, self.group)
-        return False
-
-
-def _groups_of(pid: int) -> set[int]:
-    """Supplementary groups of a process (``SO_PEERCRED`` gives only the primary)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return {int(g) for g in line.split()[1:]}
-    except OSError:
-        pass
-    return set()
+        return None
 
 
 @dataclasses.dataclass
 class Greeting:
     sock: socket.socket
     deadline: float
+    cred: Credential
     data: bytes = b""
 
 
 class PeerTable:
-    def __init__(self, path: str, poller: zmq.Poller, access: Access | None = None) -> None:
+    def __init__(self, path: str, poller: zmq.Poller, access: Access | None = None,
+                 tenancy: Tenancy | None = None, max_per_tenant: int = 1024) -> None:
         self.access = access or Access()
+        self.tenancy = tenancy or Tenancy()
+        # Descriptors one tenant uid may hold open here (channels and greetings):
+        # none can run the daemon out of them for the pages and the others.
+        self.max_per_tenant = max(MIN_CHANNELS_PER_TENANT, max_per_tenant)
+        self.open_by_uid: dict[int, int] = {}
         self.refused = 0          # connections refused for their credentials (counted by the loop)
+        self.over_limit = 0       # connections refused: their uid holds too many (counted by the loop)
         self.listener = fdchannel.listen(path, backlog=64)
         self.listener.setblocking(False)
         self.poller = poller
@@ -119,12 +119,22 @@ class PeerTable:
                 self.accept_paused_until = now + 0.5
                 self._listen(False)
                 return
-            if not self.access.allows(conn):
+            ids = self.access.allows(conn)
+            if ids is None:
                 self.refused += 1
                 conn.close()
                 continue
+            cred = self.tenancy.credential(*ids)
+            if cred.tenant and self.open_by_uid.get(cred.uid, 0) >= self.max_per_tenant:
+                if not self.over_limit:
+                    log.warning("page channel: refused pid %d: uid %d holds %d channels, the most a tenant may",
+                                cred.pid, cred.uid, self.max_per_tenant)
+                self.over_limit += 1
+                conn.close()
+                continue
+            self.open_by_uid[cred.uid] = self.open_by_uid.get(cred.uid, 0) + 1
             conn.setblocking(False)
-            self.greeting[conn.fileno()] = Greeting(conn, now + p.HELLO_TIMEOUT)
+            self.greeting[conn.fileno()] = Greeting(conn, now + p.HELLO_TIMEOUT, cred)
             self.poller.register(conn.fileno(), zmq.POLLIN)
 
     def read_greetings(self, ready: set[int], now: float) -> tuple[list[Peer], int]:
@@ -147,7 +157,10 @@ class PeerTable:
             hello, why = self._parse(g.data)
             if hello is not None:
                 del self.greeting[fd]
-                peer = Peer(fdchannel.FdChannel(g.sock), hello.engine_id, hello.rank, now, hello.token)
+                # A tenant's engine ids carry its uid (``tenancy.py``): its
+                # hello can only ever name its own engines.
+                peer = Peer(fdchannel.FdChannel(g.sock), g.cred.scope(hello.engine_id), hello.rank, now,
+                            hello.token, g.cred)
                 self.by_fd[fd] = peer
                 opened.append(peer)
             elif why or now > g.deadline:
@@ -177,6 +190,16 @@ class PeerTable:
         g = self.greeting.pop(fd)
         self.poller.unregister(fd)
         g.sock.close()
+        self._closed(g.cred)
+
+    def _closed(self, cred: Credential | None) -> None:
+        if cred is None:
+            return
+        left = self.open_by_uid[cred.uid] - 1
+        if left:
+            self.open_by_uid[cred.uid] = left
+        else:
+            del self.open_by_uid[cred.uid]
 
     @staticmethod
     def send_pages(peer: Peer, items: list[tuple[int, int]]) -> None:
@@ -210,18 +233,19 @@ class PeerTable:
                         self.by_fd[fd].engine_id, self.by_fd[fd].rank)
         return True
 
-    def unclaimed(self, known: set[str], now: float) -> list[int]:
-        """Channels open for ``REGISTER_TIMEOUT`` whose engine is not registered
-        (or departing): nobody's, so they are closed (a cap on what any local
-        process can hold open)."""
+    def unclaimed(self, known: set[tuple[str, bytes]], now: float) -> list[int]:
+        """Channels open for ``REGISTER_TIMEOUT`` that speak for no registration
+        (registered or departing): no such engine, or not its secret. Nobody's,
+        so they are closed (a cap on what any local process can hold open)."""
         return [fd for fd, peer in self.by_fd.items()
-                if peer.engine_id not in known and now - peer.since > p.REGISTER_TIMEOUT]
+                if (peer.engine_id, peer.token) not in known and now - peer.since > p.REGISTER_TIMEOUT]
 
     def drop(self, fd: int) -> Peer:
         """The peer on ``fd`` closed its end: forget it."""
         peer = self.by_fd.pop(fd)
         self.poller.unregister(fd)
         peer.channel.close()
+        self._closed(peer.cred)
         return peer
 
     def close(self) -> None:
@@ -231,4 +255,5 @@ class PeerTable:
             g.sock.close()
         self.by_fd.clear()
         self.greeting.clear()
+        self.open_by_uid.clear()
         self.listener.close()

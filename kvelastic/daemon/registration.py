@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kvelastic.daemon.allocator import Timing
 
 log = logging.getLogger("kvelastic.daemon")
+MAX_BLOCK_TOKENS = 1 << 20   # tokens in one KV block (vLLM's are 16 to a few hundred)
 
 
 class Registration:
@@ -38,7 +39,10 @@ class Registration:
     hash_secret: bytes
     timing: Timing
 
+    _serial: int
+
     if TYPE_CHECKING:  # the allocator's methods it calls
+        def _operator(self, what: str) -> None: ...
         def _engine(self, engine_id: str) -> EngineRecord: ...
         def _alive(self, engine: EngineRecord, rank: int) -> bool: ...
         def _progress_grows(self) -> None: ...
@@ -50,7 +54,7 @@ class Registration:
             raise Rejected(p.Reason.GEOMETRY,
                            f"page size {m.page_size}; this daemon's pages are {self.page_size} bytes")
         if not m.engine_id or m.pages_per_worker < 1 or m.num_workers < 0 or m.blocks_per_slab < 1 \
-                or m.block_bytes < 1 or m.min_bytes < 0 or m.max_bytes < 0 \
+                or m.block_bytes < 1 or m.min_bytes < 0 or m.max_bytes < 0 or m.block_tokens < 0 \
                 or (m.max_bytes and m.min_bytes > m.max_bytes):
             raise Rejected(p.Reason.GEOMETRY, "engine id, pages_per_worker, blocks_per_slab, block_bytes must be "
                                        "positive and min_bytes <= max_bytes")
@@ -58,15 +62,20 @@ class Registration:
         if old is not None and (not m.token or m.token != old.token):
             raise Rejected(p.Reason.ENGINE_EXISTS, f"engine {m.engine_id!r} is registered by another process "
                                                    f"(pid {old.pid}); a re-registration needs its secret")
+        if old is None and m.token and len(m.token) < p.MIN_TOKEN:
+            raise Rejected(p.Reason.BAD_TOKEN, f"an engine's secret must be at least {p.MIN_TOKEN} random bytes")
         device = m.device or self.default_device
         if device not in self.pools:
             raise Rejected(p.Reason.UNKNOWN_DEVICE, f"device {device!r}; this daemon has {', '.join(self.pools)}")
         pool = self.pools[device]
-        slab_pages = m.pages_per_worker * max(1, m.num_workers)
         budget = pool.budget_pages * self.page_size
+        self._check_geometry(m, budget)
+        slab_pages = m.pages_per_worker * max(1, m.num_workers)
         cap = min(budget, m.max_bytes) if m.max_bytes else budget
         if m.min_bytes > budget:
             raise Rejected(p.Reason.LIMIT, f"min_bytes {m.min_bytes} exceeds the device budget {budget}")
+        if m.min_bytes and (old is None or m.min_bytes != old.min_bytes):
+            self._operator("a guaranteed minimum (KVELASTIC_ENGINE_MIN_MEMORY)")
         if slab_pages * self.page_size > cap:
             raise Rejected(p.Reason.GEOMETRY,
                            f"one slab ({slab_pages * self.page_size} bytes) does not fit in {cap} bytes")
@@ -89,8 +98,9 @@ class Registration:
             max_bytes=m.max_bytes, max_slabs=max_slabs, device=device, identity=identity, last_seen=self._now,
             active_at=self._now,
             stats=dict.fromkeys(sorted(COUNTER_NAMES), 0),   # every counter from registration on
-            # A re-registration after a daemon restart keeps the secret its workers already hold.
-            token=m.token or self._token_source())
+            # The engine's own secret (its lifeline showed it already); an old
+            # client that sends none gets one, and its lifeline never counts.
+            token=m.token or self._token_source(), serial=self._next_serial())
         for slab_id in held:         # re-register after a daemon restart: adopt what it holds
             engine.slabs[slab_id] = SlabRecord(slab_id, [], [], Phase.HELD, set(), adopted_pages=slab_pages)
             pool.adopted += slab_pages
@@ -103,6 +113,27 @@ class Registration:
         return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=self.page_size,
                             max_slabs=max_slabs, token=engine.token, idle_grace=self.rules.idle_grace,
                             hash_seed=self.hash_seed(m.namespace), orphan_ttl=self.timing.orphan_ttl)
+
+    def _next_serial(self) -> int:
+        self._serial += 1
+        return self._serial
+
+    def _check_geometry(self, m: p.RegisterEngine, budget: int) -> None:
+        """Every number an engine declares is bounded by what it could hold,
+        so nothing the daemon does for it costs more than its memory does:
+        its blocks fit in a slab (``block_bytes``: one block across every
+        layer and worker), a slab in the budget."""
+        slab_bytes = m.pages_per_worker * max(1, m.num_workers) * self.page_size
+        if m.num_workers > p.MAX_WORKERS:
+            raise Rejected(p.Reason.GEOMETRY, f"{m.num_workers} workers; at most {p.MAX_WORKERS}")
+        if m.pages_per_worker * max(1, m.num_workers) > budget // self.page_size:
+            raise Rejected(p.Reason.GEOMETRY, f"a slab of {m.pages_per_worker} page(s) x {max(1, m.num_workers)} "
+                                              f"worker(s) exceeds the device budget of {budget} bytes")
+        if m.blocks_per_slab * m.block_bytes > slab_bytes:
+            raise Rejected(p.Reason.GEOMETRY, f"{m.blocks_per_slab} blocks of {m.block_bytes} bytes do not fit in a "
+                                              f"slab of {slab_bytes} bytes")
+        if m.block_tokens > MAX_BLOCK_TOKENS:
+            raise Rejected(p.Reason.GEOMETRY, f"{m.block_tokens} tokens per block; at most {MAX_BLOCK_TOKENS}")
 
     def hash_seed(self, namespace: str) -> str:
         """The namespace's root for block hashes: a keyed hash of its name under
@@ -152,4 +183,4 @@ class Registration:
         self._progress_grows()
         return p.Registered(engine_id=engine.engine_id, budget_bytes=self.pools[device].budget_pages * self.page_size,
                             page_size=self.page_size, max_slabs=engine.max_slabs,
-                            pages_per_worker=engine.pages_per_worker)
+                            pages_per_worker=engine.pages_per_worker, ack_timeout=self.timing.ack_timeout)

@@ -16,7 +16,7 @@ class Reporting:
     # The allocator's books it reads (``Allocator.__init__`` sets them).
     pools: dict[str, PagePool]
     engines: dict[str, EngineRecord]
-    departing: dict[str, EngineRecord]
+    departing: dict[int, EngineRecord]
     orphans: OrphanCache
     backend: str
     page_size: int

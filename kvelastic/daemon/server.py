@@ -27,14 +27,16 @@ from kvelastic.daemon.allocator import Allocator, Timing
 from kvelastic.daemon.devices import Device
 from kvelastic.daemon.events import KVEventPublisher
 from kvelastic.daemon.peers import Access, PeerTable
+from kvelastic.daemon.tenancy import Credential, Tenancy
 from kvelastic.errors import require
 from kvelastic.metrics import DaemonMetrics
-from kvelastic.vmm.errors import FdChannelError
+from kvelastic.vmm.errors import FdChannelError, VmmError
 
 log = logging.getLogger("kvelastic.daemon")
 
 TICK_INTERVAL = 0.1
 MAX_FRAMES_PER_PASS = 256
+CREDENTIALS_CACHED = 4096      # connections whose credentials are remembered (by routing id)
 # What a frame's decoding may raise on hostile input (msgspec also raises
 # these two for invalid UTF-8 and deep nesting).
 _UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
@@ -44,7 +46,8 @@ class Daemon:
     def __init__(self, devices: list[Device], socket_path: str, *,
                  clock: Callable[[], float] = time.monotonic,
                  kv_events: tuple[str, str, int] | None = None, timing: Timing = Timing(),
-                 access: Access | None = None, max_engines: int = 256, hash_secret: bytes | None = None) -> None:
+                 access: Access | None = None, max_engines: int = 256, hash_secret: bytes | None = None,
+                 tenancy: Tenancy | None = None) -> None:
         self.devices = {d.name: d for d in devices}
         self.clock = clock
         self.allocator = Allocator({d.name: d.budget_pages for d in devices}, devices[0].page_size,
@@ -67,29 +70,41 @@ class Daemon:
         self.router.bind(f"ipc://{socket_path}")
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
-        self.peers = PeerTable(p.fd_socket_path(socket_path), self.poller, access)
+        self.tenancy = tenancy or Tenancy(daemon_uid=access.uid)
+        self.peers = PeerTable(p.fd_socket_path(socket_path), self.poller, access, self.tenancy,
+                               _descriptors_per_tenant(sum(d.budget_pages for d in devices)))
+        self._creds: dict[bytes, Credential | None] = {}
         self.events = KVEventPublisher(self.ctx, *kv_events) if kv_events else None
         if self.events is not None:
             self.poller.register(self.events.replay, zmq.POLLIN)
         self._effects: deque[fx.Effect] = deque()
+        # Page creation, one batch per pass of the loop: a large grow never
+        # holds it (each batch is at most ``growth.CREATE_BATCH`` pages).
+        self._slow: deque[fx.CreatePages] = deque()
         self._draining = False
 
     # ------------------------------------------------------------------ loop
     def serve(self, should_stop: Callable[[], bool]) -> None:
         last_tick = 0.0
         while not should_stop():
-            ready = dict(self.poller.poll(50))
+            replaying = self.events is not None and self.events.has_work()
+            busy = replaying or self._slow or self.allocator.more_work
+            ready = dict(self.poller.poll(0 if busy else 50))
             now = self.clock()
             if self.router in ready:
                 for _ in range(MAX_FRAMES_PER_PASS):
                     try:
-                        frames = self.router.recv_multipart(zmq.NOBLOCK)
+                        frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     self._dispatch(frames)
             self._service_peers({fd for fd in ready if isinstance(fd, int)}, now)
-            if self.events is not None and self.events.replay in ready:
-                self.events.serve_replay()
+            if self.events is not None and (self.events.replay in ready or self.events.has_work()):
+                self.events.serve_replay()      # a bounded share of the replays in progress
+            if self._slow:
+                self._perform([self._slow.popleft()], slow=True)
+            if self.allocator.more_work:
+                self._perform(self.allocator.resume(now))
             if now - last_tick >= TICK_INTERVAL:
                 last_tick = now
                 try:
@@ -100,6 +115,7 @@ class Daemon:
                 # /metrics reads this from its own thread: a fresh immutable copy
                 # each tick (Status requests are answered from the books directly).
                 self.snapshot = self.allocator.status()
+                self.metrics.published()
 
     def close(self) -> None:
         """Stop without unmapping anything: engines keep serving from the pages
@@ -127,7 +143,9 @@ class Daemon:
             self.metrics.rejected.labels(p.Reason.BAD_HELLO.value).inc()
         for _ in range(self.peers.refused):
             self.metrics.rejected.labels(p.Reason.NOT_ALLOWED.value).inc()
-        self.peers.refused = 0
+        for _ in range(self.peers.over_limit):
+            self.metrics.rejected.labels(p.Reason.CHANNEL_LIMIT.value).inc()
+        self.peers.refused = self.peers.over_limit = 0
         for peer in opened:
             self._perform(self.allocator.peer_opened(peer.engine_id, peer.rank, now, peer.token))
         for fd in [fd for fd in ready if fd in self.peers.by_fd and self.peers.closed(fd)]:
@@ -135,15 +153,31 @@ class Daemon:
             self._perform(self.allocator.peer_closed(peer.engine_id, peer.rank, now, peer.token))
 
     def _close_unclaimed(self, now: float) -> None:
-        known = set(self.allocator.engines) | set(self.allocator.departing)
+        known = {(e.engine_id, e.token) for e in (*self.allocator.engines.values(),
+                                                   *self.allocator.departing.values())}
         for fd in self.peers.unclaimed(known, now):
             peer = self.peers.drop(fd)
             log.warning("page channel of %s rank %d closed: no such engine registered within %g s",
                         peer.engine_id, peer.rank, p.REGISTER_TIMEOUT)
             self._perform(self.allocator.peer_closed(peer.engine_id, peer.rank, now, peer.token))
 
-    def _dispatch(self, frames: list[bytes]) -> None:
+    def _credential(self, identity: bytes, frame: zmq.Frame) -> Credential | None:
+        """Who is on the connection ``identity``: libzmq gives every message the
+        peer's credentials (``tenancy.py``); None only if it could not."""
+        if identity not in self._creds:
+            if len(self._creds) >= CREDENTIALS_CACHED:
+                self._creds.clear()
+            try:
+                address = frame.get("Peer-Address")
+            except zmq.ZMQError:
+                address = ""
+            self._creds[identity] = self.tenancy.from_peer_address(str(address))
+        return self._creds[identity]
+
+    def _dispatch(self, parts: list[zmq.Frame]) -> None:
+        frames = [part.bytes for part in parts]
         identity = frames[0]
+        cred = self._credential(identity, parts[-1])
         now = self.clock()
         if len(frames) != 2:
             self._perform(self.allocator.reject(identity, p.Reason.MALFORMED,
@@ -161,8 +195,11 @@ class Daemon:
             return
         if isinstance(msg, p.RegisterWorker):
             self._service_peers(set(), now, eager=True)  # its greeting was sent just before
+        if cred is None:    # every ipc peer has credentials: refuse rather than trust
+            self._perform(self.allocator.reject(identity, p.Reason.NOT_ALLOWED, "no peer credentials", msg.req_id))
+            return
         try:
-            effects = self.allocator.handle(identity, msg, now)
+            effects = self.allocator.handle(identity, msg, now, cred)
         except Exception as exc:  # a bug must not take the node's memory manager down
             log.exception("internal error handling %s", type(msg).__name__)
             effects = self.allocator.reject(identity, p.Reason.INTERNAL, f"internal error: {type(exc).__name__}: {exc}",
@@ -170,10 +207,15 @@ class Daemon:
         self._perform(effects)
 
     # --------------------------------------------------------------- effects
-    def _perform(self, effects: list[fx.Effect]) -> None:
+    def _perform(self, effects: list[fx.Effect], slow: bool = False) -> None:
         """Carry out effects in order; what they set off (failures fed back to
-        the allocator) runs after them, in the same call."""
-        self._effects.extend(effects)
+        the allocator) runs after them, in the same call; page creation waits
+        for a pass of its own (``slow``: this is that pass)."""
+        for effect in effects:
+            if isinstance(effect, fx.CreatePages) and not slow:
+                self._slow.append(effect)
+            else:
+                self._effects.append(effect)
         if self._draining:
             return
         self._draining = True
@@ -181,7 +223,11 @@ class Daemon:
             while self._effects:
                 effect = self._effects.popleft()
                 try:
-                    self._effects.extend(self._do(effect))
+                    for follow in self._do(effect):
+                        if isinstance(follow, fx.CreatePages):
+                            self._slow.append(follow)
+                        else:
+                            self._effects.append(follow)
                 except Exception:  # a bug must not take the node's memory manager down
                     log.exception("internal error performing %s", type(effect).__name__)
                     self.metrics.rejected.labels(p.Reason.INTERNAL.value).inc()
@@ -219,16 +265,23 @@ class Daemon:
         if peer is None:
             return self.allocator.channel_failed(effect.engine_id, effect.rank, "no page channel", now)
         device = self.devices[effect.device]
-        fds = [device.export(page_id) for page_id in effect.pages]
+        fds: list[int] = []
         try:
-            self.peers.send_pages(peer, list(zip(effect.pages, fds)))
-        except (FdChannelError, OSError) as exc:
-            log.warning("engine %s: page channel of worker %d failed: %s", effect.engine_id, effect.rank, exc)
-            return self.allocator.channel_failed(effect.engine_id, effect.rank, str(exc), now)
+            try:
+                for page_id in effect.pages:
+                    fds.append(device.export(page_id))
+            except (OSError, VmmError) as exc:    # the daemon's fault (out of descriptors): nothing goes out
+                return self.allocator.pages_unsent(effect.engine_id, effect.rank, effect.slab,
+                                                   f"cannot export page descriptors: {exc}", now)
+            try:
+                self.peers.send_pages(peer, list(zip(effect.pages, fds)))
+            except (FdChannelError, OSError) as exc:
+                log.warning("engine %s: page channel of worker %d failed: %s", effect.engine_id, effect.rank, exc)
+                return self.allocator.channel_failed(effect.engine_id, effect.rank, str(exc), now)
         finally:
             for fd in fds:
                 os.close(fd)
-        return []
+        return [effect.then] if effect.then is not None else []
 
     # -------------------------------------------------------------- status
     def status(self) -> p.StatusReport:
@@ -240,6 +293,14 @@ class Daemon:
             held = {pg for e in (*self.allocator.engines.values(), *self.allocator.departing.values())
                     for s in e.slabs.values() for pg, d in zip(s.pages, s.page_devices) if d == name}
             require(set(device.pages) == held | set(self.allocator.pools[name].free), f"device {name}: handles differ")
+
+
+def _descriptors_per_tenant(budget_pages: int) -> int:
+    """A share of the descriptors left after one per page of the budget."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return (soft - budget_pages - 256) // 4
 
 
 class _RequestId(msgspec.Struct):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import heapq
 import itertools
 from collections.abc import ItemsView, Iterator, KeysView, MutableMapping, ValuesView
 
@@ -42,10 +43,12 @@ class SlabRecord:
     page_devices: list[str]            # the device of each page
     phase: Phase
     waiting: set[int]                  # worker ranks whose ack is still due
+    asked: set[int] = dataclasses.field(default_factory=set)   # ranks sent its unmap (a late ack counts)
     adopted_pages: int = 0             # pages that exist only in the engine's workers
     failed: bool = False               # a worker could not map it: it goes straight back
     return_req: tuple[bytes, int] | None = None  # (client, Return req_id) answered once unmapped
     deadline: float = 0.0              # mapping/unmapping: every ack due by then
+    busy_until: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> its ack due (``Busy``)
     late_grant: bool = False           # its grow was answered before it was mapped
     # Cached blocks that travel with the slab's pages to an engine of the same
     # namespace: on the giver's record, for the grow (``handoff_to``: its seq)
@@ -65,6 +68,12 @@ class SlabRecord:
         self.phase = Phase.UNMAPPING
         self.waiting = waiting
         self.deadline = deadline
+        self.busy_until = {}
+
+    def overdue(self, now: float) -> bool:
+        """A rank still owes its ack past its deadline (a rank in a long step
+        that said ``Busy`` has its own, later one)."""
+        return now > self.deadline and any(now > self.busy_until.get(rank, 0.0) for rank in self.waiting)
 
 
 @dataclasses.dataclass
@@ -105,6 +114,17 @@ class EngineRecord:
     returns: int = 0
     reclaims: int = 0
     kept_keys: set[bytes] = dataclasses.field(default_factory=set)   # keys already kept for its namespace
+    # This registration, among every one the daemon made: an engine id may be
+    # registered again while its last registration still departs (unmapping,
+    # quarantined); the two records never alias (``Allocator.departing``).
+    serial: int = 0
+    # Lowest free slab id in O(log n): ids below ``_top`` freed since, in a heap
+    # (stale entries skipped); every id at or above ``_top`` not in ``slabs``.
+    _freed: list[int] = dataclasses.field(default_factory=list)
+    _top: int = 0
+
+    def __post_init__(self) -> None:
+        self.mirror.blocks_per_slab = self.blocks_per_slab
 
     @property
     def pages_per_slab(self) -> int:
@@ -137,13 +157,15 @@ class EngineRecord:
 
     def remove_slab(self, slab: SlabRecord) -> None:
         del self.slabs[slab.slab_id]
+        if slab.slab_id < self._top:
+            heapq.heappush(self._freed, slab.slab_id)
         if slab.phase is Phase.UNMAPPING:
             self.unmapping -= 1
         self.in_flight.discard(slab.slab_id)
 
     def overdue(self, now: float) -> bool:
         """A map or unmap acknowledgement is late."""
-        return any(now > self.slabs[s].deadline for s in self.in_flight)
+        return any(self.slabs[s].overdue(now) for s in self.in_flight)
 
     def held_bytes(self) -> int:
         return len(self.slabs) * self.slab_bytes
@@ -152,11 +174,16 @@ class EngineRecord:
         return sum(occ[1] for occ in self.mirror.slabs.values()) * self.block_bytes
 
     def free_slab_id(self) -> int | None:
-        """Lowest slab index of the arena not in use (ids are arena positions)."""
-        for slab_id in range(self.max_slabs):
-            if slab_id not in self.slabs:
-                return slab_id
-        return None
+        """Lowest slab index of the arena not in use (ids are arena positions),
+        in O(log n) amortized: a large grow never scans every slab held."""
+        freed = self._freed
+        while freed and freed[0] in self.slabs:
+            heapq.heappop(freed)
+        if freed:
+            return freed[0]
+        while self._top < self.max_slabs and self._top in self.slabs:
+            self._top += 1
+        return self._top if self._top < self.max_slabs else None
 
     def worker_offsets(self, slab_id: int, rank: int) -> list[int]:
         """Arena offsets of the slab's pages in one worker (layer-outer regions).

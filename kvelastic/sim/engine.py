@@ -11,7 +11,7 @@ import dataclasses
 import math
 import random
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvelastic import protocol as p
 from kvelastic.client.engine import SYNC_BACKOFF, SYNC_TIMEOUT, give_up, wire_key
@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 BLOCKS_PER_SLAB = 4
 CLIENT_GROW_TIMEOUT = 2.0          # an engine gives up waiting for a grow after this
 UNREGISTER_TIMEOUT = 2.0           # an exiting engine waits this long for its Unregister's answer
+# A worker holding unmaps until its step ends says so (``Busy``) when the
+# protocol has it (``WorkerClient._tick``); without it a long step is taken for a hung worker.
+BUSY: Any = getattr(p, "Busy", None)
+FAILED: Any = getattr(p, "Failed", None)   # the daemon tells an engine it failed it: it restarts
 PROMPTS = 12                       # prompt families per namespace: requests share prefixes
 MAX_REQUEST_BLOCKS = 8
 
@@ -53,6 +57,16 @@ class SimWorker:
     token: bytes = b""                # the secret its page channel showed
     deferred: list = dataclasses.field(default_factory=list)                   # unmaps waiting for the step
     registered: bool = False
+    deferred_at: float = 0.0          # when the first unmap deferred now arrived
+    busy_at: float = -1e9             # when it last said Busy
+    ack_timeout: float = p.ACK_TIMEOUT   # the daemon's, from its registration
+
+    def defer(self, msg: p.UnmapSlab, now: float) -> None:
+        """An unmap during a step waits for its end; the daemon hears so at once (Busy)."""
+        if not self.deferred:
+            self.deferred_at = now
+        self.deferred.append(msg)
+        self.busy_at = -1e9
 
 
 @dataclasses.dataclass(eq=False)
@@ -75,6 +89,8 @@ class Step:
     sync_sent: float = 0.0
     running: bool = False
     torn: list[tuple[tuple[int, int], KV]] = dataclasses.field(default_factory=list)   # written, not complete
+    until: float = 0.0               # a long step (longer than the ack deadline) runs until then
+    overlapped: bool = False         # it held an unmap past the ack deadline
 
 
 class SimEngine:
@@ -95,7 +111,8 @@ class SimEngine:
         self.step: Step | None = None          # a model step in flight: unmaps wait for its end
         self.demand_share = demand_share
         self.next_req = 0
-        self.token = b""                       # its secret, from its first registration
+        self.token = b""                       # its secret, chosen by each new process
+        self.fresh = True                      # not registered yet: its workers wait for the secret
         self.identity = b""
         self.max_slabs = 0
         # The seal (as EngineClient.seal_step): the daemon keeps departed
@@ -117,8 +134,11 @@ class SimEngine:
         self.identity = f"E:{self.name}:{self.incarnation}".encode()
         if self.step is not None and self.step.sync_req:
             self.sync_answered(ok=False)     # the connection it waited on is gone: the call fails
+        if not self.token:           # a new process chooses its secret and shows it in its lifeline's hello
+            self.token = self.world.rng.randbytes(16)
+            self.fresh = True
         self.world.connect(self.identity)
-        self.world.open_peer(self, -1)
+        self.world.open_peer(self, -1, self.token)
         self.send(p.RegisterEngine(version=p.PROTOCOL_VERSION, engine_id=self.name, pid=1000 + self.incarnation,
                                    namespace=self.namespace, page_size=PAGE, pages_per_worker=1,
                                    num_workers=len(self.workers),
@@ -132,13 +152,13 @@ class SimEngine:
             self.removal_unacked = False       # every drop so far is in what this sends
             self.world.client_send(self.identity, p.Journal(engine_id=self.name, ops=ops,
                                                             occupancy=self.pool.occupancies()))
-        if self.token:               # workers know the secret already (a reconnect); else they wait for it
+        if not self.fresh:           # workers know the secret already (a reconnect); else they wait for it
             for w in self.workers:
                 self.start_worker(w)
 
     def start_worker(self, w: SimWorker) -> None:
         w.identity = f"W:{self.name}:{w.rank}:{self.incarnation}:{self.world.rng.random():.6f}".encode()
-        w.stuck_until, w.deferred, w.registered = 0.0, [], False
+        w.stuck_until, w.deferred, w.registered, w.busy_at = 0.0, [], False, -1e9
         w.channel.clear()                      # a new connection: what the old one carried is gone
         w.token = self.token
         self.world.connect(w.identity)
@@ -159,7 +179,7 @@ class SimEngine:
 
     def disconnect(self) -> None:
         """Close every connection still open (a dead worker's already is)."""
-        for identity, rank, token in [(self.identity, -1, b"")] + [(w.identity, w.rank, w.token)
+        for identity, rank, token in [(self.identity, -1, self.token)] + [(w.identity, w.rank, w.token)
                                                                    for w in self.workers]:
             if identity in self.world.wires:
                 self.world.close(identity)
@@ -168,6 +188,9 @@ class SimEngine:
     def crash(self) -> None:
         """kill -9 of the engine and its workers: every connection closes, mappings
         vanish, and what a step in flight was writing stays torn."""
+        if self.registered and any(g.engine_id == self.name and g.worker.token != self.token
+                                   for g in self.world.ghosts.values()):
+            self.world.counts["id_reuse_departed"] += 1    # while an earlier registration still departs
         self.alive = self.registered = self.dying = False
         for w in self.workers:                 # the processes are gone, then their sockets close
             w.mapped.clear()
@@ -238,8 +261,14 @@ class SimEngine:
         if self.leaving and msg.req_id == self.leaving and isinstance(msg, (p.Ok, p.Error)):
             self.gone()
             return
+        if FAILED is not None and isinstance(msg, FAILED):
+            self.world.counts["told_failed"] += 1
+            self.gone()                        # it must restart: a new process, a new registration
+            return
         if isinstance(msg, p.Registered):
-            first = not self.token
+            first, self.fresh = self.fresh, False
+            if first and any(g.engine_id == self.name for g in self.world.ghosts.values()):
+                self.world.counts["id_reuse"] += 1       # registered again while the last one's workers run
             self.registered, self.max_slabs, self.token = True, msg.max_slabs, msg.token
             self.orphan_ttl = msg.orphan_ttl
             self.sync_failed_at = -1e9         # as the client: this daemon answers seals
@@ -272,6 +301,7 @@ class SimEngine:
     def on_worker_message(self, w: SimWorker, msg: p.Msg) -> None:
         if isinstance(msg, p.Registered):
             w.registered = True
+            w.ack_timeout = getattr(msg, "ack_timeout", p.ACK_TIMEOUT)
         elif isinstance(msg, p.Error) and not w.registered:   # its engine is not registered yet: retry
             self.world.client_send(w.identity, p.RegisterWorker(version=p.PROTOCOL_VERSION, engine_id=self.name,
                                                                 rank=w.rank, pid=2000 + w.rank,
@@ -289,11 +319,12 @@ class SimEngine:
                     self.world.violation(f"engine {self.name} ({self.namespace}) mapped page {page} holding "
                                          f"{wrote[0]}'s data (namespace {wrote[1]})")
             w.mapped[msg.slab] = pages
+            self.world.dirty = True
             self.world.client_send(w.identity, p.Mapped(req_id=msg.req_id, engine_id=self.name, rank=w.rank,
                                                         slab=msg.slab))
         elif isinstance(msg, p.UnmapSlab):
             if self.stepping:
-                w.deferred.append(msg)
+                w.defer(msg, self.world.now)
             else:
                 self.unmap(w, msg)
 
@@ -441,8 +472,28 @@ class SimEngine:
         if step.sync_req:
             if self.world.now - step.sync_sent > SYNC_TIMEOUT:
                 self.sync_answered(ok=False)
-        elif not self.dying and rng.random() < 0.5:
+        elif not self.dying and self.world.now >= step.until and rng.random() < 0.5:
             self.finish_step()
+
+    def keep_busy(self, now: float) -> None:
+        """While the step holds unmaps, each worker says so (``Busy``) at once
+        and every quarter of the ack deadline after (``WorkerClient._tick``); a
+        frozen worker says nothing. Counts the long steps that held an unmap
+        past the ack deadline."""
+        step = self.step
+        if step is None:
+            return
+        for w in self.workers:
+            if not w.deferred:
+                continue
+            if step.until and not step.overlapped and now - w.deferred_at > p.ACK_TIMEOUT:
+                step.overlapped = True
+                self.world.counts["long_step_held_unmap"] += 1
+            if BUSY is not None and w.stuck_until <= now and now - w.busy_at >= w.ack_timeout / 4:
+                w.busy_at = now
+                self.world.send_busy(self.name, w)
+                if step.until:
+                    self.world.counts["busy_long_step"] += 1     # (short steps say it too, once)
 
     def finish_step(self) -> None:
         """The running step ends: its KV is whole, the pool hears it, and the
@@ -460,6 +511,20 @@ class SimEngine:
             deferred, w.deferred = w.deferred, []
             for msg in deferred:
                 self.unmap(w, msg)
+
+    def abandon_workers(self, frozen: bool, step_for: float, exit_after: float) -> None:
+        """The engine's process is killed, but its workers hang on (a worker
+        stuck in the driver, a step that outlives its engine): they keep
+        their connections, page channels and mappings, as ghosts of this
+        registration (``ghosts.py``), until they exit. The engine itself comes
+        back under the same id with new workers: a new registration, a new
+        secret, while the old one may still be departing."""
+        now = self.world.now
+        for w in self.workers:
+            if w.identity in self.world.wires:
+                self.world.haunt(self.name, w, frozen, now + step_for, now + exit_after)
+        self.workers = [SimWorker(r, b"") for r in range(len(self.workers))]
+        self.crash()
 
     def expire_leave(self, now: float) -> None:
         if self.leaving and now - self.leave_sent > UNREGISTER_TIMEOUT:

@@ -211,6 +211,9 @@ class NodeSim:
                     if rec is not None and rec.grow.demand:
                         self.reclaim_for.add((rec.grow.engine_id, rec.grow.req_id))
                 self.to_client(e.to, msg)
+            elif isinstance(e, fx.SendPages):     # descriptors reach the workers: the map command follows
+                if e.then is not None:
+                    self.perform([e.then])
             elif isinstance(e, fx.CreatePages):
                 ids = self.allocator.new_page_ids(e.count)
                 self.created_pages += e.count

@@ -121,12 +121,14 @@ class NodeEngine:
     def start(self) -> None:
         sim = self.sim
         sim.identities[self.identity] = (self, -1)
-        sim.call("peer_opened", sim.allocator.peer_opened, self.name, -1, sim.now)
+        # As the real client does: its own secret, shown in its lifeline and its registration.
+        self.token = sim.rng.randbytes(16)
+        sim.call("peer_opened", sim.allocator.peer_opened, self.name, -1, sim.now, self.token)
         self.send(p.RegisterEngine(version=p.PROTOCOL_VERSION, engine_id=self.name, pid=1000 + self.index,
                                    namespace=f"{self.model.name}-{self.name}", page_size=PAGE,
                                    pages_per_worker=self.model.pages_per_worker, num_workers=self.model.workers,
                                    blocks_per_slab=self.bps, block_bytes=self.model.block_bytes,
-                                   block_tokens=BLOCK_TOKENS))
+                                   block_tokens=BLOCK_TOKENS, token=self.token))
 
     def send(self, msg: p.Msg) -> int:
         self.next_req += 1

@@ -15,6 +15,8 @@ from kvelastic import protocol as p
 from kvelastic.daemon.allocator import Timing
 from kvelastic.daemon.state import Phase
 from kvelastic.errors import InvariantViolation
+from kvelastic.sim import checks, ghosts, hostile
+from kvelastic.sim.guard import SimAbort
 from kvelastic.sim.world import SimEngine, World
 
 HEARTBEAT = p.HEARTBEAT_INTERVAL
@@ -44,23 +46,59 @@ class SimResult:
 ORPHAN_TTL = 5.0
 SIM_TIMING = Timing(orphan_ttl=ORPHAN_TTL)
 NAMESPACE_CHANGE = 0.3     # an engine that left comes back serving the other namespace
-# The fault table (a draw r per step, from 0.80 up): an engine departs below
-# DEPART, the daemon restarts below RESTART, then the rest (see run_seed).
+# The fault table (a draw r per step): normal work below LONG_STEP; a running
+# step outlives the ack deadline below HOSTILE, a hostile client acts below
+# 0.80; from 0.80 up an engine departs below DEPART, the daemon restarts below
+# RESTART, then the rest (see run_seed).
+LONG_STEP, HOSTILE = 0.78, 0.79
+PAGES_EVERY = 4
 DEPART, RESTART = 0.835, 0.84
 
 
 def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = SIM_TIMING) -> SimResult:
     w = World(seed, timing=timing)
-    rng = w.rng
     injected: collections.Counter = collections.Counter()
+    try:
+        run_steps(w, steps, faults, injected)
+        if not w.violations:
+            settle(w)
+    except SimAbort:
+        pass                                   # a call was interrupted half-way (its violation is recorded)
+    finally:
+        w.guard.close()
+    injected.update(w.counts)
+    return SimResult(seed, steps, injected, w.violations, w.handed_blocks, w.orphan_blocks, w.kept_blocks)
+
+
+def tick(w: World) -> None:
+    w.perform(w.call(w.allocator.tick, w.now))
+    checks.acks(w)
+
+
+def tend(w: World) -> None:
+    """Each step: ghosts and hostile engines do what is due; steps holding unmaps say Busy."""
+    if w.ghosts:
+        ghosts.tend(w)
+    if w.hostiles:
+        hostile.tend(w)
+    for engine in w.engines:
+        if engine.step is not None and engine.alive:
+            engine.keep_busy(w.now)
+
+
+def run_steps(w: World, steps: int, faults: bool, injected: collections.Counter) -> None:
+    rng = w.rng
     for engine in w.engines:
         engine.start()
     last_beat = last_tick = 0.0
     down = w.restart_at                        # engine gone (crashed, or exited) -> when it comes back
     doomed: dict[str, float] = {}              # engine whose worker died -> its own crash
-    for _ in range(steps):
+    for i in range(steps):
+        if i % 16 == 0:
+            w.guard.mark()
         w.now += rng.expovariate(1 / 0.02)
         w.deliver()
+        tend(w)
         if w.now - last_beat >= HEARTBEAT:
             last_beat = w.now
             for engine in w.engines:
@@ -68,7 +106,7 @@ def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = 
                     w.client_send(engine.identity, p.Heartbeat(engine_id=engine.name))
         if w.now - last_tick >= TICK:
             last_tick = w.now
-            w.perform(w.allocator.tick(w.now))
+            tick(w)
         for name, at in list(down.items()):
             if w.now >= at:                    # the same name comes back: a warm start, or another model
                 del down[name]
@@ -85,11 +123,21 @@ def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = 
                 down[name] = w.now + rng.uniform(0.1, 2.0)
         engine = rng.choice(w.engines)
         r = rng.random()
-        if not faults or r < 0.80:
+        if not faults or r < LONG_STEP:
             if engine.alive:
                 engine.advance_step(rng)
                 engine.expire_leave(w.now)
                 engine.work(rng, w.now)
+        elif r < HOSTILE:                      # a model step outlives the ack deadline (unmaps wait for it)
+            running = [e for e in w.engines if e.alive and not e.dying and e.step is not None and e.step.running
+                       and not e.step.until]
+            if running:
+                step = rng.choice(running).step
+                assert step is not None
+                step.until = w.now + rng.uniform(1.1, 2.0) * p.ACK_TIMEOUT
+                injected["long_step"] += 1
+        elif r < 0.80:
+            hostile.act(w, rng)
         elif r < DEPART:                       # (each fault's share is its own: none falls through)
             if engine.alive and not engine.dying and not engine.leaving:
                 depart(w, engine, rng, injected, doomed)
@@ -120,26 +168,33 @@ def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = 
         check(w)
         if w.violations:
             break
-    if not w.violations:
-        settle(w)
-    return SimResult(seed, steps, injected, w.violations, w.handed_blocks, w.orphan_blocks, w.kept_blocks)
 
 
 def depart(w: World, engine: SimEngine, rng: random.Random, injected: collections.Counter,
            doomed: dict[str, float]) -> None:
     """An engine leaves, at any point of a step: one of its workers is killed
-    (the engine follows it), it is killed, or it exits gracefully (the step
-    in flight ends first). It comes back later under the same name."""
+    (the engine follows it), it is killed, it is killed while its workers
+    hang on (ghosts: they exit later, while it registers again under the
+    same id), or it exits gracefully (the step in flight ends first). It
+    comes back later under the same name."""
     x = rng.random()
     step = engine.step
     sealing = step is not None and not step.running     # a graceful exit waits for a seal: a kill instead
-    if step is not None and (x < 0.75 or sealing):
+    if step is not None and (x < 0.8 or sealing):
         injected["crash_sealing" if sealing else "crash_mid_step"] += 1
     if engine.workers and x < 0.3:
         injected["worker_crash"] += 1
         engine.kill_worker(rng.choice(engine.workers))
         doomed[engine.name] = w.now + rng.uniform(0.05, 0.5)
-    elif x < 0.75 or sealing:
+    elif 0.65 <= x < 0.8 and any(wk.identity in w.wires for wk in engine.workers):
+        injected["hung_workers"] += 1
+        frozen = rng.random() < 0.5
+        step_for = rng.uniform(0.2, 2.0) * p.ACK_TIMEOUT
+        exit_after = (rng.uniform(0.5, 3.0) * p.ACK_TIMEOUT if frozen
+                      else step_for + rng.uniform(0.1, 1.0) * p.ACK_TIMEOUT)
+        engine.abandon_workers(frozen, step_for, exit_after)
+        w.restart_at[engine.name] = w.now + rng.uniform(0.1, 2.0)
+    elif x < 0.8 or sealing:
         injected["engine_crash"] += 1
         engine.crash()
         w.restart_at[engine.name] = w.now + rng.uniform(0.1, 2.0)
@@ -150,28 +205,29 @@ def depart(w: World, engine: SimEngine, rng: random.Random, injected: collection
 
 
 def check(w: World) -> None:
-    """The invariants, after every step."""
-    try:
-        w.allocator.check()
-    except InvariantViolation as exc:
-        w.violation(f"books: {exc}")
+    """The invariants, after every step (the books' own when an input or a
+    mapping may have changed them; the simulator's own view of every page,
+    ``checks.pages``, at most every PAGES_EVERY steps: what it finds lasts)."""
+    w.checked += 1
+    if w.dirty:
+        w.dirty, w.pages_due = False, True
+        try:
+            w.allocator.check()
+        except InvariantViolation as exc:
+            w.violation(f"books: {exc}")
+    if w.pages_due and w.checked % PAGES_EVERY == 0:
+        w.pages_due = False
+        checks.pages(w)    # every page in one place; what a worker maps is its registration's (live blocks' too)
     alloc = w.allocator
-    free = set(alloc.pools["0"].free)
     for engine in w.engines:
         if not engine.alive or engine.dying:
             continue
-        for slab_id, (live, _cached, _free) in engine.pool.occupancies().items():
+        occupancies = engine.pool.occupancies()
+        for slab_id, (live, _cached, _free) in occupancies.items():
             for worker in engine.workers:
                 if live and slab_id not in worker.mapped:
                     w.violation(f"engine {engine.name}: slab {slab_id} has live blocks but worker "
                                 f"{worker.rank} does not map it")
-                for page in worker.mapped.get(slab_id, []) if live else []:
-                    if page in free:
-                        w.violation(f"page {page} under a live block of {engine.name} is free in the daemon")
-                    for other in (*alloc.engines.values(), *alloc.departing.values()):
-                        if other.engine_id != engine.name and any(page in s.pages for s in other.slabs.values()):
-                            w.violation(f"page {page} under a live block of {engine.name} is lent to "
-                                        f"{other.engine_id}")
         quiet = [w.wires.get(engine.identity)] + [w.wires.get(wk.identity) for wk in engine.workers]
         record = alloc.engines.get(engine.name)
         if record is None or record.failed or any(x is None or x.to_daemon or x.to_client for x in quiet) \
@@ -182,8 +238,8 @@ def check(w: World) -> None:
         if held != set(engine.pool.slab_ids()):
             w.violation(f"engine {engine.name}: the daemon books slabs {sorted(held)}, its pool holds "
                         f"{sorted(engine.pool.slab_ids())}")
-        elif {k: v for k, v in record.mirror.slabs.items() if k not in pending} != engine.pool.occupancies():
-            w.violation(f"engine {engine.name}: mirror {record.mirror.slabs} != pool {engine.pool.occupancies()}")
+        elif {k: v for k, v in record.mirror.slabs.items() if k not in pending} != occupancies:
+            w.violation(f"engine {engine.name}: mirror {record.mirror.slabs} != pool {occupancies}")
         elif record.mirror.index_pairs() != set(engine.pool.cached_keys()):
             w.violation(f"engine {engine.name}: the daemon's mirror of its prefix index differs from the pool's")
     timeout = p.GROW_TIMEOUT + GROW_SLACK       # the contract, whatever the allocator was configured with
@@ -199,6 +255,9 @@ def settle(w: World) -> None:
     engine exits; then nothing may be held or leak."""
     for i in range(int((p.GROW_TIMEOUT + GROW_SLACK) / 0.05) + 20):
         w.now += 0.05
+        if i % 16 == 0:
+            w.guard.mark()
+        tend(w)
         for engine in w.engines:
             if engine.alive:                   # steps in flight end; journals and heartbeats go on
                 engine.advance_step(w.rng)
@@ -208,24 +267,31 @@ def settle(w: World) -> None:
                 if i % 10 == 0:
                     w.client_send(engine.identity, p.Heartbeat(engine_id=engine.name))
         w.deliver()
-        w.perform(w.allocator.tick(w.now))
+        tick(w)
         check(w)
         if w.violations:
             return
+    hostile.tend(w, every=True)
     for engine in w.engines:
         if engine.alive:
             engine.crash()
-    for _ in range(200):
+    for ghost in list(w.ghosts.values()):       # the last hung workers exit too
+        ghosts.leave(w, ghost)
+    for i in range(200):
         w.now += 0.05
+        if i % 16 == 0:
+            w.guard.mark()
         for engine in w.engines:
             for worker in engine.workers:
                 worker.stuck_until = 0.0
         w.deliver()
-        w.perform(w.allocator.tick(w.now))
+        w.perform(w.call(w.allocator.tick, w.now))
+    checks.pages(w)
     status = w.allocator.status()
-    if status.memory.held or w.allocator.departing or w.allocator.engines:
-        w.violation(f"after every engine left: held {status.memory.held} bytes, "
-                    f"departing {sorted(w.allocator.departing)}")
+    departing = w.allocator.departing.values()
+    if status.memory.held or departing or w.allocator.engines:
+        w.violation(f"after every engine left: held {status.memory.held} bytes, engines "
+                    f"{sorted(w.allocator.engines)}, departing {sorted(r.engine_id for r in departing)}")
     kept = set(w.allocator.orphans.pages_on("0"))    # departed engines' cache, for their namespace
     leaked = w.device.pages - set(w.allocator.pools["0"].free) - kept
     if leaked:

@@ -18,20 +18,34 @@ ends) and ended (``SlabPool.end_step``). Whatever an engine adopts with a slab
 is checked against the device: KV of exactly that key, of the taker's
 namespace, written whole by a step that finished and not rewritten since, on
 pages no other engine maps.
+
+Hostile scenarios (issue 21): an engine id registered again while workers of
+its last registration still run (``ghosts.py``), model steps that outlive the
+ack deadline (their workers say ``Busy``; the world tracks every ack a
+worker owes, from the command or the last Busy the daemon heard), and
+hostile clients (``hostile.py``). Every allocator call is timed
+(``guard.py``).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
+import time
 from collections import deque
+from collections.abc import Iterator
+from typing import Any
 
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.allocator import Allocator, Timing
 from kvelastic.daemon.orphans import OrphanCache, OrphanSlab
-from kvelastic.daemon.state import SlabShape
-from kvelastic.sim.engine import BLOCKS_PER_SLAB, KV, SimEngine, SimWorker, Step
+from kvelastic.daemon.state import EngineRecord, SlabShape
+from kvelastic.sim import ghosts
+from kvelastic.sim.engine import BLOCKS_PER_SLAB, BUSY, KV, SimEngine, SimWorker, Step
+from kvelastic.sim.guard import CALL_LIMIT, CallGuard
+from kvelastic.sim.hostile import Hostile
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
 
 WORKERS = (1, 1, 2)                # engine i's workers (its slab shape)
@@ -102,6 +116,22 @@ class World:
         self.restart_at: dict[str, float] = {}   # engines that left -> when they come back
         self.wires: dict[bytes, Wire] = {}
         self.violations: list[str] = []
+        self.counts: collections.Counter = collections.Counter()   # scenarios that happened (SimResult.faults)
+        self.guard = CallGuard(self.violation)   # every allocator call timed (guard.py)
+        self.ghosts: dict[bytes, ghosts.Ghost] = {}   # workers of earlier registrations, still running
+        # Acks a worker owes: (its identity, the command's req_id) -> (since, slab, an unmap);
+        # since: when the daemon sent it, or the worker last said Busy about it.
+        self.owed: dict[tuple[bytes, int], tuple[float, int, bool]] = {}
+        self.failed_seen: dict[int, EngineRecord] = {}   # records seen failed (by id; kept alive)
+        self.busy_heard: dict[bytes, float] = {}  # worker -> when the daemon last heard it say Busy
+        self.excused: set[str] = set()           # engines whose page channel failed: their failure is due
+        self.hostiles: list[Hostile] = []        # hostile engines on the books (hostile.py)
+        self.hostile_req = 0
+        # An allocator input or a new mapping since the books were last checked
+        # (unchanged books need no second look).
+        self.dirty = True
+        self.pages_due = True
+        self.checked = 0
         self.allocator = self._new_allocator()
         # Namespaces alternate (an engine may come back in the other one): e0 and
         # e1 have one slab shape in two namespaces, so what either leaves is in
@@ -127,6 +157,22 @@ class World:
 
     def close(self, identity: bytes) -> None:
         self.wires.pop(identity, None)
+        if self.owed:
+            for key in [k for k in self.owed if k[0] == identity]:
+                del self.owed[key]
+
+    def call(self, fn: Any, *args: Any) -> list[fx.Effect]:
+        """One allocator input, timed (``guard.py``); the books may have changed."""
+        self.dirty = True
+        guard = self.guard
+        if guard.watch:
+            watched: list[fx.Effect] = guard.watched(fn, args)
+            return watched
+        start = time.perf_counter()
+        out: list[fx.Effect] = fn(*args)
+        if time.perf_counter() - start > CALL_LIMIT:
+            guard.slow(fn, args, time.perf_counter() - start)
+        return out
 
     def delay(self) -> float:
         r = self.rng.random()
@@ -139,13 +185,50 @@ class World:
             if isinstance(msg, p.Grow):
                 self.grow_sent[(identity, msg.req_id)] = self.now
 
+    def send_busy(self, engine_id: str, w: SimWorker) -> None:
+        """A worker in a step that holds unmaps says so: their acks are owed afresh from now."""
+        slabs = [m.slab for m in w.deferred]
+        self.client_send(w.identity, BUSY(engine_id=engine_id, rank=w.rank, slabs=slabs))
+
+    def heard(self, identity: bytes, msg: p.Msg) -> None:
+        """The daemon hears a worker: an ack settles what it owed; a Busy
+        makes the unmaps it names owed afresh from now (as the daemon's
+        deadline moves)."""
+        if isinstance(msg, (p.Mapped, p.Unmapped)):
+            self.owed.pop((identity, msg.req_id), None)
+        elif BUSY is not None and isinstance(msg, BUSY):
+            self.busy_heard[identity] = self.now
+            slabs = set(msg.slabs)
+            for key, (_since, slab, unmap) in list(self.owed.items()):
+                if key[0] == identity and unmap and slab in slabs:
+                    self.owed[key] = (self.now, slab, unmap)
+
+    def haunt(self, engine_id: str, w: SimWorker, frozen: bool, step_until: float, exit_at: float) -> None:
+        """``w`` outlives its engine's process (``ghosts.py``)."""
+        w.stuck_until = exit_at if frozen else 0.0
+        self.ghosts[w.identity] = ghosts.Ghost(engine_id, w, frozen, step_until, exit_at)
+        self.counts["ghost_frozen" if frozen else "ghost_stepping"] += 1
+
+    def mappers(self) -> Iterator[SimWorker]:
+        """Every worker process that may map pages: engines' and ghosts'."""
+        for engine in self.engines:
+            yield from engine.workers
+        for ghost in self.ghosts.values():
+            yield ghost.worker
+
+    def mapped_pages(self) -> set[int]:
+        return {page for w in self.mappers() for pages in w.mapped.values() for page in pages}
+
     def open_peer(self, engine: SimEngine, rank: int, token: bytes = b"") -> None:
         if not self.stopped:
-            self.perform(self.allocator.peer_opened(engine.name, rank, self.now, token))
+            self.perform(self.call(self.allocator.peer_opened, engine.name, rank, self.now, token))
 
     def close_peer(self, engine: SimEngine, rank: int, token: bytes = b"") -> None:
+        self.close_peer_of(engine.name, rank, token)
+
+    def close_peer_of(self, engine_id: str, rank: int, token: bytes = b"") -> None:
         if not self.stopped:               # a daemon that exited hears nothing more
-            self.perform(self.allocator.peer_closed(engine.name, rank, self.now, token))
+            self.perform(self.call(self.allocator.peer_closed, engine_id, rank, self.now, token))
 
     # -------------------------------------------------------------- effects
     def perform(self, effects: list[fx.Effect]) -> None:
@@ -156,6 +239,8 @@ class World:
                 wire = self.wires.get(e.to)
                 if wire is not None:
                     wire.to_client.append(Envelope(self.now + self.delay(), e.msg))
+                    if isinstance(e.msg, (p.MapSlab, p.UnmapSlab)):
+                        self.owed[(e.to, e.msg.req_id)] = (self.now, e.msg.slab, isinstance(e.msg, p.UnmapSlab))
                 if isinstance(e.msg, (p.Granted, p.Error)):
                     self.grow_sent.pop((e.to, e.msg.req_id), None)
             elif isinstance(e, fx.SendPages):
@@ -163,19 +248,23 @@ class World:
                 if worker is not None and worker.token != e.token:
                     worker = None
                 if worker is None:
-                    queue.extend(self.allocator.channel_failed(e.engine_id, e.rank, "gone", self.now))
+                    self.excused.add(e.engine_id)
+                    queue.extend(self.call(self.allocator.channel_failed, e.engine_id, e.rank, "gone", self.now))
                 else:
                     worker.channel.extend(e.pages)
+                    then = getattr(e, "then", None)     # the MapSlab that names them, where the loop sends it
+                    if then is not None:
+                        queue.append(then)
             elif isinstance(e, fx.CreatePages):
                 ids = self.allocator.new_page_ids(e.count)
                 made = [] if self.device.fail_creation else ids
                 self.device.pages.update(made)
-                queue.extend(self.allocator.pages_created(e.device, e.count, made, self.now))
+                queue.extend(self.call(self.allocator.pages_created, e.device, e.count, made, self.now))
             elif isinstance(e, fx.ReleasePages):
+                mapped = self.mapped_pages()
                 for page in e.pages:
                     self.device.pages.discard(page)
-                    if not any(page in pages for eng in self.engines for w in eng.workers
-                               for pages in w.mapped.values()):
+                    if page not in mapped:
                         self.device.forget(page)
 
     def find_worker(self, engine_id: str, rank: int) -> SimWorker | None:
@@ -190,8 +279,18 @@ class World:
         moved = False
         for identity, wire in list(self.wires.items()):
             while wire.to_daemon and wire.to_daemon[0].due <= self.now:
-                self.perform(self.allocator.handle(identity, wire.to_daemon.popleft().msg, self.now))
+                msg = wire.to_daemon.popleft().msg
+                if self.owed:
+                    self.heard(identity, msg)
+                self.perform(self.call(self.allocator.handle, identity, msg, self.now))
                 moved = True
+            ghost = self.ghosts.get(identity)
+            if ghost is not None:
+                while identity in self.wires and wire.to_client and wire.to_client[0].due <= self.now \
+                        and ghost.worker.stuck_until <= self.now:
+                    ghosts.on_message(self, ghost, wire.to_client.popleft().msg)
+                    moved = True
+                continue
             engine, worker = self.owner_of(identity)
             while identity in self.wires and wire.to_client and wire.to_client[0].due <= self.now:
                 if worker is not None and worker.stuck_until > self.now:
@@ -216,8 +315,17 @@ class World:
     def restart_daemon(self, corrupt: SimEngine | None = None) -> None:
         """SIGTERM and a new daemon: nothing is unmapped; engines reconnect and adopt.
         What the old daemon sent before it exited still reaches the clients."""
-        self.perform(self.allocator.shutdown())
+        self.perform(self.call(self.allocator.shutdown))
         self.stopped = True
+        for ghost in list(self.ghosts.values()):   # their connections went with the daemon; nothing more is heard
+            self.close(ghost.worker.identity)
+            del self.ghosts[ghost.worker.identity]
+        self.owed.clear()
+        self.busy_heard.clear()
+        self.failed_seen.clear()
+        self.excused.clear()
+        self.hostiles.clear()                      # their lifelines went with it too
+        self.guard.watch = False
         for identity, wire in list(self.wires.items()):
             engine, worker = self.owner_of(identity)
             while wire.to_client and identity in self.wires:
@@ -263,20 +371,20 @@ class World:
             for page in pages:
                 self.check_block(f"engine {engine.name} ({engine.namespace}) adopted slab {slab_id}:",
                                  engine.namespace, page, c)
+        mine = {id(w) for w in engine.workers}
         for page in pages:
-            for other in self.engines:
-                if other is not engine and any(page in mapped for ow in other.workers
-                                               for mapped in ow.mapped.values()):
-                    self.violation(f"engine {engine.name}: adopted page {page} still mapped by {other.name}")
+            for w in self.mappers():
+                if id(w) not in mine and any(page in mapped for mapped in w.mapped.values()):
+                    self.violation(f"engine {engine.name}: adopted page {page} still mapped by {w.identity!r}")
 
     def check_kept(self, slab: OrphanSlab) -> None:
         """A departed engine's slab kept as cache of its namespace: unmapped
         everywhere, and every block it keeps valid (as an adoption needs it)."""
         self.kept_blocks += len(slab.cached)
+        mapped = self.mapped_pages()
         for page in slab.pages:
-            for other in self.engines:
-                if any(page in mapped for w in other.workers for mapped in w.mapped.values()):
-                    self.violation(f"orphaned page {page} of {slab.engine_id} still mapped by {other.name}")
+            if page in mapped:
+                self.violation(f"orphaned page {page} of {slab.engine_id} still mapped by a worker")
             for c in slab.cached:
                 self.check_block(f"slab of {slab.engine_id} kept for {slab.namespace}:", slab.namespace, page, c)
 
@@ -300,8 +408,10 @@ class World:
         before the step runs; a key stored for this step is valid only once it
         ended), or a kill -9 now would leave it a torn block to keep."""
         alloc = self.allocator
-        record = alloc.engines.get(engine.name) or alloc.departing.get(engine.name)   # dropped, still stepping
-        if record is None or record.identity != engine.identity or record.failed:
+        records = [alloc.engines.get(engine.name), *alloc.departing.values()]   # dropped, still stepping
+        record = next((r for r in records if r is not None and r.engine_id == engine.name
+                       and r.identity == engine.identity), None)
+        if record is None or record.failed:
             return
         for blk, _key in step.writes:
             slab_id, offset = divmod(blk.block_id, BLOCKS_PER_SLAB)

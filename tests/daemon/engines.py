@@ -16,10 +16,11 @@ def with_engine_token(started: list, engine_id: str, cfg: dict) -> dict:
 
 
 class EngineProcess:
-    def __init__(self, socket: str, engine_id: str, **cfg) -> None:
+    def __init__(self, socket: str, engine_id: str, *, user: tuple[int, int] | None = None, **cfg) -> None:
+        """``user``: (uid, gid) to run as: a tenant other than the daemon's user."""
         self.engine_id = engine_id
         self.role = cfg.get("role", "engine")
-        cfg.update(socket=socket, engine_id=engine_id)
+        cfg.update(socket=socket, engine_id=engine_id, user=list(user) if user else None)
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.daemon.peer", json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = self.proc.stdout.readline()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import select
 import signal
 import socket
@@ -166,11 +167,23 @@ class StatusProbe:
         return self.latencies
 
 
-def open_lifeline(socket_path: str, engine_id: str, rank: int = -1) -> socket.socket:
+def tenant_script(user: tuple[int, int], code: str, root: pathlib.Path, groups: tuple[int, ...] = ()) -> list[str]:
+    """A Python process that becomes ``user`` once it imported what tenants
+    use (the interpreter may live where that user cannot read), with
+    supplementary ``groups``, then runs ``code`` (``root``: the checkout)."""
+    prelude = (f"import sys; sys.path.insert(0, {str(root)!r})\n"
+               "import json, os, resource, socket, time, msgspec, zmq\n"
+               "from kvelastic import protocol as p\n"
+               "from tests.daemon.hostile import RawEngine, register_message\n"
+               f"os.setgroups({list(groups)}); os.setgid({user[1]}); os.setuid({user[0]})\n")
+    return [sys.executable, "-c", prelude + code]
+
+
+def open_lifeline(socket_path: str, engine_id: str, rank: int = -1, token: bytes = b"") -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5.0)
     sock.connect(p.fd_socket_path(socket_path))
-    p.write_hello(sock, engine_id, rank)
+    p.write_hello(sock, engine_id, rank, token)
     return sock
 
 
@@ -183,17 +196,22 @@ def register_message(engine_id: str, **kw) -> p.RegisterEngine:
 
 
 class RawEngine:
-    """An engine spoken by hand: a DEALER and a lifeline, nothing else."""
+    """An engine spoken by hand: a DEALER and a lifeline, nothing else. Like a
+    real engine it picks its secret, shows it in its lifeline's hello and in
+    its registration (unless the message names another)."""
 
-    def __init__(self, socket_path: str, engine_id: str) -> None:
+    def __init__(self, socket_path: str, engine_id: str, token: bytes | None = None) -> None:
         self.engine_id = engine_id
-        self.lifeline = open_lifeline(socket_path, engine_id)
+        self.token = os.urandom(16) if token is None else token
+        self.lifeline = open_lifeline(socket_path, engine_id, token=self.token)
         self.sock = dealer(socket_path)
         self._next = 0
 
     def send(self, msg: p.Msg) -> int:
         self._next += 1
         msg.req_id = self._next
+        if isinstance(msg, p.RegisterEngine) and not msg.token:
+            msg.token = self.token
         self.sock.send(p.encode(msg))
         return msg.req_id
 

@@ -56,8 +56,21 @@ def worker_main(cfg: dict) -> None:
     worker.close()
 
 
+def become(user: list[int] | None) -> None:
+    """Run on as another user (a tenant), once everything is imported: the
+    interpreter may live where that user cannot read."""
+    if user:
+        import os
+
+        get_backend(TEST_BACKEND)          # the backend's modules, before the switch
+        os.setgroups([])
+        os.setgid(user[1])
+        os.setuid(user[0])
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
+    become(cfg.get("user"))
     if cfg.get("role") == "worker":
         return worker_main(cfg)
     pool = SlabPool(cfg.get("bps", 4))
@@ -77,6 +90,7 @@ def main() -> None:
                             token=engine.token).start()
                for rank in cfg.get("ranks", range(num_workers))]
     live: list = []
+    in_step: list = []       # workers' step contexts held open (a long model step)
 
     def key(prefix: str, i: int) -> bytes:
         """vLLM-style keys (sha256 + 4-byte group id) or short readable ones."""
@@ -122,6 +136,14 @@ def main() -> None:
         elif op == "end_step":
             with engine.lock:
                 pool.end_step(cmd["n"])
+        elif op == "worker_step":      # the workers enter a model step and stay in it (unmaps wait)
+            for w in workers:
+                ctx = w.step()
+                ctx.__enter__()
+                in_step.append(ctx)
+        elif op == "worker_step_end":
+            while in_step:
+                in_step.pop().__exit__(None, None, None)
         elif op == "flush":
             with engine.lock:
                 engine._flush_journal(sync=True)
@@ -137,7 +159,8 @@ def main() -> None:
             out["state"] = {"slabs": sorted(pool.slab_ids()), "free": pool.num_free,
                             "cached": pool.num_cached, "live": pool.num_live,
                             "mapped": sum(len(w.arena.mapped()) for w in workers),
-                            "reconnects": engine.conn.reconnects, "token": engine.token.hex()}
+                            "reconnects": engine.conn.reconnects, "token": engine.token.hex(),
+                            "failed": getattr(engine, "failed", ""), "hash_seed": engine.hash_seed}
         print(json.dumps(out), flush=True)
     engine.close()
     for worker in workers:

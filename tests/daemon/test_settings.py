@@ -25,7 +25,7 @@ import zmq
 from kvelastic import protocol as p
 from kvelastic.config import VARIABLES
 from tests.daemon.engines import EngineProcess, with_engine_token
-from tests.daemon.hostile import Driver, RawEngine, kv_event_batches, register_message
+from tests.daemon.hostile import Driver, RawEngine, kv_event_batches, register_message, tenant_script
 from tests.daemon_proc import DaemonProcess, wait_for
 
 MiB = 1 << 20
@@ -236,6 +236,32 @@ def _socket_group(node: Node, request: pytest.FixtureRequest) -> None:
     for path in (daemon.socket, p.fd_socket_path(daemon.socket)):
         assert os.stat(path).st_gid == group
     assert os.stat(node.daemon().socket).st_gid == os.getegid()
+
+
+@probe("KVELASTIC_OPERATOR_GROUP")
+def _operator_group(node: Node, request: pytest.FixtureRequest) -> None:
+    """A tenant in the operator group may set limits; one outside it may not."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a tenant of another uid")
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="kvelastic-operators-"))
+    folder.chmod(0o755)
+    request.addfinalizer(lambda: shutil.rmtree(folder, ignore_errors=True))
+    daemon = DaemonProcess(folder, KVELASTIC_SOCKET_GROUP="4242", KVELASTIC_OPERATOR_GROUP="4243").start()
+    node.daemons.append(daemon)
+    root = pathlib.Path(__file__).resolve().parents[2]
+    ask = f"""
+e = RawEngine({daemon.socket!r}, "asker")
+print(e.request(p.SetLimit(engine_id="nobody", min_bytes=0, max_bytes=0)).reason)
+e.close()
+"""
+    for groups, reason in (((4243,), "unknown_engine"), ((), "not_operator")):
+        out = subprocess.run(tenant_script((6003, 4242), ask, root, groups), capture_output=True, text=True,
+                             timeout=60, cwd=root)
+        assert out.stdout.strip() == reason, (groups, out.stdout + out.stderr)
 
 
 @probe("KVELASTIC_MAX_ENGINES")

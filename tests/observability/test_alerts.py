@@ -8,19 +8,23 @@
   no alert for the healthy daemon, KvelasticDaemonDown pending for a target
   that does not answer, and each rule's signal carries the labels its
   annotations name;
-- the README's Alerts table and grafana/README.md keep up with the file.
+- the README's Alerts table and grafana/README.md keep up with the file;
+- KvelasticDaemonDown also fires for a daemon that answers scrapes with a
+  stale snapshot (its loop stuck), and a real daemon's snapshot is fresh.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import subprocess
+import time
 
 import pytest
 import yaml
 
-from tests.daemon.books import parse_metrics
+from tests.daemon.books import parse_metrics, value
 from tests.daemon.engines import EngineProcess
 from tests.daemon_proc import DaemonProcess, free_port, wait_for
 from tests.observability.dashboard import ROOT, is_defined, metric_definitions, metric_names_in
@@ -71,6 +75,46 @@ def test_promtool_check_rules():
 def test_promtool_unit_tests_pass():
     report = promtool("test", "rules", RULES_TEST.name)
     assert "SUCCESS" in report, report
+
+
+STALE_AGE = "kvelastic_snapshot_age_seconds"
+
+
+def test_daemon_down_fires_for_a_stuck_loop_whose_metrics_still_answer(tmp_path):
+    """The unit tests have a case where every scrape succeeds (``up`` 1) but
+    the daemon's snapshot grows old, and KvelasticDaemonDown fires there: with
+    the rule file it passes, and with the rule's stale-snapshot half removed it
+    fails (the case proves that half)."""
+    spec = yaml.safe_load(RULES_TEST.read_text())
+    cases = [t for t in spec["tests"]
+             if any(s["series"].startswith(STALE_AGE + "{") for s in t["input_series"])
+             and all(re.fullmatch(r"1\+0x\d+", s["values"].strip())
+                     for s in t["input_series"] if s["series"].startswith("up{"))
+             and any(c["alertname"] == "KvelasticDaemonDown" and c.get("exp_alerts")
+                     for c in t["alert_rule_test"])]
+    assert len(cases) == 1, "no unit test of KvelasticDaemonDown for a stale snapshot while scrapes succeed"
+    (down,) = [r for r in rules() if r["alert"] == "KvelasticDaemonDown"]
+    assert re.search(STALE_AGE + r"\s*>\s*30\b", down["expr"]), down["expr"]
+
+    def run(rule_file) -> subprocess.CompletedProcess:
+        test = dict(spec, rule_files=[str(rule_file)], tests=cases)
+        path = tmp_path / f"{rule_file.stem}.test.yml"
+        path.write_text(yaml.safe_dump(test, sort_keys=False))
+        if PROMTOOL is None:
+            pytest.skip(NO_PROMTOOL)
+        return subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+
+    out = run(RULES)
+    assert out.returncode == 0, out.stdout + out.stderr
+    without = copy.deepcopy(yaml.safe_load(RULES.read_text()))
+    for r in without["groups"][0]["rules"]:
+        if r.get("alert") == "KvelasticDaemonDown":
+            r["expr"] = f'up{{job="{JOB}"}} == 0'
+    mutant = tmp_path / "up-only.yml"
+    mutant.write_text(yaml.safe_dump(without, sort_keys=False))
+    out = run(mutant)
+    assert out.returncode != 0 and "KvelasticDaemonDown" in out.stdout + out.stderr, \
+        "the stale-snapshot case passes without the rule's stale-snapshot half"
 
 
 # ----------------------------------------------------------------- structure
@@ -165,7 +209,22 @@ def test_every_metric_a_rule_reads_is_exported_by_the_daemon(node):
         assert not missing, f"{r['alert']} reads {sorted(missing)}; /metrics has no such series"
         read |= used
     assert {"kvelastic_engine_starved_seconds", "kvelastic_slab_thrash_total", "kvelastic_quarantined_bytes",
-            "kvelastic_rejected_messages_total", "kvelastic_demand_wait_seconds_bucket"} <= read, read
+            "kvelastic_rejected_messages_total", "kvelastic_demand_wait_seconds_bucket", STALE_AGE} <= read, read
+
+
+def test_a_running_daemon_exports_a_fresh_snapshot_age(node):
+    """The loop publishes its snapshot every 0.1 s: over 2 s of scrapes, the
+    age /metrics reports stays well under a second (a snapshot never published
+    again would be 2 s old by the end)."""
+    daemon = node["daemon"]
+    started, ages = time.monotonic(), []
+
+    def scraped_for_2s() -> bool:
+        ages.append(value(parse_metrics(daemon.metrics()), STALE_AGE))
+        return time.monotonic() - started >= 2.0
+
+    wait_for(scraped_for_2s, timeout=10, interval=0.1, what="2 s of scrapes")
+    assert len(ages) >= 5 and all(0.0 <= age < 1.0 for age in ages), ages
 
 
 @pytest.mark.slow
