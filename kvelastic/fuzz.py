@@ -15,6 +15,21 @@ that crashes the daemon is reproduced by the same seed and frame number.
 ``send_multipart``); ``Fuzzer.channel()`` what one page-channel connection
 sends (``kvelastic.bench.fuzzdrive`` drives both, ``kvelastic bench fuzz``
 and ``tests/daemon/test_fuzz.py`` use it).
+
+Sequence mode (``Sequences``): frames one at a time test each message's
+checks; a daemon's books break in *sequences* of well-formed messages, such
+as an engine id registered again while its last registration still waits
+for its workers' unmaps. ``Sequences(seed, ...).sessions(client)`` plans what one
+client does, session after session: register an engine (its id from a small
+pool, so ids are reused, often at once), open its lifeline and its workers'
+page channels with or without the right secret, grow, journal (valid, and
+hostile but valid: slabs it does not hold, huge block ids, ``AddSlab`` of
+any id, many keys), return, answer reclaims, acknowledge maps and unmaps on
+time, late or never, and leave (unregister, close abruptly, its lifeline
+first, its workers first, a worker killed). Values are type-valid and often
+extreme (``fuzzvalues.hostile_ints``). Every choice of a plan comes from the
+seed, whatever the daemon answers; ``kvelastic.bench.fuzzseq`` carries plans
+out against a real daemon.
 """
 
 from __future__ import annotations
@@ -22,15 +37,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import os
 import random
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import msgspec.inspect as mi
 
 from kvelastic import protocol as p
-from kvelastic.fuzzvalues import NAME_CHARS, Slot, ValueBuilder
+from kvelastic.fuzzvalues import NAME_CHARS, Slot, ValueBuilder, hostile_ints
 
 KINDS = ("random_bytes", "valid", "mutated", "boundary_int", "invalid_utf8", "deep_nesting", "wrong_type",
          "unknown_field", "truncated", "oversize", "multi_frame")
@@ -278,16 +295,22 @@ class Fuzzer:
         return kind, ChannelPlan(b"")
 
 
+HINT_TOKEN = b"kvelastic-fuzz-hinted-secret-32b"     # 32 bytes
+
+
 def daemon_hints(page_size: int, pid: int) -> dict[type, dict[str, Any]]:
     """Hints for a daemon of ``page_size`` pages: worker-less engines of one
     page per slab (they need no page channel to be granted memory), claiming
-    process ``pid``, that grow one slab at a time. Only fields the protocol
-    still has are used, so a changed protocol needs no change here."""
+    process ``pid``, that grow one slab at a time, with a secret of the
+    length a daemon asks of a new engine (one for all: a registration of an
+    id again is then a reconnection). Only fields the protocol still has are
+    used, so a changed protocol needs no change here."""
+    token = HINT_TOKEN
     wanted: dict[type[msgspec.Struct], dict[str, Any]] = {
         p.RegisterEngine: dict(version=p.PROTOCOL_VERSION, pid=pid, page_size=page_size, pages_per_worker=1,
                                num_workers=0, blocks_per_slab=4, block_bytes=page_size // 4, device="",
-                               min_bytes=0, max_bytes=0, held=[], occupancy={}),
-        p.RegisterWorker: dict(version=p.PROTOCOL_VERSION, rank=0, pid=pid, device="", mapped=[]),
+                               min_bytes=0, max_bytes=0, held=[], occupancy={}, token=token),
+        p.RegisterWorker: dict(version=p.PROTOCOL_VERSION, rank=0, pid=pid, device="", mapped=[], token=token),
         p.Grow: dict(slabs=1, demand=True)}
     return {cls: {k: v for k, v in hints.items() if k in cls.__struct_fields__} for cls, hints in wanted.items()}
 
@@ -297,3 +320,174 @@ def _rekey(slot: Slot, new: Any) -> None:
     d = slot.parent
     if slot.key in d:
         d[new] = d.pop(slot.key)
+
+
+# ----------------------------------------------------------- sequence mode
+# Each kind of step a session takes, with its weight.
+ACTIONS = {"grow": 20, "journal": 15, "journal_hostile": 10, "return": 12, "heartbeat": 4, "wait": 12,
+           "impostor": 6, "operator": 3, "status": 2, "reregister": 4, "extra_lifeline": 3, "hostile_hello": 5,
+           "busy": 2, "close_worker": 2, "kill_worker": 3}
+# How a session ends. ``lifeline_first`` and ``unregister_linger`` leave its
+# workers behind for a while (unmaps due), which is when a reused id hurts.
+ENDINGS = {"unregister": 20, "close_all": 15, "lifeline_first": 25, "unregister_linger": 15, "silent": 8,
+           "kill9": 10, "workers_first": 7}
+ACKS = {"on_time": 62, "late": 16, "never": 8, "error": 5, "twice": 5, "wrong_slab": 4}
+# Unmaps are where a departing engine waits: more of them late or never.
+UNMAP_ACKS = {"on_time": 50, "late": 25, "never": 13, "twice": 5, "wrong_slab": 4, "error": 3}
+RECLAIM_ANSWERS = {"give": 40, "refuse": 10, "some": 10, "late": 10, "never": 8, "hostile_cached": 10,
+                   "wrong_id": 6, "extra": 6}
+NAMESPACES = ("seq-ns-a", "seq-ns-b", "seq-ns-c")
+
+
+def _pick(rng: random.Random, weights: dict[str, int]) -> str:
+    return rng.choices(list(weights), weights=list(weights.values()))[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPlan:
+    """One worker of a session's engine."""
+
+    rank: int            # the rank its RegisterWorker claims
+    hello_rank: int      # the rank its page channel's hello shows
+    channel: str         # "right" (its engine's secret), "wrong_token", "no_token", "none", "after" (late)
+    register_token: str  # "right", "wrong"
+    maps: str            # how it acknowledges a MapSlab: one of ``ACKS``
+    unmaps: str          # and an UnmapSlab
+    delay: float         # how late a late acknowledgement is (seconds)
+    fds: str             # page descriptors: "close" them, "keep" them (until it goes), leave them "unread"
+    process: bool        # a real ``WorkerClient`` in a child process (acks on time; may be killed -9)
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionPlan:
+    """What one client does with one engine registration, from start to end."""
+
+    client: int
+    index: int
+    seed: int            # of the session's own choices (which slab, which key), made as it runs
+    engine_id: str
+    namespace: str
+    fields: dict[str, Any]   # RegisterEngine's other fields (geometry, limits, held, pid, device)
+    hostile: tuple[str, ...]  # the fields given an extreme value
+    token: bytes         # the engine's own secret ("" or short: refused by a daemon that wants 16+ bytes)
+    lifeline: str        # "before" (registering), "after", "none", "wrong_token", "twice"
+    workers: tuple[WorkerPlan, ...]
+    reclaims: str        # how it answers a Reclaim: one of ``RECLAIM_ANSWERS``
+    actions: tuple[tuple[str, int], ...]   # (action, its own seed)
+    ending: str
+    linger: float        # seconds its workers (or the whole engine, when silent) stay after the ending
+    pattern: str = ""    # a session of a planned pair ("reuse_race:1", "reuse_race:2")
+
+
+class Sequences:
+    """Seeded session plans for the clients of a sequence fuzz. ``ids``: the
+    pool of engine ids (few, so they are reused); ``victims``: ids that
+    impostors and hostile hellos aim at besides the pool's (the legitimate
+    engine's), never registered by the fuzz."""
+
+    def __init__(self, seed: int, page_size: int, budget_bytes: int, ids: int = 5,
+                 victims: tuple[str, ...] = (), ack_timeout: float = p.ACK_TIMEOUT) -> None:
+        self.seed, self.page_size, self.budget = seed, page_size, budget_bytes
+        self.ids = tuple(f"seq-{i}" for i in range(ids))
+        self.victims = victims
+        self.ack_timeout = ack_timeout
+        self.extreme = hostile_ints(page_size, budget_bytes)
+
+    def sessions(self, client: int) -> Iterator[SessionPlan]:
+        """Client ``client``'s sessions, in order (endless)."""
+        rng = random.Random(f"{self.seed}/sequences/{client}")
+        last = rng.choice(self.ids)
+        index = itertools.count()
+        while True:
+            if rng.random() < 0.15:
+                yield from self.reuse_race(rng, client, index, last)
+            else:
+                plan = self.session(rng, client, next(index), last)
+                last = plan.engine_id
+                yield plan
+
+    def reuse_race(self, rng: random.Random, client: int, index: Iterator[int],
+                   engine_id: str) -> tuple[SessionPlan, SessionPlan]:
+        """The reviewer's sequence, planned: an engine leaves while its worker
+        holds back its unmaps (late or never, then its channel stays open a
+        while); its id is registered again at once, and that engine leaves
+        too, the first one still departing."""
+        page = self.page_size
+        sane = dict(pid=os.getpid(), pages_per_worker=1, num_workers=1, blocks_per_slab=4, block_bytes=page // 4,
+                    device="", block_tokens=16, key_group_suffix=False, min_bytes=0, max_bytes=0, held=[],
+                    occupancy={})
+        worker = dataclasses.replace(self._worker(rng, 0, 1), rank=0, hello_rank=0, channel="right",
+                                     register_token="right", maps="on_time", unmaps=rng.choice(("late", "never")),
+                                     fds="close", process=False)
+        first = dataclasses.replace(
+            self.session(rng, client, next(index), engine_id), engine_id=engine_id, fields=sane, hostile=(),
+            token=rng.randbytes(32), lifeline="before", workers=(worker,),
+            actions=(("grow", rng.getrandbits(32)), ("journal", rng.getrandbits(32))),
+            ending=rng.choice(("lifeline_first", "unregister_linger")),
+            linger=rng.uniform(1.0, 2.5) * self.ack_timeout, pattern="reuse_race:1")
+        second = dataclasses.replace(
+            self.session(rng, client, next(index), engine_id), engine_id=engine_id, token=rng.randbytes(32),
+            lifeline="before", actions=(("grow", rng.getrandbits(32)),),
+            ending=rng.choice(("close_all", "lifeline_first", "unregister")), linger=0.0, pattern="reuse_race:2")
+        return first, second
+
+    def session(self, rng: random.Random, client: int, index: int, last: str) -> SessionPlan:
+        engine_id = last if rng.random() < 0.6 else rng.choice(self.ids)
+        if self.victims and rng.random() < 0.03:
+            engine_id = rng.choice(self.victims)        # someone else's: refused without its secret
+        fields, hostile = self._registration(rng)
+        r = rng.random()
+        token = rng.randbytes(rng.randint(16, 64)) if r < 0.8 else b"" if r < 0.9 else rng.randbytes(rng.randint(1, 15))
+        lifeline = rng.choices(("before", "after", "none", "wrong_token", "twice"), (65, 10, 10, 10, 5))[0]
+        n = fields["num_workers"]
+        workers = tuple(self._worker(rng, rank, n) for rank in range(min(n, 3)))
+        if rng.random() < 0.2:        # brief: it grows and goes, so that its id comes back while it departs
+            actions: tuple[tuple[str, int], ...] = (("grow", rng.getrandbits(32)),)
+            ending = rng.choice(("close_all", "lifeline_first", "unregister", "kill9"))
+        else:
+            first = (("grow", rng.getrandbits(32)),) if rng.random() < 0.7 else ()
+            actions = first + tuple((_pick(rng, ACTIONS), rng.getrandbits(32)) for _ in range(rng.randint(1, 10)))
+            ending = _pick(rng, ENDINGS)
+        linger = rng.choice((0.0, 0.2, 0.5, 1.0)) * self.ack_timeout + rng.random() * self.ack_timeout
+        return SessionPlan(client, index, rng.getrandbits(32), engine_id, rng.choice(NAMESPACES), fields, hostile,
+                           token, lifeline, workers, _pick(rng, RECLAIM_ANSWERS), actions, ending, linger)
+
+    def _registration(self, rng: random.Random) -> tuple[dict[str, Any], tuple[str, ...]]:
+        page = self.page_size
+        workers = rng.choice((0, 1, 1, 2))
+        per_worker = rng.choice((1, 1, 2))
+        blocks = rng.choice((4, 8, 16))
+        fields: dict[str, Any] = dict(
+            pid=os.getpid(), pages_per_worker=per_worker, num_workers=workers, blocks_per_slab=blocks,
+            block_bytes=per_worker * page // blocks, device="", block_tokens=16,
+            key_group_suffix=rng.random() < 0.5, min_bytes=0, max_bytes=0, held=[], occupancy={})
+        if rng.random() < 0.15:
+            fields["min_bytes"] = rng.randint(1, 3) * page * per_worker * max(1, workers)
+        if rng.random() < 0.15:
+            fields["max_bytes"] = rng.randint(1, 4) * page * per_worker * max(1, workers)
+        if rng.random() < 0.08:       # adoption: slabs it says it held under an earlier daemon
+            fields["held"] = sorted(rng.sample(range(6), rng.randint(1, 3)))
+            fields["occupancy"] = {s: [0, 0, blocks] for s in fields["held"] if rng.random() < 0.5}
+        hostile: list[str] = []
+        if rng.random() < 0.35:       # one to three fields at an extreme
+            for name in rng.sample(sorted(self.extreme.keys() & fields.keys()), rng.randint(1, 3)):
+                fields[name] = rng.choice(self.extreme[name])
+                hostile.append(name)
+            if "blocks_per_slab" in hostile and rng.random() < 0.5:
+                fields["block_bytes"] = 1              # 2**40 blocks of one byte: all in one page, it says
+        if rng.random() < 0.03:
+            fields["device"] = rng.choice(("nope", "1", "0"))
+            hostile.append("device")
+        return fields, tuple(hostile)
+
+    def _worker(self, rng: random.Random, rank: int, workers: int) -> WorkerPlan:
+        claimed = rank if rng.random() < 0.92 else rng.choice((-1, workers, *self.extreme["rank"]))
+        hello = claimed if rng.random() < 0.9 else rng.choice((-1, -2, claimed + 1, *self.extreme["rank"]))
+        return WorkerPlan(
+            rank=claimed, hello_rank=hello,
+            channel=rng.choices(("right", "wrong_token", "no_token", "none", "after"), (85, 4, 4, 3, 4))[0],
+            register_token="right" if rng.random() < 0.93 else "wrong",
+            maps=_pick(rng, ACKS), unmaps=_pick(rng, UNMAP_ACKS),
+            delay=round(rng.uniform(0.1, 2.5) * self.ack_timeout, 3),
+            fds=rng.choices(("close", "keep", "unread"), (90, 7, 3))[0],
+            process=rng.random() < 0.12)

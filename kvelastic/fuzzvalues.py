@@ -159,3 +159,34 @@ def names(lo: int, hi: int | None, avoid: frozenset[str], seed: int = 0) -> list
         if name not in avoid:
             pool.append(name)
     return pool
+
+
+# ------------------------------------------------- hostile but valid values
+# Type-valid values at the edges of what a field can mean: every one decodes
+# (where the protocol bounds a field, as a rank, a value past the bound is
+# a refusal of its own), and a daemon must refuse it or live with it, whatever
+# it costs to compute with. The sequence fuzzer (``kvelastic.fuzz.Sequences``)
+# puts them in otherwise well-formed registrations, grows, journals and hellos.
+def hostile_ints(page_size: int, budget_bytes: int) -> dict[str, tuple[int, ...]]:
+    """Field name -> its extreme values, for a daemon of ``page_size`` pages
+    and a ``budget_bytes`` device budget."""
+    pages = max(1, budget_bytes // page_size)
+    big = (2**31 - 1, 2**40, 2**62, 2**63 - 1)
+    return {
+        "blocks_per_slab": (1, 3, 2**20, 2**31, 2**40, 2**62),
+        "block_bytes": (1, 3, page_size + 1, 2**40),
+        "pages_per_worker": (2, pages, pages + 1, 2**20, 2**40),
+        "num_workers": (3, 64, 1023, 1024, 2**31),
+        "min_bytes": (1, page_size, budget_bytes - page_size, budget_bytes, budget_bytes + 1, 2**62),
+        "max_bytes": (1, page_size - 1, page_size, budget_bytes, 2**63 - 1),
+        "block_tokens": (1, 2**20, 2**40, 2**63 - 1, -1),
+        "pid": (0, 1, -1, 2**31 - 1, -(2**63)),
+        # A hello's or a worker's rank: -1 is the engine's lifeline, below it nothing.
+        "rank": (-1, -2, -3, -(2**31), -(2**63), 1023, 1024, 2**31, 2**63 - 1),
+        "slab": (2**20, 2**31, *big),
+        "block": (2**31, *big),
+        "step": (2**31, 2**62, 2**63 - 1),
+        "grow": (4096, 4097, 2**31, 2**63 - 1),
+        "stat": (-1, -(2**63), 2**63 - 1),
+        "offset": (2**20, 2**40, 2**62),
+    }

@@ -9,16 +9,27 @@ drop them, and the counts would lie). At every checkpoint a ``Status`` from a
 fresh DEALER must be answered within ``PROBE_TIMEOUT`` (else: a hang), and a
 ``Status`` on each fuzzing DEALER (answered in order, after every frame sent
 before it) settles the books.
+
+Shared with the sequence mode (``fuzzseq``): ``StatusProbe`` (``Status``
+latency from a process of its own, all run long), ``books`` (does every page
+the daemon created have a place?), ``page_handles`` (the pages it really
+holds) and ``Legit``, the legitimate engine beside the fuzz.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
+import logging
 import math
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,7 +38,9 @@ import zmq
 
 from kvelastic import protocol as p
 from kvelastic.bench.daemon import cpu_seconds, rss_bytes
+from kvelastic.figures import percentile
 from kvelastic.fuzz import Fuzzer
+from kvelastic.vmm.base import DEFAULT_PAGE_SIZE
 
 PROBE_TIMEOUT = 2.0
 SYNC_TIMEOUT = 10.0
@@ -287,3 +300,244 @@ def beyond_maxmsgsize(socket_path: str, count: int = 2) -> None:
         time.sleep(0.2)
     finally:
         sock.close(0)
+
+
+# ------------------------------------------------- what the fuzz modes share
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rejected_total(port: int) -> float:
+    """Sum of ``kvelastic_rejected_messages_total`` over every reason."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvelastic_rejected_messages_total{"))
+
+
+def tracebacks(log_path: str) -> tuple[int, str]:
+    """Tracebacks in a daemon's log: how many, and the first with its context."""
+    with open(log_path, errors="replace") as f:
+        text = f.read()
+    first = text.find("Traceback")
+    return text.count("Traceback"), text[max(0, first - 300):first + 2000] if first >= 0 else ""
+
+
+def status(socket_path: str, timeout: float = PROBE_TIMEOUT) -> p.StatusReport | None:
+    """The daemon's status from a fresh DEALER (None: no answer in time)."""
+    sock = dealer(socket_path)
+    try:
+        sock.send(p.encode(p.Status(req_id=1)))
+        if not sock.poll(int(timeout * 1000)):
+            return None
+        reply = p.decode(sock.recv())
+        return reply.status if isinstance(reply, p.StatusReply) else None
+    finally:
+        sock.close(0)
+
+
+def books(report: p.StatusReport) -> dict[str, int]:
+    """Does every page have a place? In pages, summed over devices:
+    ``unbooked`` counts against the budget (created or adopted) yet is free
+    nowhere, held by no engine record (departing and failed ones included)
+    and kept as nobody's cache: lost. It is 0 at every ``Status``, whatever
+    is going on (the loop answers between inputs, never inside one)."""
+    ps = report.page_size
+    out = {"created": 0, "free": 0, "adopted": 0, "held": 0, "orphaned": 0, "quarantined": 0, "unbooked": 0}
+    for d in report.devices:
+        row = {"created": d.pages.created, "free": d.pages.free, "adopted": d.pages.adopted,
+               "held": d.memory.held // ps, "orphaned": getattr(d.memory, "orphaned", 0) // ps,
+               "quarantined": d.pages.quarantined}
+        row["unbooked"] = row["created"] + row["adopted"] - row["free"] - row["held"] - row["orphaned"]
+        for k, v in row.items():
+            out[k] += v
+    return out
+
+
+def page_handles(pid: int) -> int:
+    """Pages the daemon's process really holds (host backend: memfds)."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:kvelastic-page")
+        except OSError:
+            pass
+    return n
+
+
+class StatusProbe:
+    """``Status`` every ``interval`` seconds from a process of its own (a
+    fresh DEALER each time, as the CLI does), so the fuzz's own threads never
+    delay the measurement. ``latencies``: seconds each took, ``inf`` for one
+    not answered within ``timeout`` (a hang)."""
+
+    def __init__(self, socket_path: str, interval: float = 0.02, timeout: float = PROBE_TIMEOUT) -> None:
+        self.timeout = timeout
+        self.latencies: list[float] = []
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvelastic.bench.fuzzdrive", "probe", socket_path,
+                                      str(interval), str(timeout)], stdout=subprocess.PIPE, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.latencies.append(float(line))
+
+    def unanswered_in_a_row(self) -> int:
+        n = 0
+        for latency in reversed(self.latencies):
+            if latency <= self.timeout:
+                break
+            n += 1
+        return n
+
+    def stop(self) -> dict[str, Any]:
+        """Stop it; its figures (milliseconds; ``hangs``: probes not answered in time)."""
+        self.proc.terminate()
+        self.proc.wait(10)
+        self._reader.join(5)
+        answered = [x for x in self.latencies if x <= self.timeout]
+        return {"probes": len(self.latencies), "hangs": len(self.latencies) - len(answered),
+                "status_p50_ms": round(percentile(answered, 0.5) * 1e3, 2),
+                "status_p99_ms": round(percentile(answered, 0.99) * 1e3, 2),
+                "status_max_ms": round(max(answered, default=0.0) * 1e3, 2)}
+
+
+def _probe_main(socket_path: str, interval: float, timeout: float) -> None:
+    while True:
+        latency = probe(socket_path, timeout)
+        print("inf" if math.isinf(latency) else f"{latency:.6f}", flush=True)
+        time.sleep(interval)
+
+
+LEGIT_ID = "fuzz-legitimate-engine"        # longer than any generated name: never fuzzed by accident
+LEGIT_NAMESPACE = "fuzz-legitimate-namespace"
+
+
+class Legit:
+    """The legitimate engine beside a fuzz: an ``EngineClient`` and a
+    ``WorkerClient`` in this process holding ``slabs`` slabs (guaranteed, and
+    every block live, so neither reclaim nor its own idle decay takes them),
+    written with a pattern. ``check`` says whether the fuzz left it as it was
+    and it still grows, writes, reads and returns a new slab."""
+
+    def __init__(self, socket_path: str, slabs: int = 3, page_size: int = DEFAULT_PAGE_SIZE) -> None:
+        from kvelastic.client.engine import EngineClient
+        from kvelastic.client.worker import WorkerClient
+        from kvelastic.core.pool import SlabPool
+        from kvelastic.vmm import get_backend
+
+        self.page_size, self.blocks = page_size, 8
+        self.warnings: list[str] = []        # what its clients logged (a dropped engine says so)
+        self._log = _Collect(self.warnings)
+        logging.getLogger("kvelastic.client").addHandler(self._log)
+        self.engine = EngineClient(SlabPool(self.blocks), socket_path=socket_path, engine_id=LEGIT_ID,
+                                   namespace=LEGIT_NAMESPACE, page_size=page_size, pages_per_worker=1,
+                                   num_workers=1, block_bytes=page_size // self.blocks, low_watermark=0,
+                                   keep_idle_slabs=slabs, shrink_grace=3600, min_bytes=slabs * page_size).start()
+        try:
+            self.worker = WorkerClient(get_backend("host"), socket_path=socket_path, engine_id=LEGIT_ID, rank=0,
+                                       token=self.engine.token).start()
+        except BaseException:
+            self.engine.close()
+            logging.getLogger("kvelastic.client").removeHandler(self._log)
+            raise
+        try:
+            if not self.engine.ensure(self.blocks * slabs, timeout=10):
+                raise RuntimeError("the legitimate engine could not grow")
+            with self.engine.lock:
+                self.engine.pool.allocate(self.blocks * slabs)      # all live: its slabs never go
+            self.held = sorted(self.engine.pool.slab_ids())
+            self.written = self.pages(self.held, 0xA7)
+            time.sleep(0.5)                   # its journal and heartbeats settle
+            self.before = self.status()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pages_held(self) -> int:
+        return len(self.held)
+
+    def status(self) -> dict:
+        reply = self.engine.conn.call(p.Status())
+        if not isinstance(reply, p.StatusReply):
+            raise ValueError(f"no status: {reply!r}")
+        [mine] = [e for e in reply.status.engines if e.engine_id == LEGIT_ID]
+        # these two follow the clock, not the engine
+        return {k: v for k, v in msgspec.to_builtins(mine).items() if k not in ("idle", "starved_seconds")}
+
+    def pages(self, slabs: list[int], value: int | None) -> list[int]:
+        """Write ``value`` (unless None) to the first and last byte of every
+        page of ``slabs`` in the worker's arena, then read them back."""
+        out = []
+        with self.worker._mu:
+            offsets = [o for s in slabs for o in self.worker.slabs.get(s, [])]
+        for offset in offsets:
+            for at in (offset, offset + self.page_size - 1):
+                cell = ctypes.c_uint8.from_address(self.worker.reserved_arena().base + at)
+                if value is not None:
+                    cell.value = value
+                out.append(cell.value)
+        return out
+
+    def check(self) -> dict[str, Any]:
+        """Its books, its data, and a new slab grown, served and returned."""
+        out: dict[str, Any] = {}
+        try:
+            after = self.status()
+        except Exception as exc:  # noqa: BLE001 - gone, or no answer: a finding, not a fuzz failure
+            after = {"error": repr(exc)}
+        out["status_unchanged"] = after == self.before
+        if not out["status_unchanged"]:
+            out["status_diff"] = {k: (v, after.get(k)) for k, v in self.before.items() if after.get(k) != v}
+        out["pages_intact"] = self.pages(self.held, None) == self.written
+        out["reconnects"] = self.engine.conn.reconnects + self.worker.conn.reconnects
+        try:
+            reply = self.engine.conn.call(p.Grow(engine_id=LEGIT_ID, slabs=1, demand=True), 10.0)
+        except Exception as exc:  # noqa: BLE001 - a refused or unanswered grow is a finding, not a fuzz failure
+            reply = p.Error(reason="client", message=repr(exc))
+        slabs = list(reply.slabs) if isinstance(reply, p.Granted) else []
+        grew = len(slabs) == 1
+        served = grew and self.pages(slabs, 0x5A) == [0x5A, 0x5A]
+        try:
+            back = self.engine.conn.call(p.Return(engine_id=LEGIT_ID, slabs=slabs), 10.0) if grew else None
+        except Exception:  # noqa: BLE001 - as above
+            back = None
+        out.update(grew=grew, served=served, returned=isinstance(back, p.Ok))
+        out["ok"] = all(out[k] for k in ("status_unchanged", "pages_intact", "grew", "served", "returned"))
+        out["client_warnings"] = len(self.warnings)
+        if self.warnings:
+            out["client_warning_examples"] = sorted(set(self.warnings))[:5]
+        return out
+
+    def close(self, unregister: bool = True) -> None:
+        """``unregister``: False when the daemon is dead or frozen (nobody would answer)."""
+        try:
+            if unregister:
+                self.engine.close()      # unregisters first: its worker's channel closing is then no failure
+                self.worker.close()
+            else:
+                self.engine.conn.close()
+                self.worker.conn.close()
+        finally:
+            logging.getLogger("kvelastic.client").removeHandler(self._log)
+
+
+class _Collect(logging.Handler):
+    """Warnings of the legitimate engine's clients, kept (at most 1,000) instead of printed."""
+
+    def __init__(self, into: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.into) < 1000:
+            self.into.append(record.getMessage()[:300])
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["probe"]:
+    _probe_main(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]))

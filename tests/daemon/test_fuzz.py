@@ -1,9 +1,15 @@
 """The structure-aware fuzzer (``kvelastic.fuzz``) against a real daemon
 (Step 7): no frame or page-channel connection crashes it, hangs it, or grows
 it, every refusal is counted, and a legitimate engine beside the fuzz keeps
-its slabs, its data and its status, and still grows, serves and shrinks."""
+its slabs, its data and its status, and still grows, serves and shrinks.
+
+Its sequence mode (issue 21): well-formed protocol sequences from several
+clients, engine ids reused while their last engines still depart, and
+hostile-but-valid values lose no page, crash and hang nothing, and leave
+the legitimate engine as it was."""
 
 import collections
+import itertools
 import os
 
 import msgspec
@@ -153,3 +159,80 @@ def test_a_fuzzed_daemon_lives_counts_and_keeps_its_engine(daemon):
 def _engine(daemon) -> dict:
     [mine] = [e for e in daemon.status()["engines"] if e["engine_id"] == LEGIT]
     return {k: v for k, v in mine.items() if k not in ("idle", "starved_seconds")}   # these follow the clock
+
+
+# ------------------------------------------------------------ sequence mode
+BUDGET = 64 * MiB
+
+
+def test_sequence_plans_are_seeded_reuse_ids_and_reach_every_step():
+    from kvelastic.bench import fuzzseq
+
+    seq = fuzz.Sequences(5, PAGE, BUDGET, victims=(LEGIT,))
+    plans = list(itertools.islice(seq.sessions(0), 400))
+    # a seed replays the same plans, client by client; another client plans otherwise
+    assert plans == list(itertools.islice(fuzz.Sequences(5, PAGE, BUDGET, victims=(LEGIT,)).sessions(0), 400))
+    assert plans[:20] != list(itertools.islice(seq.sessions(1), 20))
+    # few ids, often the last one again at once (while its engine may still be departing)
+    assert {s.engine_id for s in plans} <= set(seq.ids) | {LEGIT}
+    again = sum(a.engine_id == b.engine_id for a, b in zip(plans, plans[1:]))
+    assert again > len(plans) * 0.5, again
+    assert {name for s in plans for name, _ in s.actions} == set(fuzz.ACTIONS)
+    assert {s.ending for s in plans} == set(fuzz.ENDINGS)
+    assert {s.reclaims for s in plans} == set(fuzz.RECLAIM_ANSWERS)
+    workers = [w for s in plans for w in s.workers]
+    assert {w.maps for w in workers} == set(fuzz.ACKS) and {w.unmaps for w in workers} == set(fuzz.UNMAP_ACKS)
+    assert {w.channel for w in workers} == {"right", "wrong_token", "no_token", "none", "after"}
+    assert any(w.process for w in workers) and any(w.hello_rank < -1 for w in workers)
+    assert {len(s.token) >= p.MIN_TOKEN for s in plans} == {True, False}
+    # hostile but valid: extreme values in registrations that still decode as what they are
+    extreme = fuzz.hostile_ints(PAGE, BUDGET)
+    hostile = collections.Counter(name for s in plans for name in s.hostile)
+    assert set(hostile) >= {"blocks_per_slab", "block_bytes", "pages_per_worker", "num_workers", "min_bytes",
+                            "max_bytes"}, hostile
+    assert any(s.fields["blocks_per_slab"] >= 2**40 for s in plans)
+    for s in plans:
+        fields = {k: v for k, v in s.fields.items() if k in p.RegisterEngine.__struct_fields__}
+        msg = p.RegisterEngine(version=p.PROTOCOL_VERSION, engine_id=s.engine_id, namespace=s.namespace,
+                               page_size=PAGE, token=s.token, **fields)
+        assert type(p.decode(p.encode(msg))) is p.RegisterEngine
+    assert all(isinstance(v, int) for values in extreme.values() for v in values)
+    assert fuzzseq.DAEMON_TIMING["KVELASTIC_ORPHAN_CACHE_TTL"] != "0"   # kept cache (and its walks) is reached
+
+
+def test_books_count_a_page_that_has_no_place():
+    def report(created, free, held, orphaned=0, adopted=0):
+        memory = p.MemoryStatus(held=held * PAGE, cached=0, free=free * PAGE, unallocated=0, orphaned=orphaned * PAGE)
+        pages = p.PageCounts(created=created, free=free, adopted=adopted)
+        device = p.DeviceStatus(device="0", backend="host", budget_bytes=BUDGET, memory=memory, pages=pages)
+        return p.StatusReport(device="0", backend="host", page_size=PAGE, budget_bytes=BUDGET, memory=memory,
+                              pages=pages, devices=[device], engines=[])
+
+    assert fd.books(report(10, 4, 4, 2))["unbooked"] == 0
+    assert fd.books(report(10, 4, 4, 0))["unbooked"] == 2            # two pages in no record: lost
+    assert fd.books(report(10, 4, 7, 0, adopted=3))["unbooked"] == 2  # adopted pages are held, not created
+
+
+@pytest.mark.slow
+def test_hostile_sequences_lose_no_page_and_hang_nothing():
+    """Several clients, five engine ids reused while their last engines still
+    depart, extreme values, late and missing acks, impostors, kill -9: the
+    daemon neither crashes nor hangs, every page keeps a place all along, none
+    is held once everyone left, and the legitimate engine is untouched."""
+    from kvelastic.bench import fuzzseq
+
+    out = fuzzseq.run(quick=True, seed=2024)
+    counts = out["counts"]
+    where = {k: out.get(k) for k in ("first_unbooked", "trace_before_the_freeze", "log_before_the_freeze",
+                                     "trace_before_the_first_hang", "first_traceback")}
+    assert out["crashes"] == 0 and out["hangs"] == 0, where
+    assert out["unbooked_pages_max"] == 0 and out["pages_lost"] == 0, (out.get("end"), where)
+    assert out["handles_not_in_books"] == 0 and out["daemon_log_tracebacks"] == 0, where
+    assert not counts.get("problems"), counts.get("problems")        # no internal error, no fuzzer bug
+    assert out["legitimate_engine"]["ok"], out["legitimate_engine"]
+    assert out["end"]["engines"] == [LEGIT] and out["end"]["held"] == out["end"]["legit_pages"]
+    # it went where it should: ids reused while departing, extreme engines admitted, every way out taken
+    registrations = counts["registrations"]
+    assert registrations.get("reused_while_departing", 0) > 0 and registrations.get("accepted:extreme", 0) > 0
+    assert len(counts["endings"]) >= 5 and counts["acks"] and counts["sent"]["Journal"], counts
+    assert 0 < out["status_p99_ms"] < fd.PROBE_TIMEOUT * 1e3 and out["probes"] > 100
