@@ -27,6 +27,7 @@ import msgspec
 
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
+from kvelastic.daemon.growth import MAX_GROW
 from kvelastic.daemon.state import EngineRecord, Phase
 from kvelastic.sim.engine import BUSY
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
@@ -39,7 +40,6 @@ NAMESPACE = "hostile"        # its own: nothing it keeps reaches another namespa
 HUGE = (1 << 31, 1 << 40, 1 << 62, (1 << 63) - 1)
 BOUNDED = (1 << 12, 1 << 16)          # without a watchdog (not the main thread): walks stay short
 REASONS = {r.value for r in p.Reason}
-MAX_GROW = 4096
 
 
 @dataclasses.dataclass(eq=False)

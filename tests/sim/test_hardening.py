@@ -7,7 +7,6 @@ happens on the CI seeds; the second re-injects the bugs they exist to catch
 and shows each is found, by the check written for it.
 """
 
-import logging
 import re
 
 import msgspec
@@ -23,13 +22,6 @@ from kvelastic.sim.world import World
 CI_SEEDS = 300
 COVERAGE_SEEDS = 100
 STEPS = 300
-
-
-@pytest.fixture(autouse=True)
-def quiet_logs():
-    logging.disable(logging.CRITICAL)
-    yield
-    logging.disable(logging.NOTSET)
 
 
 def test_each_hostile_scenario_happens():

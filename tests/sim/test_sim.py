@@ -12,7 +12,6 @@ stalls a pass — are outside the allocator: tests/daemon/test_reliability.py
 covers them with real processes.)
 """
 
-import logging
 
 import pytest
 
@@ -25,13 +24,6 @@ from kvelastic.sim.run import SIM_TIMING, run_seed
 
 CI_SEEDS = 300
 STEPS = 300
-
-
-@pytest.fixture(autouse=True)
-def quiet_logs():
-    logging.disable(logging.CRITICAL)
-    yield
-    logging.disable(logging.NOTSET)
 
 
 def test_every_invariant_holds_on_the_ci_seeds():
