@@ -329,7 +329,7 @@ def test_a_long_step_is_not_a_hung_worker(shared, engines):
     """Finding 8: a model step longer than the ack timeout that overlapped a
     reclaim failed its engine and quarantined the budget. The worker now
     says it is busy while its step holds the unmap."""
-    daemon = shared(memory="8MiB", KVELASTIC_ACK_TIMEOUT="1s", KVELASTIC_GROW_TIMEOUT="10s")
+    daemon = shared(memory="8MiB", KVELASTIC_ACK_TIMEOUT="2s", KVELASTIC_GROW_TIMEOUT="15s")
     long = engines(daemon, "long", workers=1, grace=60)
     assert long.do("ensure", n=16)["ok"]                           # the whole budget (4 slabs)
     assert long.do("alloc", n=16)["ok"]
@@ -338,10 +338,10 @@ def test_a_long_step_is_not_a_hung_worker(shared, engines):
     long.do("flush")
     long.do("worker_step")                                         # a model step begins, and lasts
     other = engines(daemon, "other", workers=1)
-    other.proc.stdin.write('{"op": "ensure", "n": 8, "timeout": 10}\n')   # a demand: reclaims from long
+    other.proc.stdin.write('{"op": "ensure", "n": 8, "timeout": 15}\n')   # a demand: reclaims from long
     other.proc.stdin.flush()
     wait_for(lambda: "asked to give up" in daemon.log(), timeout=10, what="the reclaim begun")
-    assert holds_for(3.0, lambda: engine_entry(daemon, "long") is not None and pages(daemon)["quarantined"] == 0)
+    assert holds_for(5.0, lambda: engine_entry(daemon, "long") is not None and pages(daemon)["quarantined"] == 0)
     long.do("worker_step_end")                                     # the step ends: the unmaps go through
     import json
     answer = json.loads(other.proc.stdout.readline())
