@@ -29,7 +29,6 @@ Rules it keeps (the invariants the tests and the simulator check):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 from collections.abc import Callable
@@ -41,48 +40,19 @@ from kvelastic.core.stats import COUNTER_NAMES
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.arbiter import Rules, pick_victims
 from kvelastic.daemon.events import journal_events
-from kvelastic.daemon.growth import GrowRequest, Growth
-from kvelastic.daemon.handoff import CacheHandoff, Handoff
+from kvelastic.daemon.growth import Growth
+from kvelastic.daemon.handoff import CacheHandoff
 from kvelastic.daemon.orphans import OrphanCache
 from kvelastic.daemon.registration import Registration
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.report import Reporting
+from kvelastic.daemon.requests import GrowRequest, Handoff, ReclaimRequest, ReturnRequest, Timing
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag
 from kvelastic.daemon.tenancy import Credential
 
 log = logging.getLogger("kvelastic.daemon")
 
 STARVED_RESET = 2.0          # no unmet demand for this long: the engine is no longer starved
-
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-    """Deadlines, in seconds (``config.py`` sets them)."""
-
-    heartbeat_timeout: float = p.HEARTBEAT_TIMEOUT
-    reclaim_timeout: float = p.RECLAIM_TIMEOUT
-    ack_timeout: float = p.ACK_TIMEOUT
-    grow_timeout: float = p.GROW_TIMEOUT
-    idle_grace: float = p.IDLE_GRACE
-    hold_down: float = p.HOLD_DOWN
-    orphan_ttl: float = p.ORPHAN_CACHE_TTL      # a departed engine's cache is kept this long (0: never)
-
-
-@dataclasses.dataclass(eq=False)
-class ReturnRequest:
-    """A ``Return``: answered once every slab in it is unmapped by every worker."""
-
-    identity: bytes
-    req_id: int
-    unmapping: set[int]
-
-
-@dataclasses.dataclass(eq=False)
-class ReclaimRequest:
-    engine_id: str
-    slabs: list[int]
-    grow: GrowRequest
-    deadline: float
 
 
 class Allocator(Registration, Growth, CacheHandoff, Reporting):
@@ -115,6 +85,7 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
         self.grows: dict[int, GrowRequest] = {}           # by arrival: answered in order
         self._grow_seq = 0
         self._progressing = self._again = self.more_work = False
+        self.export_failed_at = -1e9
         self._started = 0
         self.reclaims: dict[int, ReclaimRequest] = {}
         self.returns: dict[tuple[bytes, int], ReturnRequest] = {}   # by (client, Return req_id)
@@ -238,6 +209,7 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
         self._now = now
         engine = self.engines.get(engine_id)
         slab = engine.slabs.get(slab_id) if engine is not None else None
+        self.export_failed_at = now
         if engine is not None and slab is not None and slab.phase is Phase.MAPPING and rank in slab.waiting:
             log.error("engine %s: pages of slab %d not sent to worker %d: %s", engine_id, slab_id, rank, why)
             slab.waiting.discard(rank)

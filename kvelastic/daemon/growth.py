@@ -11,19 +11,15 @@ books; nothing here does I/O.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.arbiter import Rules, is_hard, is_idle
-from kvelastic.daemon.handoff import Handoff
 from kvelastic.daemon.rejected import Rejected
+from kvelastic.daemon.requests import GrowRequest, ReclaimRequest, Timing
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag
-
-if TYPE_CHECKING:
-    from kvelastic.daemon.allocator import ReclaimRequest, Timing
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -34,27 +30,7 @@ MAX_PENDING_GROWS = 8        # grow requests one engine may have waiting
 # and pages asked of the loop at once (it creates one batch per pass).
 SLABS_PER_PASS = 64
 CREATE_BATCH = 256
-
-
-@dataclasses.dataclass(eq=False)
-class GrowRequest:
-    seq: int
-    engine_id: str
-    identity: bytes
-    req_id: int
-    wanted: int
-    started: float
-    deadline: float
-    demand: bool = False
-    slabs: list[int] = dataclasses.field(default_factory=list)     # mapped and granted
-    mapping: set[int] = dataclasses.field(default_factory=set)     # waiting for worker acks
-    reclaims: set[int] = dataclasses.field(default_factory=set)      # reclaim request ids outstanding
-    reclaim_rounds: int = 0
-    # Slabs given up for this grow, still unmapping: their pages are on the way.
-    incoming: set[tuple[str, int]] = dataclasses.field(default_factory=set)
-    # Slabs given up for it by an engine of its namespace, unmapped: their
-    # pages (free under the requester's tag) and the cached blocks they hold.
-    handoffs: list[Handoff] = dataclasses.field(default_factory=list)
+EXPORT_BACKOFF = 1.0         # after a page export failed (out of descriptors), no new mapping for this long
 
 
 class Growth:
@@ -71,6 +47,7 @@ class Growth:
     _again: bool
     _started: int               # slabs whose mapping started in this pass
     more_work: bool             # a grow was paced: the loop comes back at once
+    export_failed_at: float     # the loop could not export pages (``Allocator.pages_unsent``)
     _now: float
     _out: list[fx.Effect]
 
@@ -153,6 +130,8 @@ class Growth:
             if self._started >= SLABS_PER_PASS:
                 paced = self.more_work = True
                 break
+            if self._now - self.export_failed_at < EXPORT_BACKOFF:
+                break            # the slab would fail again at once: answer with what it got
             slab_id = engine.free_slab_id()
             if slab_id is None:
                 break

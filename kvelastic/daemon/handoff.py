@@ -11,30 +11,16 @@ exception): pages go with their KV only to an engine of the same namespace
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import TYPE_CHECKING, cast
 
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.orphans import OrphanCache, OrphanSlab
+from kvelastic.daemon.requests import GrowRequest, Timing
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag, shape_of
 
-if TYPE_CHECKING:
-    from kvelastic.daemon.allocator import Timing
-    from kvelastic.daemon.growth import GrowRequest
-
 log = logging.getLogger("kvelastic.daemon")
-
-
-@dataclasses.dataclass(frozen=True)
-class Handoff:
-    """A slab given up for a grow of the giver's namespace, unmapped: its
-    pages (free under the taker's tag) and the cached blocks they hold."""
-
-    pages: list[int]
-    page_devices: list[str]
-    cached: tuple[p.CachedBlock, ...]
 
 
 class CacheHandoff:

@@ -12,9 +12,9 @@ import sys
 
 from kvelastic import protocol as p
 from kvelastic.config import Config
-from kvelastic.daemon.allocator import Timing
 from kvelastic.daemon.devices import Device
 from kvelastic.daemon.peers import Access
+from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.server import Daemon, sd_notify
 from kvelastic.daemon.tenancy import Tenancy
 from kvelastic.errors import ConfigError, KvelasticError

@@ -17,10 +17,8 @@ from kvelastic import protocol as p
 from kvelastic.core.stats import COUNTER_NAMES
 from kvelastic.daemon.arbiter import Rules
 from kvelastic.daemon.rejected import Rejected
+from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord
-
-if TYPE_CHECKING:
-    from kvelastic.daemon.allocator import Timing
 
 log = logging.getLogger("kvelastic.daemon")
 MAX_BLOCK_TOKENS = 1 << 20   # tokens in one KV block (vLLM's are 16 to a few hundred)

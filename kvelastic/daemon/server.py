@@ -23,10 +23,11 @@ import zmq
 
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
-from kvelastic.daemon.allocator import Allocator, Timing
+from kvelastic.daemon.allocator import Allocator
 from kvelastic.daemon.devices import Device
 from kvelastic.daemon.events import KVEventPublisher
 from kvelastic.daemon.peers import Access, PeerTable
+from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.tenancy import Credential, Tenancy
 from kvelastic.errors import require
 from kvelastic.metrics import DaemonMetrics
@@ -36,7 +37,7 @@ log = logging.getLogger("kvelastic.daemon")
 
 TICK_INTERVAL = 0.1
 MAX_FRAMES_PER_PASS = 256
-CREDENTIALS_CACHED = 4096      # connections whose credentials are remembered (by routing id)
+CREDENTIALS_CACHED = 4096      # peers whose credentials are remembered (by address)
 # What a frame's decoding may raise on hostile input (msgspec also raises
 # these two for invalid UTF-8 and deep nesting).
 _UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
@@ -73,7 +74,7 @@ class Daemon:
         self.tenancy = tenancy or Tenancy(daemon_uid=access.uid)
         self.peers = PeerTable(p.fd_socket_path(socket_path), self.poller, access, self.tenancy,
                                _descriptors_per_tenant(sum(d.budget_pages for d in devices)))
-        self._creds: dict[bytes, Credential | None] = {}
+        self._creds: dict[str, Credential | None] = {}      # by peer address
         self.events = KVEventPublisher(self.ctx, *kv_events) if kv_events else None
         if self.events is not None:
             self.poller.register(self.events.replay, zmq.POLLIN)
@@ -161,23 +162,25 @@ class Daemon:
                         peer.engine_id, peer.rank, p.REGISTER_TIMEOUT)
             self._perform(self.allocator.peer_closed(peer.engine_id, peer.rank, now, peer.token))
 
-    def _credential(self, identity: bytes, frame: zmq.Frame) -> Credential | None:
-        """Who is on the connection ``identity``: libzmq gives every message the
-        peer's credentials (``tenancy.py``); None only if it could not."""
-        if identity not in self._creds:
+    def _credential(self, frame: zmq.Frame) -> Credential | None:
+        """Who sent ``frame``: libzmq gives every message its connection's
+        credentials (``tenancy.py``); None only if it could not. Remembered by
+        that address (which the kernel, not the client, wrote), never by the
+        routing id, which a client may choose and reuse after another's."""
+        try:
+            address = str(frame.get("Peer-Address"))
+        except zmq.ZMQError:
+            address = ""
+        if address not in self._creds:
             if len(self._creds) >= CREDENTIALS_CACHED:
                 self._creds.clear()
-            try:
-                address = frame.get("Peer-Address")
-            except zmq.ZMQError:
-                address = ""
-            self._creds[identity] = self.tenancy.from_peer_address(str(address))
-        return self._creds[identity]
+            self._creds[address] = self.tenancy.from_peer_address(address)
+        return self._creds[address]
 
     def _dispatch(self, parts: list[zmq.Frame]) -> None:
         frames = [part.bytes for part in parts]
         identity = frames[0]
-        cred = self._credential(identity, parts[-1])
+        cred = self._credential(parts[-1])
         now = self.clock()
         if len(frames) != 2:
             self._perform(self.allocator.reject(identity, p.Reason.MALFORMED,

@@ -50,7 +50,8 @@ from typing import Any
 
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
-from kvelastic.daemon.allocator import Allocator, Timing
+from kvelastic.daemon.allocator import Allocator
+from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.state import Phase
 from kvelastic.errors import InvariantViolation
 from kvelastic.sim import traces

@@ -12,7 +12,7 @@ import random
 import sys
 
 from kvelastic import protocol as p
-from kvelastic.daemon.allocator import Timing
+from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.state import Phase
 from kvelastic.errors import InvariantViolation
 from kvelastic.sim import checks, ghosts, hostile

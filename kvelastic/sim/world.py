@@ -39,8 +39,9 @@ from typing import Any
 
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
-from kvelastic.daemon.allocator import Allocator, Timing
+from kvelastic.daemon.allocator import Allocator
 from kvelastic.daemon.orphans import OrphanCache, OrphanSlab
+from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.state import EngineRecord, SlabShape
 from kvelastic.sim import ghosts
 from kvelastic.sim.engine import BLOCKS_PER_SLAB, BUSY, KV, SimEngine, SimWorker, Step

@@ -269,17 +269,21 @@ for i in range(1100):
         s.close()
         continue
     held.append(s)
-time.sleep(1.0)
-open_ = 0
-for s in held:
-    s.setblocking(False)
-    try:
-        open_ += s.recv(1) != b""
-    except BlockingIOError:
-        open_ += 1
-    except OSError:
-        pass
-print(open_)
+def still_open():
+    n = 0
+    for s in held:
+        s.setblocking(False)
+        try:
+            n += s.recv(1, socket.MSG_PEEK) != b""
+        except BlockingIOError:
+            n += 1
+        except OSError:
+            pass
+    return n
+deadline = time.monotonic() + 30       # connections still in the backlog are refused once accepted
+while (n := still_open()) > 184 and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(n)
 """
     still_open = int(as_tenant(MALLORY, hog))
     assert still_open <= 184, still_open
@@ -319,9 +323,22 @@ def test_an_export_failure_fails_the_slab_not_the_engine(shared, engines):
     finally:
         for s in held:
             s.close()
-    assert engine_entry(daemon, "legit") is not None, daemon.log()
-    assert legit.do("ensure", n=40)["ok"]                       # descriptors back: it grows
-    assert legit.state()["failed"] == "" and pages(daemon)["quarantined"] == 0
+    # No new control connection until the daemon has closed its ends: libzmq
+    # aborts on a connection it cannot accept (see docs/architecture.md, Not yet).
+    wait_for(lambda: len(list(fds.iterdir())) < 200, timeout=30, what="the daemon's descriptors back")
+    # Its ZMQ listener then drains what waited in its backlog: each question is asked until answered.
+    def answered(question):
+        def ask():
+            try:
+                return question()
+            except TimeoutError:
+                return None
+        return wait_for(lambda: (daemon.proc.poll() is None or pytest.fail(daemon.log())) and ask(), timeout=30,
+                        what="the daemon answering again")
+
+    assert answered(lambda: engine_entry(daemon, "legit")) is not None
+    assert answered(lambda: legit.do("ensure", n=40, timeout=2.0)["ok"])    # it grows
+    assert legit.state()["failed"] == "" and answered(lambda: pages(daemon))["quarantined"] == 0
 
 
 # ------------------------------------------------------------- finding 8

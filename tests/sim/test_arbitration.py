@@ -3,7 +3,7 @@ and workers on a fake clock): the issue's scenario (a flood beside an idle
 warm cache), reserve against demand, idle engines, hold-down and thrash."""
 
 from kvelastic import protocol as p
-from kvelastic.daemon.allocator import Timing
+from kvelastic.daemon.requests import Timing
 from kvelastic.sim.world import BLOCKS_PER_SLAB, SimEngine, World
 
 GRACE = 1.0

@@ -17,8 +17,9 @@ import pytest
 
 from kvelastic.core.journal import JournalBatch, Mirror
 from kvelastic.daemon import allocator as allocator_mod
-from kvelastic.daemon.allocator import Allocator, Timing
+from kvelastic.daemon.allocator import Allocator
 from kvelastic.daemon.orphans import OrphanCache
+from kvelastic.daemon.requests import Timing
 from kvelastic.sim import engine as engine_mod
 from kvelastic.sim.run import SIM_TIMING, run_seed
 
