@@ -159,6 +159,10 @@ VARIABLES: tuple[Variable, ...] = (
              "vLLM plugin: the most this engine may hold; `0` means up to the device budget."),
     Variable("KVELASTIC_TENANT_SALT", "tenant_salt", "", str,
              "vLLM plugin: a tenant's salt, part of the namespace, so blocks of different tenants never match."),
+    Variable("KVELASTIC_PRIVATE_CACHE", "private_cache", "0", parse_bool,
+             "vLLM plugin: `1` keeps this engine's prefix cache its own: never handed to or from another engine, "
+             "never kept after it exits. For engines whose weights change in memory by a path vLLM's API does "
+             "not show (RL rollouts that write parameters directly); see docs/kv-identity.md."),
     Variable("KVELASTIC_SOCKET_GROUP", "socket_group", "", str,
              "Daemon: the group (name or id) whose members may connect besides the daemon's own user and root; "
              "its sockets are given to it. Default: the daemon's own group."),
@@ -206,6 +210,7 @@ class Config:
     engine_min_memory: int
     engine_max_memory: int
     tenant_salt: str
+    private_cache: bool
     socket_group: str
     operator_group: str
     max_engines: int

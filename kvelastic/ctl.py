@@ -115,8 +115,10 @@ def set_limit(socket_path: str, engine_id: str, min_bytes: int, max_bytes: int,
                                             max_bytes=max_bytes), timeout), p.Ok)
 
 
-def invalidate(socket_path: str, target: str, timeout: float = DEFAULT_TIMEOUT) -> None:
-    expect(request(socket_path, p.Invalidate(target=target), timeout), p.Ok)
+def invalidate(socket_path: str, target: str, timeout: float = DEFAULT_TIMEOUT) -> p.Invalidated:
+    """Drop the prefix cache of a namespace or an engine: running engines'
+    and the kept cache of departed ones."""
+    return expect(request(socket_path, p.Invalidate(target=target), timeout), p.Invalidated)
 
 
 # ----------------------------------------------------------------- rendering
@@ -281,8 +283,9 @@ def run_command(args: argparse.Namespace) -> int:
             cap = fmt_bytes(args.max) if args.max else "none"
             print(f"engine {args.engine}: min {fmt_bytes(args.min)}, max {cap}")
         elif args.command == "invalidate":
-            invalidate(path, args.target)
-            print(f"invalidated the prefix cache of {args.target}")
+            done = invalidate(path, args.target)
+            print(f"invalidated the prefix cache of {args.target}: {done.engines} running engine(s), "
+                  f"{done.kept_blocks} kept block(s) dropped")
         else:  # pragma: no cover - the parser only routes the commands above
             raise ValueError(args.command)
     except DaemonUnavailable as exc:

@@ -326,7 +326,7 @@ def _rekey(slot: Slot, new: Any) -> None:
 # Each kind of step a session takes, with its weight.
 ACTIONS = {"grow": 20, "journal": 15, "journal_hostile": 10, "return": 12, "heartbeat": 4, "wait": 12,
            "impostor": 6, "operator": 3, "status": 2, "reregister": 4, "extra_lifeline": 3, "hostile_hello": 5,
-           "busy": 2, "close_worker": 2, "kill_worker": 3}
+           "busy": 2, "close_worker": 2, "kill_worker": 3, "diverge": 2}
 # How a session ends. ``lifeline_first`` and ``unregister_linger`` leave its
 # workers behind for a while (unmaps due), which is when a reused id hurts.
 ENDINGS = {"unregister": 20, "close_all": 15, "lifeline_first": 25, "unregister_linger": 15, "silent": 8,

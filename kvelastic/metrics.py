@@ -157,7 +157,8 @@ class DaemonCollector(Collector):
         stats = {key: CounterMetricFamily(f"{PREFIX}_{name}", help_, labels=["device", "engine"])
                  for name, key, help_ in ENGINE_COUNTERS}
         evictions = CounterMetricFamily(f"{PREFIX}_prefix_cache_evictions",
-                                        "Cached blocks evicted, by reason.",
+                                        "Cached blocks evicted, by reason (engine \"\": kept cache of departed "
+                                        "engines: ttl, reclaim, invalidate).",
                                         labels=["device", "engine", "reason"])
         for e in s.engines:
             eid, ns, dev = e.engine_id, e.namespace, e.device
@@ -173,4 +174,7 @@ class DaemonCollector(Collector):
                 family.add_metric([dev, eid], e.stats.get(key, 0))
             for reason in EVICTION_REASONS:  # every series from registration on
                 evictions.add_metric([dev, eid, reason], e.stats.get(f"evictions_{reason}", 0))
+        for d in s.devices:   # kept cache: no engine (ids are never empty)
+            for reason in ("ttl", "reclaim", "invalidate"):
+                evictions.add_metric([d.device, "", reason], d.kept_evictions.get(reason, 0))
         yield from (held, cached, idle, starved, limit, *slabs.values(), *stats.values(), evictions)

@@ -129,6 +129,10 @@ class RegisterEngine(Msg):
     min_bytes: int = 0           # guaranteed: never reclaimed below this
     max_bytes: int = 0           # 0: no cap beyond the budget
     held: SlabIds = []           # slab ids still held (re-register after a daemon restart)
+    # Its cache is its own: its weights may differ from its namespace's
+    # checkpoint (``Diverge``, or KVELASTIC_PRIVATE_CACHE), so its slabs are
+    # never handed on or kept, and it adopts nothing.
+    private: bool = False
     occupancy: dict[int, tuple[int, int, int]] = {}
     # Its secret, chosen by the engine (at least MIN_TOKEN random bytes) and
     # shown first in its lifeline's hello: only the process that knows it can
@@ -250,6 +254,17 @@ class Unregister(Msg):
     engine_id: Name
 
 
+class Diverge(Msg):
+    """The engine's weights may have changed in memory (its prefix cache was
+    reset, a collective RPC ran, it slept): from now on it is alone in
+    ``namespace``, a fresh one it chose (the checkpoint's namespace with a
+    random suffix), and private. Nothing it caches meets an engine of the
+    checkpoint again, in either direction."""
+    engine_id: Name
+    namespace: Name
+    reason: Annotated[str, msgspec.Meta(max_length=64)] = ""
+
+
 class Busy(Msg):
     """A worker is inside a model step and holds these slabs' unmaps until it
     ends (invariant 5): their acknowledgement deadline is pushed back. Sent
@@ -306,7 +321,7 @@ class SetLimit(Msg):
 
 
 class Invalidate(Msg):
-    target: str                  # a namespace or an engine id
+    target: ShownName            # a namespace or an engine id (a tenant's: its own, with or without @uid<N>)
 
 
 # ---------------------------------------------------------- daemon -> clients
@@ -317,6 +332,13 @@ class Ok(Msg):
 class Error(Msg):
     reason: str                  # machine-readable, also the metric label
     message: str
+
+
+class Invalidated(Msg):
+    """The answer to ``Invalidate``: engines told to clear their index, and
+    blocks of kept cache (departed engines') dropped."""
+    engines: int
+    kept_blocks: int
 
 
 class Registered(Msg):
@@ -394,6 +416,9 @@ class DeviceStatus(msgspec.Struct, kw_only=True):
     pages: PageCounts
     slab_moves: int = 0          # slabs given up by one engine for another's demand
     thrash: int = 0              # moves back to an engine within THRASH_WINDOW of a move away from it
+    # Blocks of kept cache (departed engines') dropped, by eviction reason:
+    # ttl, reclaim (memory for a demand), invalidate.
+    kept_evictions: dict[str, int] = {}
 
 
 class EngineStatus(msgspec.Struct, kw_only=True):
@@ -416,6 +441,7 @@ class EngineStatus(msgspec.Struct, kw_only=True):
     stats: dict[str, int]        # the engine's cumulative pool counters (lookups, hits, evictions_*)
     idle: bool = False           # no activity for the idle grace: reserve decayed, never grows
     starved_seconds: float = 0.0 # how long its demand has gone unmet (0: it has not)
+    private: bool = False        # its cache is its own (weights that may change in memory)
 
 
 class OrphanStatus(msgspec.Struct, kw_only=True):
@@ -448,9 +474,10 @@ class StatusReply(Msg):
 
 
 Message = (
-    RegisterEngine | RegisterWorker | Grow | Return | Journal | Heartbeat | Unregister | Busy
+    RegisterEngine | RegisterWorker | Grow | Return | Journal | Heartbeat | Unregister | Busy | Diverge
     | ReclaimDone | Mapped | Unmapped | Status | SetLimit | Invalidate
-    | Ok | Error | Registered | Granted | Reclaim | Failed | ClearIndex | MapSlab | UnmapSlab | StatusReply
+    | Ok | Error | Invalidated | Registered | Granted | Reclaim | Failed | ClearIndex | MapSlab | UnmapSlab
+    | StatusReply
 )
 
 # ------------------------------------------- KV events, in vLLM's wire format

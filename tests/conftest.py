@@ -34,7 +34,7 @@ def daemon_factory(tmp_path):
 # limit of nothing); "tuned" sets every other plugin setting.
 PLUGIN_TUNED = {"KVELASTIC_ENGINE_ID": "tuned-engine", "KVELASTIC_ENGINE_MIN_MEMORY": "4MiB",
                 "KVELASTIC_ENGINE_MAX_MEMORY": "40MiB", "KVELASTIC_TENANT_SALT": "tenant-a",
-                "KVELASTIC_PREFIX_CACHE_TTL": "1s"}
+                "KVELASTIC_PREFIX_CACHE_TTL": "1s", "KVELASTIC_PRIVATE_CACHE": "1"}
 PLUGIN_PLAIN = {"KVELASTIC_PREFIX_CACHE_MAX_SIZE": "1"}     # one byte: no block may stay cached
 
 

@@ -34,8 +34,9 @@ from kvelastic.bench.fuzzwire import BUSY, RawWorker, SessionWire, Settings, Tal
 from kvelastic.core.stats import COUNTER_NAMES
 from kvelastic.fuzz import Sequences, SessionPlan
 
+DIVERGE = getattr(p, "Diverge", None)    # an engine's weights changed in memory (newer protocols)
 REQUESTS = (p.RegisterEngine, p.RegisterWorker, p.Grow, p.Return, p.Unregister, p.Status, p.SetLimit,
-            p.Invalidate)
+            p.Invalidate, *([DIVERGE] if DIVERGE is not None else []))
 
 
 def _block(block_id: int) -> int:
@@ -319,6 +320,8 @@ class Session(SessionWire):
                              token=rng.choice((b"", rng.randbytes(16))))]
         if BUSY is not None:
             msgs.append(BUSY(engine_id=target, rank=0, slabs=[slab]))
+        if DIVERGE is not None:
+            msgs.append(DIVERGE(engine_id=target, namespace=rng.choice(("seq-ns-a", "seq-ns-a~x"))))
         msg = rng.choice(msgs)
         self.tally.add("impostors", type(msg).__name__)
         sock = self.dealer if rng.random() < 0.7 else self.new_dealer()
@@ -334,6 +337,13 @@ class Session(SessionWire):
         else:
             target = rng.choice((*seq.ids, self.plan.namespace))
             self.send(self.dealer, p.Invalidate(target=target), request=True)
+
+    def do_diverge(self, rng: random.Random) -> None:
+        """Its weights changed in memory: a namespace of its own, or (hostile) one in use."""
+        if DIVERGE is not None:
+            namespace = rng.choice((f"{self.plan.namespace}~{rng.getrandbits(64):x}", self.plan.namespace,
+                                    "seq-ns-a", "seq-ns-b"))
+            self.send(self.dealer, DIVERGE(engine_id=self.engine_id, namespace=namespace), request=True)
 
     def do_status(self, rng: random.Random) -> None:
         self.send(self.dealer, p.Status(), request=True)

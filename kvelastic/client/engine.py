@@ -79,18 +79,26 @@ def give_up(pool: SlabPool, slab_ids: list[int]) -> tuple[list[int], list[int], 
     return given, refused, cached
 
 
+def private_namespace(namespace: str) -> str:
+    """A namespace nobody else has: ``namespace`` with a random suffix
+    (128 bits), within the protocol's 128 characters."""
+    return f"{namespace[:95]}~{secrets.token_hex(16)}"
+
+
 class EngineClient:
     def __init__(self, pool: SlabPool, *, socket_path: str, engine_id: str, namespace: str,
                  page_size: int, pages_per_worker: int, num_workers: int, block_bytes: int,
                  min_bytes: int = 0, max_bytes: int = 0, low_watermark: int | None = None,
                  keep_idle_slabs: int = 1, shrink_grace: float = 5.0, tick_interval: float = 0.01,
-                 key_group_suffix: bool = False, device: str = "") -> None:
+                 key_group_suffix: bool = False, device: str = "", private: bool = False) -> None:
         self.pool = pool
         self.engine_id = engine_id
-        self.namespace = namespace
+        # A private engine is alone in a namespace of its own (``diverge``).
+        self.private = private
+        self.namespace = private_namespace(namespace) if private else namespace
         # What every registration says; each adds its pid, held slabs and secret.
         self.registration = p.RegisterEngine(
-            version=p.PROTOCOL_VERSION, engine_id=engine_id, pid=os.getpid(), namespace=namespace,
+            version=p.PROTOCOL_VERSION, engine_id=engine_id, pid=os.getpid(), namespace=self.namespace, private=private,
             page_size=page_size, pages_per_worker=pages_per_worker, num_workers=num_workers,
             blocks_per_slab=pool.blocks_per_slab, block_bytes=block_bytes, min_bytes=min_bytes,
             max_bytes=max_bytes, block_tokens=pool.block_size, key_group_suffix=key_group_suffix, device=device)
@@ -175,6 +183,8 @@ class EngineClient:
         # under a running engine).
         self.hash_seed = self.hash_seed or reply.hash_seed
         self.orphan_ttl = reply.orphan_ttl
+        if self.private:   # a reconnect keeps the daemon's record, which a lost Diverge never reached
+            expect(conn.call(self._diverge_message("re-registered"), timeout=5.0), p.Ok)
         self._sync_failed_at = -1e9        # a seal that failed with the old connection: this daemon answers
         self._grow_in_flight = False
         self._grow_answered.set()
@@ -197,6 +207,29 @@ class EngineClient:
                                      occupancy=occupancy if last else {}))
 
     # ---------------------------------------------------- scheduler thread
+    def diverge(self, reason: str) -> None:
+        """This engine's weights may have changed in memory (``reason``: how):
+        from now on it is alone in a fresh namespace, so what it caches never
+        reaches an engine of the checkpoint (handed on, or kept after it
+        exits) and it adopts nothing of theirs. Once is enough: a private
+        namespace is never shared. Raises ``DaemonError`` if the daemon
+        refuses; an unreachable daemon hears it at the re-registration."""
+        with self.lock:
+            if self.private:
+                return
+            self.private = True
+            self.namespace = private_namespace(self.namespace)
+            self.registration = msgspec.structs.replace(self.registration, namespace=self.namespace, private=True)
+        log.warning("engine %s: %s: its weights may have changed, so its prefix cache is its own from now on "
+                    "(namespace %s)", self.engine_id, reason, self.namespace)
+        try:
+            expect(self.conn.call(self._diverge_message(reason), timeout=5.0), p.Ok)
+        except DaemonUnavailable:
+            pass   # the next registration says it (``_register``)
+
+    def _diverge_message(self, reason: str) -> p.Diverge:
+        return p.Diverge(engine_id=self.engine_id, namespace=self.namespace, reason=reason[:64])
+
     def ensure(self, blocks: int, timeout: float = 5.0, *, keep_cache: bool = False) -> bool:
         """Demand: make ``blocks`` allocatable, asking the daemon for the
         missing slabs (it may reclaim them from other engines) and waiting at
@@ -323,7 +356,9 @@ class EngineClient:
             except PoolError as exc:
                 log.error("engine %s: granted slab %d not usable: %s", self.engine_id, slab_id, exc)
                 continue
-            handed = reply.cached.get(slab_id)
+            # A private engine adopts nothing: a grant sent before its Diverge
+            # reached the daemon may still carry its checkpoint's blocks.
+            handed = None if self.private else reply.cached.get(slab_id)
             if handed:
                 try:
                     n = self.pool.adopt(slab_id, [(c.offset, c.key) for c in handed])

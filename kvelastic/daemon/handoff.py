@@ -7,6 +7,8 @@ A mixin of ``Allocator`` (``allocator.py``): it reads and writes the same
 books; nothing here does I/O. The rule it keeps (invariant 6's one
 exception): pages go with their KV only to an engine of the same namespace
 (model, weights, tenant salt) and slab shape; anyone else gets fresh pages.
+A private engine (its weights may have changed in memory: ``Diverge``) is
+alone in its namespace: it neither gives nor takes cache, and leaves none.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.orphans import OrphanCache, OrphanSlab
-from kvelastic.daemon.requests import GrowRequest, Timing
+from kvelastic.daemon.requests import GrowRequest, Handoff, Timing
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag, shape_of
 
 log = logging.getLogger("kvelastic.daemon")
@@ -30,6 +32,9 @@ class CacheHandoff:
     timing: Timing
     _now: float
     _out: list[fx.Effect]
+    engines: dict[str, EngineRecord]
+    departing: dict[int, EngineRecord]
+    grows: dict[int, GrowRequest]
 
     if TYPE_CHECKING:  # the allocator's methods it calls
         def _start_map(self, engine: EngineRecord, slab_id: int, pages: list[int], page_devices: list[str],
@@ -41,8 +46,8 @@ class CacheHandoff:
         """A slab's KV may go to ``taker`` as it is only within a namespace (the
         tenant salt is part of it: never across tenants) and between the same
         slab shape, so each block lands where its bytes are."""
-        return (giver.namespace == taker.namespace and shape_of(giver) == shape_of(taker)
-                and all(c.offset < giver.blocks_per_slab for c in cached))
+        return (giver.namespace == taker.namespace and not giver.private and not taker.private
+                and shape_of(giver) == shape_of(taker) and all(c.offset < giver.blocks_per_slab for c in cached))
 
     def _map_handoff(self, engine: EngineRecord, slab_id: int, req: GrowRequest) -> bool:
         """Map a slab handed on to ``req`` by an engine of its namespace: the
@@ -85,7 +90,7 @@ class CacheHandoff:
         its mirror (``_on_departed_journal``): a worker dies first and the
         engine may run steps before it follows, whose dropped keys must
         count. Returns the slabs marked."""
-        if self.timing.orphan_ttl <= 0 or engine.failed:
+        if self.timing.orphan_ttl <= 0 or engine.failed or engine.private:
             return 0
         marked = 0
         for slab in engine.slabs.values():
@@ -99,7 +104,7 @@ class CacheHandoff:
         cache of the namespace if it was marked and holds valid blocks (keys
         stored in a step that finished, as the mirror has them now; a key two
         blocks hold is kept once). True when kept."""
-        if not slab.orphan or engine.failed or not slab.pages or self.timing.orphan_ttl <= 0:
+        if not slab.orphan or engine.failed or engine.private or not slab.pages or self.timing.orphan_ttl <= 0:
             return False
         kept = []
         for offset, key in engine.mirror.valid_in(slab.slab_id, engine.blocks_per_slab):
@@ -117,7 +122,7 @@ class CacheHandoff:
         """Warm start: a grow of ``engine`` maps every kept slab of its
         namespace and shape it has room for, on top of what it asked for.
         Returns the slabs mapped."""
-        if not self.orphans or room <= 0:
+        if not self.orphans or room <= 0 or engine.private:
             return 0
         shape = shape_of(engine)
         # Slab ids still unmapping are taken too: never more than the ids free.
@@ -139,14 +144,18 @@ class CacheHandoff:
     def _expire_orphans(self) -> None:
         ttl = self.timing.orphan_ttl
         if self.orphans:
-            self._release_orphans(self.orphans.expired(self._now, ttl), f"older than {ttl:g} s")
+            self._release_orphans(self.orphans.expired(self._now, ttl), f"older than {ttl:g} s", "ttl")
 
     def _yield_orphans(self, device: str, pages: int, for_engine: str) -> None:
         """A demand found the budget full: kept cache goes first (oldest first)."""
         if self.orphans:
-            self._release_orphans(self.orphans.yield_pages(device, pages), f"memory for engine {for_engine}")
+            self._release_orphans(self.orphans.yield_pages(device, pages), f"memory for engine {for_engine}",
+                                  "reclaim")
 
-    def _release_orphans(self, slabs: list[OrphanSlab], why: str) -> None:
+    def _release_orphans(self, slabs: list[OrphanSlab], why: str, reason: str) -> None:
+        """Give kept slabs' pages back; their blocks count as evicted for
+        ``reason`` (``kvelastic_prefix_cache_evictions_total``, engine "")."""
+        self.orphans.count_evicted(slabs, reason)
         by_device: dict[str, list[int]] = {}
         for o in slabs:
             for page, device in zip(o.pages, o.page_devices):
@@ -159,3 +168,31 @@ class CacheHandoff:
             by_ns[o.namespace] = by_ns.get(o.namespace, 0) + 1
         for namespace, n in sorted(by_ns.items()):
             log.info("namespace %s: %d kept cache slab(s) released (%s)", namespace, n, why)
+
+    # -------------------------------------------------------- invalidation
+    def _forget_handoffs(self, engine: EngineRecord) -> None:
+        """Cache on its way to or from ``engine`` travels without its keys
+        from now on (its pages still go where they were going): its namespace
+        changed under it, or was invalidated. Slabs it maps now, slabs it
+        gives up for a replica, and slabs replicas give up for its grows."""
+        seqs = {seq for seq, req in self.grows.items() if req.engine_id == engine.engine_id}
+        for seq in seqs:
+            req = self.grows[seq]
+            req.handoffs = [Handoff(h.pages, h.page_devices, ()) for h in req.handoffs]
+        for other in (*self.engines.values(), *self.departing.values()):
+            for slab in other.slabs.values():
+                if other is engine or slab.handoff_to in seqs:
+                    slab.handoff = ()
+
+    def _invalidate_kept(self, target: str) -> int:
+        """Drop the kept cache of namespace ``target``, or left by engine
+        ``target``, and what departing engines of it would have kept.
+        Returns the blocks dropped."""
+        gone = self.orphans.take_matching(target)
+        self._release_orphans(gone, "invalidated", "invalidate")
+        for engine in self.departing.values():
+            if target in (engine.engine_id, engine.namespace):
+                for slab in engine.slabs.values():
+                    slab.orphan = False
+                self._forget_handoffs(engine)
+        return sum(len(o.cached) for o in gone)

@@ -39,6 +39,8 @@ class OrphanCache:
 
     def __init__(self) -> None:
         self.slabs: list[OrphanSlab] = []
+        # Blocks dropped from the kept cache, by (device, eviction reason).
+        self.evicted: dict[tuple[str, str], int] = {}
 
     def __bool__(self) -> bool:
         return bool(self.slabs)
@@ -57,6 +59,20 @@ class OrphanCache:
         taken = [o for o in self.slabs if o.namespace == namespace and o.shape == shape][:max(0, n)]
         self._drop(taken)
         return taken
+
+    def take_matching(self, target: str) -> list[OrphanSlab]:
+        """Every slab of namespace ``target`` or left by engine ``target``."""
+        taken = [o for o in self.slabs if target in (o.namespace, o.engine_id)]
+        self._drop(taken)
+        return taken
+
+    def count_evicted(self, slabs: list[OrphanSlab], reason: str) -> None:
+        for o in slabs:
+            key = (o.shape.device, reason)
+            self.evicted[key] = self.evicted.get(key, 0) + len(o.cached)
+
+    def evictions_on(self, device: str) -> dict[str, int]:
+        return {reason: n for (d, reason), n in self.evicted.items() if d == device}
 
     def expired(self, now: float, ttl: float) -> list[OrphanSlab]:
         gone = [o for o in self.slabs if now - o.since >= ttl]

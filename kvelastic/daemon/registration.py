@@ -92,7 +92,7 @@ class Registration:
             engine_id=m.engine_id, namespace=m.namespace, pid=m.pid, page_size=self.page_size,
             pages_per_worker=m.pages_per_worker, num_workers=m.num_workers,
             blocks_per_slab=m.blocks_per_slab, block_bytes=m.block_bytes, block_tokens=m.block_tokens,
-            key_group_suffix=m.key_group_suffix, min_bytes=m.min_bytes,
+            key_group_suffix=m.key_group_suffix, min_bytes=m.min_bytes, private=m.private,
             max_bytes=m.max_bytes, max_slabs=max_slabs, device=device, identity=identity, last_seen=self._now,
             active_at=self._now,
             stats=dict.fromkeys(sorted(COUNTER_NAMES), 0),   # every counter from registration on

@@ -51,13 +51,14 @@ class Reporting:
                 cached_blocks=sum(o[1] for o in e.mirror.slabs.values()),
                 min_bytes=e.min_bytes, max_bytes=e.max_bytes,
                 grants=e.grants, returns=e.returns, reclaims=e.reclaims, stats=dict(e.stats),
-                idle=is_idle(e, self._now, self.rules),
+                idle=is_idle(e, self._now, self.rules), private=e.private,
                 starved_seconds=0.0 if e.starved_since is None else self._now - e.starved_since))
         devices = [pool.status(name, self.backend, held[name], cached[name], self.page_size, quarantined[name])
                    for name, pool in self.pools.items()]
         for d in devices:
             d.slab_moves, d.thrash = self.moves[d.device], self.thrash[d.device]
             d.memory.orphaned = len(self.orphans.pages_on(d.device)) * self.page_size
+            d.kept_evictions = self.orphans.evictions_on(d.device)
         return p.StatusReport(
             device=devices[0].device, backend=self.backend, page_size=self.page_size,
             budget_bytes=sum(d.budget_bytes for d in devices),

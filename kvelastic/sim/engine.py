@@ -31,6 +31,7 @@ BUSY: Any = getattr(p, "Busy", None)
 FAILED: Any = getattr(p, "Failed", None)   # the daemon tells an engine it failed it: it restarts
 PROMPTS = 12                       # prompt families per namespace: requests share prefixes
 MAX_REQUEST_BLOCKS = 8
+DIVERGE = 0.002                    # per unit of work: the engine's weights change in memory
 
 
 @dataclasses.dataclass(eq=False)
@@ -98,8 +99,14 @@ class SimEngine:
         self.world = world
         self.name = name
         # Two namespaces (engines alternate; one may come back in the other):
-        # cached slabs change hands within one only.
-        self.namespace = f"ns{int(name.lstrip('e') or 0) % 2}"
+        # cached slabs change hands within one only. ``checkpoint`` is what a
+        # new process loads (its keys are rooted there, as vLLM's block hashes
+        # stay after a weight update); ``namespace`` the weights it serves
+        # now: a diverged engine (weights changed in memory) serves its own.
+        self.checkpoint = f"ns{int(name.lstrip('e') or 0) % 2}"
+        self.namespace = self.checkpoint
+        self.private = False
+        self.namespaces = {self.namespace}     # every one this process has served (its pages may hold them)
         self.incarnation = 0
         self.pool = SlabPool(BLOCKS_PER_SLAB, block_size=16)
         self.workers = [SimWorker(r, b"") for r in range(workers)]
@@ -137,6 +144,8 @@ class SimEngine:
         if not self.token:           # a new process chooses its secret and shows it in its lifeline's hello
             self.token = self.world.rng.randbytes(16)
             self.fresh = True
+            self.namespace, self.private = self.checkpoint, False   # the checkpoint's weights again
+            self.namespaces = {self.namespace}
         self.world.connect(self.identity)
         self.world.open_peer(self, -1, self.token)
         self.send(p.RegisterEngine(version=p.PROTOCOL_VERSION, engine_id=self.name, pid=1000 + self.incarnation,
@@ -144,7 +153,9 @@ class SimEngine:
                                    num_workers=len(self.workers),
                                    blocks_per_slab=BLOCKS_PER_SLAB, block_bytes=PAGE // BLOCKS_PER_SLAB,
                                    held=self.pool.slab_ids() if held is None else held,
-                                   occupancy=self.pool.occupancies(), token=self.token))
+                                   occupancy=self.pool.occupancies(), token=self.token, private=self.private))
+        if self.private:             # as the client: a reconnect keeps a record that may not have heard it
+            self.send(p.Diverge(engine_id=self.name, namespace=self.namespace, reason="re-registered"))
         if self.pool.slab_ids():     # as the real client: a new daemon gets the step state, then the whole index
             self.pool.take_journal()
             ops = [p.ClearKeys(), *p.journal_ops(self.pool.journal.resync())]
@@ -289,7 +300,9 @@ class SimEngine:
                     self.pool.add_slab(slab_id)
                     if not self.dying and not self.leaving:
                         self.world.check_slab_mapped(self, slab_id)
-                        if msg.cached.get(slab_id):
+                        if msg.cached.get(slab_id) and self.private:
+                            self.world.counts["adoption_skipped_private"] += 1   # granted before its Diverge
+                        elif msg.cached.get(slab_id):
                             self.world.check_adoption(self, slab_id, msg.cached[slab_id])
                             self.pool.adopt(slab_id, [(c.offset, c.key) for c in msg.cached[slab_id]])
         elif isinstance(msg, p.Reclaim):
@@ -315,7 +328,7 @@ class SimEngine:
                     w.channel.remove(page)
             for page in pages:
                 wrote = self.world.device.content.get(page)
-                if wrote is not None and wrote[1] != self.namespace:
+                if wrote is not None and wrote[1] not in self.namespaces:
                     self.world.violation(f"engine {self.name} ({self.namespace}) mapped page {page} holding "
                                          f"{wrote[0]}'s data (namespace {wrote[1]})")
             w.mapped[msg.slab] = pages
@@ -344,7 +357,9 @@ class SimEngine:
         if not self.registered or self.dying or self.leaving:
             return
         op = rng.random()
-        if self.step is None and op < 0.5:
+        if self.step is None and not self.private and rng.random() < DIVERGE:
+            self.diverge()
+        elif self.step is None and op < 0.5:
             self.schedule_step(rng)
         elif self.step is None and op < 0.75 and self.live:
             req = self.live.pop(rng.randrange(len(self.live)))
@@ -361,7 +376,17 @@ class SimEngine:
         self.expire_grows(now)
 
     def key(self, prompt: int, i: int) -> bytes:
-        return f"{self.namespace}:{prompt}:{i}".encode()
+        return f"{self.checkpoint}:{prompt}:{i}".encode()
+
+    def diverge(self) -> None:
+        """Its weights change in memory (an RL update, then a prefix-cache
+        reset): between steps, as vLLM runs utility calls. From now on it
+        writes KV of weights nobody else has, in a namespace of its own."""
+        self.private = True
+        self.namespace = f"{self.checkpoint}~{self.name}.{self.incarnation}.{self.world.rng.randrange(1 << 30)}"
+        self.namespaces.add(self.namespace)
+        self.world.counts["diverged"] += 1
+        self.send(p.Diverge(engine_id=self.name, namespace=self.namespace, reason="weights updated"))
 
     def schedule_step(self, rng: random.Random) -> None:
         """Schedule a model step: a new request (its prefix hits, the rest

@@ -112,7 +112,7 @@ def run_steps(w: World, steps: int, faults: bool, injected: collections.Counter)
                 del down[name]
                 engine = next(e for e in w.engines if e.name == name)
                 if rng.random() < NAMESPACE_CHANGE:
-                    engine.namespace = "ns1" if engine.namespace == "ns0" else "ns0"
+                    engine.checkpoint = "ns1" if engine.checkpoint == "ns0" else "ns0"
                     injected["namespace_change"] += 1
                 engine.start()
         for name, at in list(doomed.items()):    # a dead worker's engine follows it

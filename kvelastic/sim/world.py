@@ -366,7 +366,7 @@ class World:
         else:
             self.handed_blocks += len(cached)
         for c in cached:
-            if c.key.split(b":", 1)[0] != engine.namespace.encode():
+            if c.key.split(b":", 1)[0] != engine.checkpoint.encode() or engine.private:
                 self.violation(f"engine {engine.name} ({engine.namespace}) adopted block {c.key!r} of another "
                                "namespace")
             for page in pages:

@@ -82,7 +82,8 @@ def main() -> None:
         block_bytes=page_size * cfg.get("ppw", 1) // cfg.get("bps", 4),
         min_bytes=cfg.get("min_bytes", 0), max_bytes=cfg.get("max_bytes", 0),
         low_watermark=cfg.get("low_watermark", 0), keep_idle_slabs=cfg.get("keep_idle", 0),
-        shrink_grace=cfg.get("grace", 0.3), key_group_suffix=cfg.get("vllm_keys", False))
+        shrink_grace=cfg.get("grace", 0.3), key_group_suffix=cfg.get("vllm_keys", False),
+        private=cfg.get("private", False))
     engine.journal_interval = cfg.get("journal_interval", engine.journal_interval)
     engine.start()
     backend = get_backend(TEST_BACKEND) if num_workers else None
@@ -144,6 +145,9 @@ def main() -> None:
         elif op == "worker_step_end":
             while in_step:
                 in_step.pop().__exit__(None, None, None)
+        elif op == "diverge":    # its weights changed in memory (the plugin: a prefix-cache reset, an RPC)
+            engine.diverge(cmd.get("reason", "test"))
+            out["namespace"] = engine.namespace
         elif op == "flush":
             with engine.lock:
                 engine._flush_journal(sync=True)

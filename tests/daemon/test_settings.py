@@ -412,6 +412,14 @@ def _tenant_salt(node: Node, request: pytest.FixtureRequest) -> None:
     assert runs["plain"]["engine"]["namespace"] != runs["tuned"]["engine"]["namespace"]
 
 
+@probe("KVELASTIC_PRIVATE_CACHE")
+def _private_cache(node: Node, request: pytest.FixtureRequest) -> None:
+    runs = request.getfixturevalue("plugin_runs")   # the tuned engine's cache is its own, in a namespace of its own
+    plain, tuned = runs["plain"]["engine"], runs["tuned"]["engine"]
+    assert tuned["private"] and "~" in tuned["namespace"]
+    assert not plain["private"] and "~" not in plain["namespace"]
+
+
 @probe("KVELASTIC_PREFIX_CACHE_MAX_SIZE")
 def _prefix_cache_max_size(node: Node, request: pytest.FixtureRequest) -> None:
     runs = request.getfixturevalue("plugin_runs")

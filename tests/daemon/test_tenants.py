@@ -459,3 +459,30 @@ e.close()
     assert isinstance(daemon.request(p.SetLimit(engine_id="alice-engine@uid6001", min_bytes=0,
                                                 max_bytes=8 << 20)), p.Ok)
     assert rejected(daemon).get("not_operator") == 4
+
+
+def test_only_the_operator_or_the_namespaces_owner_may_invalidate_its_kept_cache(shared, engines):
+    """Step 12b: ``invalidate`` reaches kept cache with no engine running; a
+    tenant may drop its own, never another's."""
+    from tests.daemon.test_orphan_cache import KEEP, cache_in_a_step, kept_blocks
+
+    daemon = shared(memory="4MiB")
+    a = engines(daemon, "a", user=ALICE, namespace="llama", **KEEP)
+    assert a.do("ensure", n=4)["ok"]
+    cache_in_a_step(a, "sys", 4, value=7)
+    a.do("flush")
+    a.kill()
+    wait_for(lambda: kept_blocks(daemon, "llama@uid6001") == 4, what="alice's cache kept")
+
+    def invalidate_as(user, target: str) -> str:
+        return as_tenant(user, f"e = RawEngine({daemon.socket!r}, 'probe')\n"
+                               f"r = e.request(p.Invalidate(target={target!r}))\n"
+                               "print(getattr(r, 'reason', None) or f'kept {r.kept_blocks}', flush=True)\n").strip()
+
+    assert invalidate_as(MALLORY, "llama@uid6001") == "not_operator"     # another tenant's, by its full name
+    assert invalidate_as(MALLORY, "a@uid6001") == "not_operator"         # or by the engine that left it
+    assert invalidate_as(MALLORY, "llama") == "unknown_target"           # its own "llama": it has none
+    assert kept_blocks(daemon, "llama@uid6001") == 4
+    assert invalidate_as(ALICE, "llama") == "kept 4"                     # the owner, by its own name
+    assert daemon.status()["orphans"] == []
+    assert rejected(daemon).get("not_operator") == 2

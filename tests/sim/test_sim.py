@@ -29,10 +29,11 @@ STEPS = 300
 
 def test_every_invariant_holds_on_the_ci_seeds():
     failures = []
-    faults = handed = orphaned = 0
+    faults = handed = orphaned = diverged = 0
     for seed in range(CI_SEEDS):
         result = run_seed(seed, STEPS)
         faults += sum(result.faults.values())
+        diverged += result.faults.get("diverged", 0)
         handed += result.handed_blocks
         orphaned += result.orphan_blocks
         if result.violations:
@@ -41,6 +42,7 @@ def test_every_invariant_holds_on_the_ci_seeds():
     assert faults > CI_SEEDS * 10        # the runs really were hostile
     assert handed > 0                    # cached slabs were handed on within a namespace
     assert orphaned > CI_SEEDS // 10     # and departed engines' cache was adopted (warm starts)
+    assert diverged > CI_SEEDS // 10     # engines' weights changed in memory (RL updates)
 
 
 # --------------------------------------------------------- re-injected faults
@@ -137,9 +139,15 @@ def orphans_across_namespaces(monkeypatch):
     monkeypatch.setattr(OrphanCache, "take", take)
 
 
+def ignore_diverge(monkeypatch):
+    """Fault 17: an engine whose weights changed in memory stays in its
+    checkpoint's namespace: its new KV is handed on and kept as the checkpoint's."""
+    monkeypatch.setitem(Allocator._HANDLERS, allocator_mod.p.Diverge, lambda self, identity, m: allocator_mod.p.Ok())
+
+
 REINJECTED = {1: unmap_on_shutdown, 4: forget_dead_workers, 5: no_deadlines, 6: trust_adoption,
               7: drop_late_grants, 9: half_apply_journals, 10: hand_on_across_namespaces,
-              11: every_key_valid, 12: no_seal, 13: orphans_across_namespaces}
+              11: every_key_valid, 12: no_seal, 13: orphans_across_namespaces, 17: ignore_diverge}
 
 
 @pytest.mark.parametrize("fault", sorted(REINJECTED))

@@ -32,11 +32,11 @@ def test_block_hashes_are_rooted_in_the_namespaces_secret_seed(plugin_runs):
     assert sha256(DEFAULT_NONE_HASH_SEED).hex() not in roots.values()  # not vLLM's public constant
 
 
-def vllm_config(model: str):
+def vllm_config(model: str, **model_settings):
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
 
     return VllmConfig(model_config=ModelConfig(model=model, dtype="float32", seed=0, max_model_len=1024,
-                                               skip_tokenizer_init=True),
+                                               skip_tokenizer_init=True, **model_settings),
                       cache_config=CacheConfig(block_size=16, cache_dtype="auto", enable_prefix_caching=True))
 
 
@@ -48,6 +48,10 @@ def test_the_namespace_changes_with_the_weights_and_the_tenant(plugin_runs, tmp_
     ns = namespace_of(vllm_config(model), 4096, 2, 1, "")
     assert ns == namespace_of(vllm_config(model), 4096, 2, 1, "") and ns.startswith("copy-")
     assert namespace_of(vllm_config(model), 4096, 2, 1, "tenant-b") != ns
+    # The same files run with another rope: the config as vLLM runs it is part of the namespace.
+    overridden = namespace_of(vllm_config(model, hf_overrides={"rope_theta": 5000.0}), 4096, 2, 1, "")
+    assert overridden != ns
+    assert overridden == namespace_of(vllm_config(model, hf_overrides={"rope_theta": 5000.0}), 4096, 2, 1, "")
 
     [weights] = [f for f in os.listdir(model) if f.endswith(".safetensors")]
     os.utime(os.path.join(model, weights), ns=(1, 1))      # the weights were rewritten

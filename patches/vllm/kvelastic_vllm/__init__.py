@@ -4,7 +4,9 @@ Inert unless ``KVELASTIC_ENABLE=1``. vLLM calls ``register()`` in every
 process it starts (front end, EngineCore, workers); each patch only takes
 effect where its code runs, so patching everything everywhere is harmless:
 - EngineCore: ``get_kv_cache_configs`` registers the engine and sizes the
-  cache to its virtual capacity; ``BlockPool`` becomes ``ElasticBlockPool``;
+  cache to its virtual capacity; a prefix-cache reset or a collective RPC
+  (weights that may change in memory) makes its cache its own; LoRA blocks
+  are keyed by the adapter's content (``adapters.py``); ``BlockPool`` becomes ``ElasticBlockPool``;
   its shutdown unregisters (the daemon keeps its valid cache for a restart);
   each scheduling step holds the pool lock and is numbered in the journal,
   its completion too (the validity rule of kept cache); the coordinator's block need
@@ -52,10 +54,11 @@ def register() -> None:
     # this first: they inherit the id (read through Config there).
     os.environ["KVELASTIC_ENGINE_ID"] = plugin.engine_id
 
+    import vllm.v1.core.kv_cache_utils as kv_cache_utils
     import vllm.v1.engine.core as engine_core
     import vllm.v1.worker.gpu_model_runner as model_runner
 
-    from kvelastic_vllm import engine, identity, worker
+    from kvelastic_vllm import adapters, engine, identity, worker
 
     engine_core.get_kv_cache_configs = engine.wrap_get_kv_cache_configs(engine_core.get_kv_cache_configs)
     # Block hashes rooted in the namespace's secret seed (the daemon's, known
@@ -63,6 +66,13 @@ def register() -> None:
     engine_core.init_none_hash = identity.wrap_init_none_hash(engine_core.init_none_hash, plugin.hash_seed)
     core = engine_core.EngineCore
     setattr(core, "shutdown", engine.wrap_shutdown(core.shutdown))   # noqa: B010 - mypy refuses a method assignment
+    # Weights that may change in memory take the engine out of its namespace
+    # (the block pool's reset_prefix_cache does too); LoRA blocks are keyed
+    # by the adapter's content.
+    setattr(core, "collective_rpc", engine.wrap_collective_rpc(core.collective_rpc))   # noqa: B010
+    setattr(core, "remove_lora", adapters.wrap_remove_lora(core.remove_lora))   # noqa: B010
+    kv_cache_utils._gen_lora_extra_hash_keys = adapters.wrap_lora_extra_hash_keys(
+        kv_cache_utils._gen_lora_extra_hash_keys)
     install_scheduler_patches()
     runners: list[type] = [model_runner.GPUModelRunner]
     model_runner.allocate_kv_cache = worker.allocate_kv_cache

@@ -224,6 +224,10 @@ class ElasticBlockPool(BlockPool):
                 self.metrics_collector.on_block_evicted(block)
 
     def reset_prefix_cache(self) -> bool:
+        # Callers reset after changing the weights (RL weight updates, a
+        # level-2 sleep): from now on this engine's cache is its own, whether
+        # or not the reset succeeds (vLLM refuses while blocks are in use).
+        self.client.diverge("prefix cache reset")
         with self.lock:
             if self.core.num_live != 1:  # the null block is always live
                 log.warning("kvelastic: cannot reset the prefix cache: %d block(s) still in use",

@@ -85,7 +85,8 @@ def register(vllm_config: Any, kv_cache_configs: list, plugin: PluginState) -> E
                                                  config.tenant_salt), page_size=config.page_size,
                           pages_per_worker=geometry.regions, num_workers=num_workers,
                           block_bytes=geometry.block_bytes, min_bytes=config.engine_min_memory,
-                          max_bytes=config.engine_max_memory, low_watermark=0, key_group_suffix=True)
+                          max_bytes=config.engine_max_memory, low_watermark=0, key_group_suffix=True,
+                          private=config.private_cache)
     client.start(timeout=30.0)
     link = attach(plugin, client, geometry, low)
     log.info("kvelastic: engine %s registered: %d blocks of virtual capacity (%d slabs of %d blocks), "
@@ -121,6 +122,32 @@ def wrap_get_kv_cache_configs(original):
         return configs
 
     return get_kv_cache_configs
+
+
+# vLLM's own collective RPCs that change no weight (it calls some itself).
+# Anything else sent through ``collective_rpc`` may: worker extensions that
+# load weights (veRL, OpenRLHF, TRL, NeMo-RL), ``reload_weights``, vLLM's
+# weight transfer (``update_weights``), a pickled function.
+READ_ONLY_RPCS = frozenset({"get_model_inspection", "compute_weight_checksums", "synchronize_device",
+                            "update_max_model_len", "check_health", "list_loras", "save_sharded_state",
+                            "release_late_interaction_query_cache"})
+
+
+def wrap_collective_rpc(original):
+    """A collective RPC that may change the weights: the engine diverges
+    (its cache is its own from now on) before the RPC runs, so nothing it
+    caches with the new weights reaches an engine of the checkpoint."""
+
+    plugin = state()
+
+    def collective_rpc(self, method, *args, **kwargs):
+        link = plugin.link
+        if link is not None and not (isinstance(method, str) and method in READ_ONLY_RPCS):
+            name = method if isinstance(method, str) else getattr(method, "__name__", "a function")
+            link.client.diverge(f"collective_rpc {name}")
+        return original(self, method, *args, **kwargs)
+
+    return collective_rpc
 
 
 def wrap_schedule(original):

@@ -28,18 +28,32 @@ CONFIG_FILES = ("config.json", "generation_config.json", "model.safetensors.inde
 def namespace_of(vllm_config: Any, block_stride: int, regions: int, num_workers: int, tenant_salt: str) -> str:
     """The namespace: a readable model name and a digest of everything that
     makes the KV of a token differ: the weights (``weights_fingerprint``), the
-    model's settings, the KV cache's dtype and layout, the hash algorithm, the
+    model's settings as vLLM runs them (``effective_config``: the config
+    files with any ``--hf-overrides``), the KV cache's dtype and layout, the hash algorithm, the
     vLLM version (its hashed inputs may change between versions) and the
     tenant's salt."""
     import vllm
 
     model, cache = vllm_config.model_config, vllm_config.cache_config
     ident = "|".join(str(x) for x in (
-        model.model, weights_fingerprint(str(model.model)), getattr(model, "revision", ""), model.dtype,
+        model.model, weights_fingerprint(str(model.model)), effective_config(model),
+        getattr(model, "revision", ""), model.dtype,
         getattr(model, "quantization", ""), cache.cache_dtype, cache.block_size, block_stride, regions,
         num_workers, getattr(cache, "prefix_caching_hash_algo", ""), vllm.__version__, tenant_salt))
     name = (os.path.basename(str(model.model).rstrip("/")) or "model")[:64]   # the daemon caps names at 128
     return f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+
+
+def effective_config(model_config: Any) -> str:
+    """The model's config as vLLM runs it: config.json with whatever the
+    command line overrode (``--hf-overrides``: rope scaling, layer counts),
+    which changes the KV of the same weights."""
+    hf_config = getattr(model_config, "hf_config", None)
+    try:
+        text = hf_config.to_json_string(use_diff=False)   # type: ignore[union-attr]
+    except Exception:  # noqa: BLE001 - not a transformers config, or not serialisable: its repr
+        text = repr(hf_config)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def weights_fingerprint(model: str) -> str:
@@ -49,7 +63,7 @@ def weights_fingerprint(model: str) -> str:
     file changes it, so a cache is never served to weights that may differ.
     A model name that is not a local folder (a hub id) is resolved to its
     local snapshot, whose folder name is the revision's commit."""
-    folder = _local_folder(model)
+    folder = local_folder(model)
     if folder is None:
         return "unresolved:" + model          # the name alone: the best identity there is
     digest = hashlib.sha256()
@@ -67,7 +81,9 @@ def weights_fingerprint(model: str) -> str:
     return digest.hexdigest()
 
 
-def _local_folder(model: str) -> str | None:
+def local_folder(model: str) -> str | None:
+    """``model`` as a folder on this machine: itself, or a hub id's cached
+    snapshot (never downloaded); None when neither."""
     if os.path.isdir(model):
         return os.path.realpath(model)
     try:   # a hub id: its snapshot on this machine, never a download

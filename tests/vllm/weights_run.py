@@ -1,0 +1,122 @@
+"""One vLLM engine whose weights change under it: in-memory updates (as RL
+frameworks push them) and LoRA adapters, for tests that the KV cache never
+serves blocks computed under other weights.
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/vllm/weights_run.py MODEL_DIR [--lora]
+
+Prints ``READY`` once the engine is up, then runs one command per input line,
+each answered by a ``RESULT`` line (JSON), like ``bench/warm_run.py``:
+- ``workload``: the prefix-heavy workload of ``warm_run`` (a long shared
+  system prompt, six questions): greedy tokens, prefix-cache hits and queries.
+- ``lora NAME PATH``: the same workload under the adapter in PATH (needs
+  ``--lora``); NAME keeps one adapter id for the life of the process.
+- ``update SEED``: new ``k_proj``/``v_proj`` weights, fixed by SEED, loaded in
+  place through a worker extension (``collective_rpc``), then vLLM's prefix
+  cache reset, as RL frameworks do after a weight sync: ``{"ok": true}``.
+- ``stats``: this engine's counters in the kvelastic daemon (``KVELASTIC_ENABLE=1``).
+End of input: the process exits.
+"""
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+from kvelastic_vllm.bench.tinymodel import INIT_STD
+from kvelastic_vllm.bench.warm_run import QUESTIONS, SYSTEM, engine_stats
+
+HERE = pathlib.Path(__file__).resolve().parent
+MAX_LORA_RANK = 16   # vLLM accepts 1, 8, 16, 32, ...: adapters of rank 8 or 16 load
+
+
+class WeightUpdate:
+    """Mixed into vLLM's worker (``worker_extension_cls``): runs in the worker,
+    in the engine's process or its own, so only the seed crosses the RPC."""
+
+    def kvelastic_update_kv_weights(self, seed: int) -> list[str]:
+        """Load the checkpoint again with every layer's k/v projections replaced
+        by random ones of the base model's std: every KV entry changes, so any
+        block computed before the update is stale. Returns the names loaded.
+
+        Through the worker's ``reload_weights`` rather than ``model.load_weights``
+        alone: vLLM's CPU linear layers repack their weights after loading and
+        drop the parameters ``load_weights`` writes to; ``reload_weights`` puts
+        them back, loads, and repacks. It needs whole layers (a fused qkv layer
+        given only k and v loses q: greedy then emits token 0 only), hence
+        the full checkpoint rather than k and v alone."""
+        import torch
+        from safetensors.torch import load_file
+
+        model_config = self.model_runner.model_config
+        weights = {}
+        for shard in sorted(pathlib.Path(model_config.model).glob("*.safetensors")):
+            weights.update(load_file(str(shard)))
+        gen = torch.Generator().manual_seed(seed)
+        for layer in range(model_config.hf_config.num_hidden_layers):
+            for proj in ("k_proj", "v_proj"):
+                name = f"model.layers.{layer}.self_attn.{proj}.weight"
+                weights[name] = torch.randn(weights[name].shape, generator=gen).to(weights[name].dtype) * INIT_STD
+        self.reload_weights(weights_iterator=iter(weights.items()))
+        return sorted(weights)
+
+
+def make_llm(model: str, lora: bool):
+    """``offline_llm``'s engine (which takes no extra engine arguments), plus
+    the worker extension and, with ``lora``, LoRA support."""
+    from kvelastic_vllm.bench.vllm_serve import VLLM_ENV
+
+    for key, value in VLLM_ENV.items():
+        os.environ.setdefault(key, value)
+    # The worker imports this file as ``weights_run``: found on sys.path here
+    # (the script's folder), and through PYTHONPATH in a spawned engine process.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    from vllm import LLM
+
+    return LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=True,
+               block_size=32, max_num_seqs=8, seed=0, disable_log_stats=False, kv_cache_memory_bytes=64 << 20,
+               worker_extension_cls="weights_run.WeightUpdate",
+               enable_lora=lora, max_lora_rank=MAX_LORA_RANK, max_loras=2)   # LoRA settings unused without it
+
+
+def main() -> None:
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    llm = make_llm(sys.argv[1], lora="--lora" in sys.argv[2:])
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    lora_ids: dict[str, int] = {}
+
+    def counter(name: str) -> float:
+        return next(m.value for m in llm.get_metrics() if m.name == name)
+
+    def run(lora_request=None) -> dict:
+        hits, queries = counter("vllm:prefix_cache_hits"), counter("vllm:prefix_cache_queries")
+        started = time.monotonic()
+        outs = llm.generate([SYSTEM + q for q in QUESTIONS], params, use_tqdm=False, lora_request=lora_request)
+        return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "seconds": time.monotonic() - started,
+                "hits": counter("vllm:prefix_cache_hits") - hits,
+                "queries": counter("vllm:prefix_cache_queries") - queries}
+
+    print("READY", flush=True)
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "workload":
+            out = run()
+        elif command == "lora":
+            name, path = args
+            out = run(LoRARequest(name, lora_ids.setdefault(name, len(lora_ids) + 1), path))
+        elif command == "update":
+            loaded = llm.collective_rpc("kvelastic_update_kv_weights", args=(int(args[0]),))
+            assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
+            out = {"ok": True, "loaded": loaded[0]}
+        elif command == "stats":
+            out = engine_stats(wait_for_hits=True)
+        else:
+            raise ValueError(f"unknown command {command!r}")
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
