@@ -29,14 +29,16 @@ def namespace_of(vllm_config: Any, block_stride: int, regions: int, num_workers:
     """The namespace: a readable model name and a digest of everything that
     makes the KV of a token differ: the weights (``weights_fingerprint``), the
     model's settings as vLLM runs them (``effective_config``: the config
-    files with any ``--hf-overrides``), the KV cache's dtype and layout, the hash algorithm, the
+    files with any ``--hf-overrides``), how the KV bytes are computed
+    (``kv_numerics``: compiled or eager, attention backend, parallel layout,
+    speculative decoding), the KV cache's dtype and layout, the hash algorithm, the
     vLLM version (its hashed inputs may change between versions) and the
     tenant's salt."""
     import vllm
 
     model, cache = vllm_config.model_config, vllm_config.cache_config
     ident = "|".join(str(x) for x in (
-        model.model, weights_fingerprint(str(model.model)), effective_config(model),
+        model.model, weights_fingerprint(str(model.model)), effective_config(model), kv_numerics(vllm_config),
         getattr(model, "revision", ""), model.dtype,
         getattr(model, "quantization", ""), cache.cache_dtype, cache.block_size, block_stride, regions,
         num_workers, getattr(cache, "prefix_caching_hash_algo", ""), vllm.__version__, tenant_salt))
@@ -54,6 +56,27 @@ def effective_config(model_config: Any) -> str:
     except Exception:  # noqa: BLE001 - not a transformers config, or not serialisable: its repr
         text = repr(hf_config)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def kv_numerics(vllm_config: Any) -> str:
+    """The settings that change the KV bytes an engine writes for the same
+    tokens and weights, though not what they mean: a compiled model fuses
+    kernels differently from an eager one, attention backends and parallel
+    layouts sum in other orders, speculative decoding verifies in other
+    batch shapes. Greedy tokens can flip on such last-bit differences, so
+    cache moves only between engines that compute it the same way. Only the
+    settings as given: what vLLM fills in while compiling (seen custom ops,
+    capture sizes) would differ between a cold start and a cached one."""
+    compilation = vllm_config.compilation_config
+    parallel = vllm_config.parallel_config
+    attention = getattr(vllm_config, "attention_config", None)
+    speculative = vllm_config.speculative_config
+    pass_config = getattr(compilation, "pass_config", None)
+    return "|".join(str(x) for x in (
+        vllm_config.model_config.enforce_eager, int(compilation.mode or 0), compilation.backend,
+        sorted(compilation.custom_ops or ()), pass_config.compute_hash() if pass_config is not None else "",
+        getattr(attention, "backend", None), parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+        getattr(speculative, "method", None), getattr(speculative, "num_speculative_tokens", None)))
 
 
 def weights_fingerprint(model: str) -> str:
