@@ -74,3 +74,48 @@ def test_geometry_must_map_onto_pages():
     assert (g.regions, g.blocks_per_slab) == (1, 64)
     with pytest.raises(RuntimeError, match="does not divide the page size"):
         geometry_of(config(3000), 2 << 20, 1)
+
+
+def test_several_cache_groups_share_one_layout():
+    """Hybrid models (Gemma 3: five sliding-window groups and one full) get a
+    KVCacheTensor per group, overlapping in one allocation: layer l of every
+    group in region l. A state cache (Mamba) is refused, naming the model."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    from kvelastic_vllm.engine import geometry_of
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
+    stride, blocks = 16384, 100
+    layer_stride = blocks * stride
+
+    def hybrid(groups: int, per_group: int, tensor_stride: int = stride):
+        tensors, specs = [], []
+        for g in range(groups):
+            layers = [f"g{g}l{i}" for i in range(per_group)]
+            tensors.append(KVCacheTensor(size=per_group * layer_stride, layers=layers, layer_stride=layer_stride,
+                                         block_stride=tensor_stride))
+            specs.append(KVCacheGroupSpec(layers, window if g < groups - 1 else full))
+        return KVCacheConfig(num_blocks=blocks, kv_cache_tensors=tensors, kv_cache_groups=specs)
+
+    g = geometry_of(hybrid(6, 2), 2 << 20, 1)        # 12 layers, 6 groups of 2: two regions
+    assert (g.regions, g.blocks_per_slab, g.block_bytes) == (2, 128, 2 * stride)
+    assert geometry_of(hybrid(2, 1), 2 << 20, 1).regions == 1
+    with pytest.raises(RuntimeError, match="differ in size or strides"):
+        config = hybrid(2, 1)
+        config.kv_cache_tensors[1] = KVCacheTensor(size=layer_stride, layers=["g1l0"], layer_stride=layer_stride,
+                                                   block_stride=2 * stride)
+        geometry_of(config, 2 << 20, 1)
+    mamba = MambaSpec(block_size=32, shapes=((4, 4),), dtypes=(torch.float32,))
+    config = hybrid(2, 1)
+    config.kv_cache_groups[0] = KVCacheGroupSpec(["g0l0"], mamba)
+    with pytest.raises(RuntimeError, match="JambaForCausalLM keeps a MambaSpec state cache"):
+        geometry_of(config, 2 << 20, 1, "JambaForCausalLM")

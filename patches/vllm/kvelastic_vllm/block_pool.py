@@ -157,6 +157,9 @@ class ElasticBlockPool(BlockPool):
         # kvelastic serves attention-only models, which never have any.
         with self.lock:
             self.core.free(ordered_blocks)
+        # Sliding-window groups free the null block they put in place of
+        # blocks out of the window, again and again: pinned high once more.
+        self.null_block.ref_cnt = NULL_PINNED
 
     # ------------------------------------------------------- prefix cache
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[KVCacheBlock] | None:

@@ -39,25 +39,36 @@ class EngineLink:
     low_watermark: int       # applied once ElasticBlockPool owns the block records
 
 
-def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int) -> Geometry:
-    """Check that vLLM's layout maps onto pages and derive the slab geometry."""
-    from vllm.v1.kv_cache_interface import AttentionSpec
+def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int, model: str = "this model") -> Geometry:
+    """Check that vLLM's layout maps onto pages and derive the slab geometry.
 
-    for group in kv_cache_config.kv_cache_groups:
-        if not isinstance(group.kv_cache_spec, AttentionSpec):
-            raise RuntimeError(f"kvelastic supports attention-only models; this one has a "
-                               f"{type(group.kv_cache_spec).__name__} cache group")
+    vLLM keeps the whole KV cache in one backing allocation and describes it
+    with one ``KVCacheTensor`` per cache group (hybrid models: Gemma 3's five
+    sliding-window groups and one full-attention group), all of the same
+    size and strides, overlapping: group ``g``'s layer ``l`` lives in the same
+    region as every other group's layer ``l``, and a block id is one group's
+    block at a time. So a slab is the same block range in every region, as
+    for one group: layer-outer, a page per region; block-outer, one page
+    holding whole blocks."""
+    _check_specs(kv_cache_config, model)
     tensors = kv_cache_config.kv_cache_tensors
-    if len(tensors) != 1 or tensors[0].offset != 0:
-        raise RuntimeError(f"kvelastic expects one KV backing allocation at offset 0, got {len(tensors)}")
     t = tensors[0]
+    shapes = {(x.size, x.block_stride, x.layer_stride) for x in tensors}
+    if len(shapes) != 1:
+        raise RuntimeError(f"kvelastic: {model}'s KV cache tensors differ in size or strides ({sorted(shapes)}); "
+                           "kvelastic maps one layout for every cache group. Run it without KVELASTIC_ENABLE")
     if page_size % t.block_stride:
         raise RuntimeError(f"a KV block takes {t.block_stride} bytes per region, which does not divide the "
                            f"page size {page_size}; set KVELASTIC_PAGE_SIZE to a multiple of it")
-    layers = len(t.layers)
     if t.layer_stride == kv_cache_config.num_blocks * t.block_stride:
-        regions = layers                      # layer-outer: one region per layer
-    elif t.layer_stride * layers <= t.block_stride:
+        # layer-outer: a region per layer position; a tensor at an offset starts further in
+        if any(x.offset % t.layer_stride for x in tensors):
+            raise RuntimeError(f"unsupported KV layout: a tensor offset not a multiple of the layer stride "
+                               f"{t.layer_stride}")
+        regions = max(x.offset // t.layer_stride + len(x.layers) for x in tensors)
+        if regions * t.layer_stride > t.size:
+            raise RuntimeError(f"unsupported KV layout: {regions} layer regions exceed the allocation of {t.size}")
+    elif all(x.offset + t.layer_stride * len(x.layers) <= t.block_stride for x in tensors):
         regions = 1                           # block-outer: a block holds every layer
     else:
         raise RuntimeError(f"unsupported KV layout: layer stride {t.layer_stride}, block stride {t.block_stride}")
@@ -65,18 +76,37 @@ def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int) -> Geome
     return Geometry(t.block_stride, regions, bps, page_size * regions * max(1, num_workers) // bps)
 
 
-def reserve_watermark(max_num_batched_tokens: int, block_size: int, blocks_per_slab: int) -> int:
-    """Free blocks kept ahead of need: one scheduling step's worth plus a slab,
-    so a step rarely waits for the daemon (larger needs are demand grows)."""
-    return math.ceil(max_num_batched_tokens / block_size) + blocks_per_slab
+def _check_specs(kv_cache_config: Any, model: str) -> None:
+    """Attention caches only (full, sliding window, chunked local, MLA):
+    state caches (Mamba, linear attention) are refused at start-up, saying
+    what to do."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
+
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        specs = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        other = next((s for s in specs if not isinstance(s, AttentionSpec)), None)
+        if other is not None:
+            raise RuntimeError(f"kvelastic: {model} keeps a {type(other).__name__} state cache (Mamba or linear "
+                               "attention), which kvelastic does not back yet: run it without KVELASTIC_ENABLE "
+                               "(see docs/models.md)")
+
+
+def reserve_watermark(max_num_batched_tokens: int, block_size: int, blocks_per_slab: int, groups: int = 1) -> int:
+    """Free blocks kept ahead of need: one scheduling step's worth (each KV
+    cache group takes its own blocks for the same tokens) plus a slab, so a
+    step rarely waits for the daemon (larger needs are demand grows)."""
+    return math.ceil(max_num_batched_tokens / block_size) * max(1, groups) + blocks_per_slab
 
 
 def register(vllm_config: Any, kv_cache_configs: list, plugin: PluginState) -> EngineLink:
     config, engine_id = plugin.config, plugin.engine_id
     num_workers = len(kv_cache_configs)
-    geometry = geometry_of(kv_cache_configs[0], config.page_size, num_workers)
+    architecture = ",".join(getattr(vllm_config.model_config.hf_config, "architectures", None) or ["this model"])
+    geometry = geometry_of(kv_cache_configs[0], config.page_size, num_workers, architecture)
     low = reserve_watermark(vllm_config.scheduler_config.max_num_batched_tokens,
-                            vllm_config.cache_config.block_size, geometry.blocks_per_slab)
+                            vllm_config.cache_config.block_size, geometry.blocks_per_slab,
+                            len(kv_cache_configs[0].kv_cache_groups))
     pool = SlabPool(geometry.blocks_per_slab, block_size=vllm_config.cache_config.block_size,
                     block_bytes=geometry.block_bytes, max_cached_bytes=config.prefix_cache_max_size,
                     ttl=config.prefix_cache_ttl)

@@ -1,0 +1,84 @@
+"""Model families through kvelastic: greedy tokens and prefix-cache hits
+equal to stock vLLM's, and still equal after another engine's demand took
+this engine's cached slabs mid-workload. Real vLLM (CPU build), a real
+daemon, tiny random-weight models of each family (``families.py``).
+
+Hybrid layouts are the point: Gemma 3 has six KV cache groups (five
+sliding-window, one full attention) over one backing allocation, GPT-OSS two
+(sliding and full, with experts); Mistral and Qwen2 slide on every layer.
+A Mamba hybrid (Granite 4.0-H) is refused at start-up, saying what to do.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.daemon.engines import EngineProcess
+from tests.daemon_proc import wait_for
+from tests.vllm.families import build_family
+from tests.vllm.test_weight_changes import SCRIPT, Engine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+PAGE = 2 << 20
+SERVED = ["qwen3", "gemma3", "mistral-sliding", "qwen2-sliding", "gpt-oss"]
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    return tmp_path_factory.mktemp("families")
+
+
+def engine_entry(daemon, engine_id: str) -> dict:
+    return next(e for e in daemon.status()["engines"] if e["engine_id"] == engine_id)
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_a_family_gives_stock_tokens_and_hits_also_after_a_reclaim(family, families, daemon_factory):
+    model = build_family(family, families)
+    stock = Engine(model)
+    cold, warm = stock.do("workload"), stock.do("workload")
+    stock.exit()
+    assert len({t for tokens in cold["tokens"] for t in tokens}) >= 8, "the model must give varied tokens"
+    assert warm["tokens"] == cold["tokens"] and warm["hits"] > cold["hits"]
+
+    daemon = daemon_factory(memory="96MiB")
+    engine = Engine(model, daemon, KVELASTIC_ENGINE_ID=family)
+    first, second = engine.do("workload"), engine.do("workload")
+    assert (first["tokens"], first["hits"]) == (cold["tokens"], cold["hits"])
+    assert (second["tokens"], second["hits"]) == (warm["tokens"], warm["hits"])
+    entry = engine_entry(daemon, family)
+    held = entry["slabs"]
+    assert held > 1, entry
+
+    # Another engine's hard demand for all the budget but one of this engine's
+    # slabs (the one with vLLM's null block stays) takes its cached slabs.
+    pages = daemon.status()["budget_bytes"] // PAGE - entry["slab_bytes"] // PAGE
+    other = EngineProcess(daemon.socket, "demand", namespace="other-model", grace=60)
+    try:
+        assert other.do("ensure", n=4 * pages, timeout=20)["ok"]      # 4 blocks of a page per slab
+        wait_for(lambda: engine_entry(daemon, family)["reclaims"] > 0, what="a reclaim from the vLLM engine")
+        after = engine.do("workload")
+        assert after["tokens"] == cold["tokens"], "tokens changed after a reclaim"
+        assert after["hits"] <= warm["hits"]
+    finally:
+        other.close()
+    print(f"{family}: {held} slab(s) held, tokens and hits equal to stock; after a reclaim "
+          f"{engine_entry(daemon, family)['reclaims']} slab(s) taken, {after['hits']:.0f} hit tokens, same tokens")
+    engine.exit()
+
+
+def test_a_state_cache_model_is_refused_at_start_up_saying_what_to_do(families, daemon_factory):
+    model = build_family("granite-4.0-h", families)
+    daemon = daemon_factory(memory="64MiB")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVELASTIC_ENABLE": "1",
+           "KVELASTIC_SOCKET": daemon.socket}
+    out = subprocess.run([sys.executable, str(SCRIPT), str(model)], env=env, input="", capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "GraniteMoeHybridForCausalLM" in text and "MambaSpec state cache" in text, text[-3000:]
+    assert "without KVELASTIC_ENABLE" in text
