@@ -82,3 +82,33 @@ def test_a_state_cache_model_is_refused_at_start_up_saying_what_to_do(families, 
     text = out.stdout + out.stderr
     assert "GraniteMoeHybridForCausalLM" in text and "MambaSpec state cache" in text, text[-3000:]
     assert "without KVELASTIC_ENABLE" in text
+
+
+def test_compiled_and_speculative_engines_give_stock_tokens_and_never_share_kept_cache(daemon_factory, families):
+    """vLLM's compiled path and ngram speculative decoding through kvelastic
+    give stock's tokens and hits; and the kept cache of a compiled engine is
+    not adopted by an eager one with speculative decoding (other kernels,
+    other KV bytes: they are other namespaces)."""
+    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+
+    model = build_tiny_llama(families / "tiny-llama")
+    stock_compiled = Engine(model, None, "--compiled")
+    compiled = [stock_compiled.do("workload"), stock_compiled.do("workload")]
+    stock_compiled.exit()
+    stock_ngram = Engine(model, None, "--ngram")
+    ngram = stock_ngram.do("workload")
+    stock_ngram.exit()
+
+    daemon = daemon_factory(memory="64MiB", KVELASTIC_IDLE_GRACE="1s")
+    first = Engine(model, daemon, "--compiled", KVELASTIC_ENGINE_ID="modes")
+    got = [first.do("workload"), first.do("workload")]
+    assert [(r["tokens"], r["hits"]) for r in got] == [(r["tokens"], r["hits"]) for r in compiled]
+    first.exit()
+    wait_for(lambda: not daemon.status()["engines"] and daemon.status()["orphans"], timeout=30,
+             what="the compiled engine's cache kept")
+
+    second = Engine(model, daemon, "--ngram", KVELASTIC_ENGINE_ID="modes")     # eager, speculative
+    out = second.do("workload")
+    assert (out["tokens"], out["hits"]) == (ngram["tokens"], ngram["hits"])
+    assert second.do("stats")["adopted_blocks"] == 0
+    second.exit()

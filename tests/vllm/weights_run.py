@@ -2,7 +2,10 @@
 frameworks push them) and LoRA adapters, for tests that the KV cache never
 serves blocks computed under other weights.
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/vllm/weights_run.py MODEL_DIR [--lora]
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/vllm/weights_run.py MODEL_DIR [--lora] [--compiled] [--ngram]
+
+``--compiled``: vLLM's compiled path (no ``enforce_eager``); ``--ngram``: ngram
+speculative decoding.
 
 Prints ``READY`` once the engine is up, then runs one command per input line,
 each answered by a ``RESULT`` line (JSON), like ``bench/warm_run.py``:
@@ -61,7 +64,7 @@ class WeightUpdate:
         return sorted(weights)
 
 
-def make_llm(model: str, lora: bool):
+def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False):
     """``offline_llm``'s engine (which takes no extra engine arguments), plus
     the worker extension and, with ``lora``, LoRA support."""
     from kvelastic_vllm.bench.vllm_serve import VLLM_ENV
@@ -73,7 +76,9 @@ def make_llm(model: str, lora: bool):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     from vllm import LLM
 
-    return LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=True,
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} if ngram else None
+    return LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=not compiled, enable_prefix_caching=True,
+               speculative_config=speculative,
                block_size=32, max_num_seqs=8, seed=0, disable_log_stats=False, kv_cache_memory_bytes=64 << 20,
                worker_extension_cls="weights_run.WeightUpdate",
                enable_lora=lora, max_lora_rank=MAX_LORA_RANK, max_loras=2)   # LoRA settings unused without it
@@ -83,7 +88,8 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
-    llm = make_llm(sys.argv[1], lora="--lora" in sys.argv[2:])
+    flags = sys.argv[2:]
+    llm = make_llm(sys.argv[1], lora="--lora" in flags, compiled="--compiled" in flags, ngram="--ngram" in flags)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     lora_ids: dict[str, int] = {}
 
