@@ -72,8 +72,10 @@ def test_geometry_must_map_onto_pages():
     assert (g.regions, g.blocks_per_slab, g.block_bytes) == (2, 128, 2 * 16384)
     g = geometry_of(config(32768, layer_stride=16384), 2 << 20, 1)   # block-outer
     assert (g.regions, g.blocks_per_slab) == (1, 64)
-    with pytest.raises(RuntimeError, match="does not divide the page size"):
-        geometry_of(config(3000), 2 << 20, 1)
+    with pytest.raises(RuntimeError, match="not a power of two"):          # MLA on CPU: 36,864 bytes
+        geometry_of(config(36864), 2 << 20, 1)
+    with pytest.raises(RuntimeError, match="set KVELASTIC_PAGE_SIZE to a multiple"):
+        geometry_of(config(4 << 20), 2 << 20, 1)
 
 
 def test_several_cache_groups_share_one_layout():
@@ -119,3 +121,13 @@ def test_several_cache_groups_share_one_layout():
     config.kv_cache_groups[0] = KVCacheGroupSpec(["g0l0"], mamba)
     with pytest.raises(RuntimeError, match="JambaForCausalLM keeps a MambaSpec state cache"):
         geometry_of(config, 2 << 20, 1, "JambaForCausalLM")
+
+
+def test_each_data_parallel_rank_is_an_engine_of_its_own():
+    from types import SimpleNamespace
+
+    from kvelastic_vllm.engine import engine_id_of_rank
+
+    assert engine_id_of_rank("llm", SimpleNamespace(data_parallel_size=1, data_parallel_rank=0)) == "llm"
+    ranks = {engine_id_of_rank("llm", SimpleNamespace(data_parallel_size=2, data_parallel_rank=r)) for r in (0, 1)}
+    assert ranks == {"llm-dp0", "llm-dp1"}

@@ -58,6 +58,10 @@ def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int, model: s
         raise RuntimeError(f"kvelastic: {model}'s KV cache tensors differ in size or strides ({sorted(shapes)}); "
                            "kvelastic maps one layout for every cache group. Run it without KVELASTIC_ENABLE")
     if page_size % t.block_stride:
+        if t.block_stride & (t.block_stride - 1):   # no power-of-two page holds whole blocks
+            raise RuntimeError(f"kvelastic: a KV block of {model} takes {t.block_stride} bytes per region, not a "
+                               "power of two, so no page (a power of two) holds whole blocks (MLA's and state "
+                               "caches' blocks are such); run it without KVELASTIC_ENABLE (see docs/models.md)")
         raise RuntimeError(f"a KV block takes {t.block_stride} bytes per region, which does not divide the "
                            f"page size {page_size}; set KVELASTIC_PAGE_SIZE to a multiple of it")
     if t.layer_stride == kv_cache_config.num_blocks * t.block_stride:
@@ -99,8 +103,20 @@ def reserve_watermark(max_num_batched_tokens: int, block_size: int, blocks_per_s
     return math.ceil(max_num_batched_tokens / block_size) * max(1, groups) + blocks_per_slab
 
 
+def engine_id_of_rank(engine_id: str, parallel_config: Any) -> str:
+    """Data parallel: each rank's EngineCore is an engine of its own in the
+    daemon (``llm-dp0``, ``llm-dp1``), of one namespace, so hand-off and warm
+    restarts work across the ranks. Its workers learn the name with their KV
+    cache config (``wrap_get_kv_cache_configs``)."""
+    size = getattr(parallel_config, "data_parallel_size", 1) or 1
+    if size <= 1:
+        return engine_id
+    return f"{engine_id}-dp{getattr(parallel_config, 'data_parallel_rank', 0)}"
+
+
 def register(vllm_config: Any, kv_cache_configs: list, plugin: PluginState) -> EngineLink:
-    config, engine_id = plugin.config, plugin.engine_id
+    config = plugin.config
+    engine_id = engine_id_of_rank(plugin.engine_id, vllm_config.parallel_config)
     num_workers = len(kv_cache_configs)
     architecture = ",".join(getattr(vllm_config.model_config.hf_config, "architectures", None) or ["this model"])
     geometry = geometry_of(kv_cache_configs[0], config.page_size, num_workers, architecture)
@@ -145,6 +161,7 @@ def wrap_get_kv_cache_configs(original):
         # it in the plugin state's link (see ``worker.worker_client``).
         for config in configs:
             config.kvelastic_token = link.client.token
+            config.kvelastic_engine_id = link.client.engine_id
         t = configs[0].kv_cache_tensors[0]
         if configs[0].num_blocks != link.num_blocks or t.block_stride != link.geometry.block_stride:
             raise RuntimeError(f"kvelastic: vLLM laid out {configs[0].num_blocks} blocks of {t.block_stride} "

@@ -27,10 +27,11 @@ def _rank() -> int:
     return 0
 
 
-def worker_client(device: torch.device, token: bytes = b"") -> WorkerClient:
-    """This worker's link, opened with its engine's secret (``token``: from the
-    KV cache config the EngineCore sent, see ``engine.wrap_get_kv_cache_configs``;
-    a worker in the EngineCore's own process also has the engine's link)."""
+def worker_client(device: torch.device, token: bytes = b"", engine_id: str = "") -> WorkerClient:
+    """This worker's link, opened with its engine's secret and name (``token``,
+    ``engine_id``: from the KV cache config the EngineCore sent, see
+    ``engine.wrap_get_kv_cache_configs``; a worker in the EngineCore's own
+    process also has the engine's link)."""
     plugin = state()
     if plugin.worker is not None:
         return plugin.worker
@@ -39,11 +40,14 @@ def worker_client(device: torch.device, token: bytes = b"") -> WorkerClient:
                           **({"device": device.index or 0} if device.type == "cuda" else {}))
     if not token and plugin.link is not None:
         token = plugin.link.client.token
-    client = WorkerClient(backend, socket_path=config.socket, engine_id=plugin.engine_id, rank=_rank(),
+    if plugin.link is not None:
+        engine_id = engine_id or plugin.link.client.engine_id
+    engine_id = engine_id or plugin.engine_id
+    client = WorkerClient(backend, socket_path=config.socket, engine_id=engine_id, rank=_rank(),
                           token=token).start(30.0)
     plugin.worker = client
     log.info("kvelastic: worker %d of engine %s reserved %d MiB of virtual KV space",
-             client.rank, plugin.engine_id, client.reserved_arena().size >> 20)
+             client.rank, engine_id, client.reserved_arena().size >> 20)
     return client
 
 
@@ -54,7 +58,8 @@ def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
     if not kv_cache_config.kv_cache_tensors:
         return {}
     size = kv_cache_config.kv_cache_tensors[0].size
-    arena = worker_client(device, getattr(kv_cache_config, "kvelastic_token", b"")).reserved_arena()
+    arena = worker_client(device, getattr(kv_cache_config, "kvelastic_token", b""),
+                          getattr(kv_cache_config, "kvelastic_engine_id", "")).reserved_arena()
     if size > arena.size:
         raise RuntimeError(f"kvelastic: vLLM wants {size} bytes of KV space, the arena has {arena.size}")
     buf = arena.tensor(torch.int8, (size,))
