@@ -9,7 +9,6 @@ whole virtual capacity. Memory arrives underneath, slab by slab.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from typing import Any
@@ -17,26 +16,10 @@ from typing import Any
 from kvelastic.client.engine import EngineClient
 from kvelastic.core.pool import SlabPool
 from kvelastic_vllm.identity import namespace_of
+from kvelastic_vllm.link import EngineLink, Geometry
 from kvelastic_vllm.state import PluginState, state
 
 log = logging.getLogger("kvelastic.vllm")
-
-
-@dataclasses.dataclass
-class Geometry:
-    block_stride: int        # bytes of one block in one layer region (or all layers, block-outer)
-    regions: int             # pages of a slab in one worker: one per layer (layer-outer) or 1
-    blocks_per_slab: int
-    block_bytes: int         # one block across every layer and worker
-
-
-@dataclasses.dataclass
-class EngineLink:
-    pool: SlabPool
-    client: EngineClient
-    geometry: Geometry
-    num_blocks: int
-    low_watermark: int       # applied once ElasticBlockPool owns the block records
 
 
 def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int, model: str = "this model") -> Geometry:

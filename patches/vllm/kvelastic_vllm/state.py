@@ -18,7 +18,7 @@ from kvelastic.config import Config
 
 if TYPE_CHECKING:
     from kvelastic.client.worker import WorkerClient
-    from kvelastic_vllm.engine import EngineLink
+    from kvelastic_vllm.link import EngineLink
 
 
 def engine_id_of(config: Config) -> str:
