@@ -11,10 +11,7 @@ exists; ``slab`` points at the block's ``Slab``.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from kvelastic.core.pool import SlabPool
+from typing import Any
 
 # A block record as the pool handles it: a ``Block``, or the vLLM adapter's
 # subclass of vLLM's ``KVCacheBlock``. They share the attribute names, not a
@@ -61,10 +58,12 @@ class Slab:
 
     __slots__ = ("slab_id", "blocks", "free", "live", "cached", "owner")
 
-    def __init__(self, slab_id: int, blocks: list[BlockRecord], owner: SlabPool | None) -> None:
+    def __init__(self, slab_id: int, blocks: list[BlockRecord], owner: object | None) -> None:
         self.slab_id = slab_id
         self.blocks = blocks
-        self.owner = owner  # the pool holding it; None once given back (its blocks are stale)
+        # The pool holding it (only ever compared by identity: the block
+        # module stays below the pool's); None once given back (its blocks are stale).
+        self.owner = owner
         for blk in blocks:
             blk.slab = self
         self.free: list[BlockRecord] = blocks[::-1]  # pop() hands out the lowest id first
