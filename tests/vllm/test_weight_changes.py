@@ -158,3 +158,19 @@ def test_a_lora_adapter_rewritten_in_place_never_meets_its_old_blocks(daemon_fac
     got = third.do(f"lora a {adapter}")
     assert got["tokens"] == new["tokens"] and got["hits"] == new["hits"]     # as cold as stock's first run
     third.exit()
+
+
+def test_two_adapters_in_one_engine_never_share_blocks(daemon_factory, model, tmp_path):
+    """Requests of two adapters (and of none) side by side: stock's tokens and
+    hits for each, so no block of one adapter serves another."""
+    one, two = write_adapter(tmp_path / "one", model, seed=3), write_adapter(tmp_path / "two", model, seed=4)
+    commands = ["workload", f"lora one {one}", f"lora two {two}", f"lora one {one}", "workload"]
+    expected = stock(model, *commands, args=("--lora",))
+    assert differ(expected[1]["tokens"], expected[2]["tokens"]) == len(expected[1]["tokens"])
+    assert differ(expected[0]["tokens"], expected[1]["tokens"]) == len(expected[0]["tokens"])
+
+    daemon = daemon_factory(memory="64MiB")
+    engine = Engine(model, daemon, "--lora", KVELASTIC_ENGINE_ID="two-adapters")
+    got = [engine.do(c) for c in commands]
+    engine.exit()
+    assert [(r["tokens"], r["hits"]) for r in got] == [(r["tokens"], r["hits"]) for r in expected]
