@@ -3,6 +3,10 @@ played on the world's fake clock and transports (``world.py``): grows and
 reserve, journals, reclaims and returns, numbered model steps sealed as
 ``EngineClient.seal_step`` seals them, and writes into the fake device's
 pages, torn until their step ends. Faults reach them through ``run.py``.
+
+The world makes and drives the engines; they see it through ``EngineWorld``
+(a ``Protocol`` that ``World`` fits), so this module does not import ``world.py``.
+The records it shares with the world and the ghosts are in ``records.py``.
 """
 
 from __future__ import annotations
@@ -10,64 +14,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvelastic import protocol as p
 from kvelastic.client.engine import SYNC_BACKOFF, SYNC_TIMEOUT, give_up, wire_key
 from kvelastic.core.block import BlockRecord
 from kvelastic.core.pool import SlabPool
+from kvelastic.sim.ports import WorkerWorld
+from kvelastic.sim.records import BLOCKS_PER_SLAB, BUSY, KV, Device, SimWorker, Step
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
 
-if TYPE_CHECKING:
-    from kvelastic.sim.world import World
-
-BLOCKS_PER_SLAB = 4
 CLIENT_GROW_TIMEOUT = 2.0          # an engine gives up waiting for a grow after this
 UNREGISTER_TIMEOUT = 2.0           # an exiting engine waits this long for its Unregister's answer
-# A worker holding unmaps until its step ends says so (``Busy``) when the
-# protocol has it (``WorkerClient._tick``); without it a long step is taken for a hung worker.
-BUSY: Any = getattr(p, "Busy", None)
 FAILED: Any = getattr(p, "Failed", None)   # the daemon tells an engine it failed it: it restarts
 PROMPTS = 12                       # prompt families per namespace: requests share prefixes
 MAX_REQUEST_BLOCKS = 8
 DIVERGE = 0.002                    # per unit of work: the engine's weights change in memory
-
-
-@dataclasses.dataclass(eq=False)
-class KV:
-    """What one block's place in a page holds: the KV of ``key`` (None: a
-    block not full yet, no key) in ``namespace``, written by ``writer`` in its
-    model step ``step``; ``complete`` once that step finished (until then the
-    place is torn: a kill -9 leaves it so)."""
-
-    namespace: str
-    writer: str
-    key: bytes | None
-    step: int
-    complete: bool = False
-
-
-@dataclasses.dataclass
-class SimWorker:
-    rank: int
-    identity: bytes
-    mapped: dict[int, list[int]] = dataclasses.field(default_factory=dict)   # slab -> pages
-    channel: deque = dataclasses.field(default_factory=deque)                  # page ids sent, not yet taken
-    stuck_until: float = 0.0          # withholds every answer until then (a hung worker)
-    token: bytes = b""                # the secret its page channel showed
-    deferred: list = dataclasses.field(default_factory=list)                   # unmaps waiting for the step
-    registered: bool = False
-    deferred_at: float = 0.0          # when the first unmap deferred now arrived
-    busy_at: float = -1e9             # when it last said Busy
-    ack_timeout: float = p.ACK_TIMEOUT   # the daemon's, from its registration
-
-    def defer(self, msg: p.UnmapSlab, now: float) -> None:
-        """An unmap during a step waits for its end; the daemon hears so at once (Busy)."""
-        if not self.deferred:
-            self.deferred_at = now
-        self.deferred.append(msg)
-        self.busy_at = -1e9
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,22 +42,40 @@ class Request:
     keyed: int
 
 
-@dataclasses.dataclass(eq=False)
-class Step:
-    """A model step: scheduled, then (sealed and) running, then ended."""
+class EngineWorld(WorkerWorld, Protocol):
+    """What an engine uses of the world beyond what every client process does
+    (``ports.WorkerWorld``): its randomness, the fake device its steps write,
+    its peers' lifelines, the checks of what it is granted and rewrites, and
+    where its workers go when it dies without them (``ghosts.py``)."""
 
-    n: int
-    writes: list[tuple[BlockRecord, bytes | None]]     # the blocks it writes, with their keys
-    sync_req: int = 0                # sealing: the sync journal whose Ok it waits for
-    sync_sent: float = 0.0
-    running: bool = False
-    torn: list[tuple[tuple[int, int], KV]] = dataclasses.field(default_factory=list)   # written, not complete
-    until: float = 0.0               # a long step (longer than the ack deadline) runs until then
-    overlapped: bool = False         # it held an unmap past the ack deadline
+    @property
+    def rng(self) -> random.Random: ...
+
+    @property
+    def device(self) -> Device: ...
+
+    @property
+    def restart_at(self) -> dict[str, float]: ...
+
+    def connect(self, identity: bytes) -> None: ...
+
+    def open_peer(self, engine: SimEngine, rank: int, token: bytes = b"") -> None: ...
+
+    def close_peer(self, engine: SimEngine, rank: int, token: bytes = b"") -> None: ...
+
+    def violation(self, what: str) -> None: ...
+
+    def check_slab_mapped(self, engine: SimEngine, slab_id: int) -> None: ...
+
+    def check_adoption(self, engine: SimEngine, slab_id: int, cached: list[p.CachedBlock]) -> None: ...
+
+    def check_rewrite(self, engine: SimEngine, step: Step) -> None: ...
+
+    def haunt(self, engine_id: str, w: SimWorker, frozen: bool, step_until: float, exit_at: float) -> None: ...
 
 
 class SimEngine:
-    def __init__(self, world: World, name: str, workers: int, demand_share: float) -> None:
+    def __init__(self, world: EngineWorld, name: str, workers: int, demand_share: float) -> None:
         self.world = world
         self.name = name
         # Two namespaces (engines alternate; one may come back in the other):

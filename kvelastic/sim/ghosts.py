@@ -10,33 +10,20 @@ the same id: a new registration with a new secret, which may itself depart
 while the old one still waits for its ghosts. The daemon must keep both
 records (``Allocator.departing``), take each ghost's acknowledgement and
 channel for its own registration only, and lose no page.
+
+This module is how ghosts behave. Their record (``records.Ghost``) is named
+by the world and the engines too, so it lives below them all, and a ghost
+sees the world through ``ports.WorkerWorld`` as an engine's worker does.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
-
 from kvelastic import protocol as p
-from kvelastic.sim.engine import BUSY, SimWorker
-
-if TYPE_CHECKING:
-    from kvelastic.sim.world import World
+from kvelastic.sim.ports import WorkerWorld
+from kvelastic.sim.records import BUSY, Ghost
 
 
-@dataclasses.dataclass(eq=False)
-class Ghost:
-    engine_id: str
-    worker: SimWorker
-    frozen: bool                # hung: answers nothing and says nothing until it exits
-    step_until: float           # its step ends then (unmaps wait for it)
-    exit_at: float
-
-    def stepping(self, now: float) -> bool:
-        return now < self.step_until
-
-
-def on_message(world: World, ghost: Ghost, msg: p.Msg) -> None:
+def on_message(world: WorkerWorld, ghost: Ghost, msg: p.Msg) -> None:
     """A command reaches the ghost's I/O thread (a frozen one gets nothing)."""
     w = ghost.worker
     if isinstance(msg, p.MapSlab):             # sent before its engine died: mapped at once, as ever
@@ -55,14 +42,14 @@ def on_message(world: World, ghost: Ghost, msg: p.Msg) -> None:
             unmap(world, ghost, msg)
 
 
-def unmap(world: World, ghost: Ghost, msg: p.UnmapSlab) -> None:
+def unmap(world: WorkerWorld, ghost: Ghost, msg: p.UnmapSlab) -> None:
     w = ghost.worker
     w.mapped.pop(msg.slab, None)
     world.client_send(w.identity, p.Unmapped(req_id=msg.req_id, engine_id=ghost.engine_id, rank=w.rank,
                                              slab=msg.slab))
 
 
-def tend(world: World) -> None:
+def tend(world: WorkerWorld) -> None:
     """Each step: a ghost whose step ended unmaps what waited for it; one in
     its step says Busy (every quarter of the ack deadline); one whose time
     came exits (its connections close, its mappings go with it)."""
@@ -83,7 +70,7 @@ def tend(world: World) -> None:
             world.counts["busy_ghost"] += 1
 
 
-def leave(world: World, ghost: Ghost) -> None:
+def leave(world: WorkerWorld, ghost: Ghost) -> None:
     """The ghost's process exits: mappings first, then its sockets close."""
     w = ghost.worker
     world.ghosts.pop(w.identity, None)

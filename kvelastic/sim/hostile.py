@@ -19,9 +19,11 @@ other engines' reclaims see it), then unregisters or closes its lifeline.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -29,12 +31,13 @@ from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.growth import MAX_GROW
 from kvelastic.daemon.state import EngineRecord, Phase
-from kvelastic.sim.engine import BUSY
+from kvelastic.sim.records import BUSY
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
 
 if TYPE_CHECKING:
     from kvelastic.daemon.allocator import Allocator
-    from kvelastic.sim.world import World
+    from kvelastic.sim.engine import SimEngine
+    from kvelastic.sim.guard import CallGuard
 
 NAMESPACE = "hostile"        # its own: nothing it keeps reaches another namespace's engines
 HUGE = (1 << 31, 1 << 40, 1 << 62, (1 << 63) - 1)
@@ -50,7 +53,48 @@ class Hostile:
     leave_at: float
 
 
-def act(w: World, rng: random.Random) -> None:
+class HostileWorld(Protocol):
+    """What a hostile client uses of the world (``World`` fits it; the world
+    drives the hostile clients, so this module does not import it): the
+    allocator it talks to, the watchdog over each call (``guard.py``), the
+    sim engines whose connections it borrows, and its own books."""
+
+    hostile_req: int          # the last hostile request's number
+
+    @property
+    def now(self) -> float: ...
+
+    @property
+    def rng(self) -> random.Random: ...
+
+    @property
+    def counts(self) -> collections.Counter[str]: ...
+
+    @property
+    def allocator(self) -> Allocator: ...
+
+    @property
+    def guard(self) -> CallGuard: ...
+
+    @property
+    def engines(self) -> Sequence[SimEngine]: ...
+
+    @property
+    def hostiles(self) -> list[Hostile]: ...
+
+    @property
+    def budget_pages(self) -> int: ...
+
+    def call(self, fn: Any, *args: Any) -> list[fx.Effect]: ...
+
+    def perform(self, effects: list[fx.Effect]) -> None: ...
+
+    def close_peer_of(self, engine_id: str, rank: int, token: bytes = b"") -> None: ...
+
+    def violation(self, what: str) -> None: ...
+
+
+def act(w: HostileWorld, rng: random.Random) -> None:
     """One hostile fault: a hostile registration (half the time), else
     hostile messages from a registered sim engine's own connection."""
     w.guard.watch = True
@@ -71,7 +115,7 @@ def act(w: World, rng: random.Random) -> None:
         w.guard.watch = bool(w.hostiles)
 
 
-def register(w: World, rng: random.Random) -> None:
+def register(w: HostileWorld, rng: random.Random) -> None:
     n = w.counts["hostile_registration"]
     engine_id, token = f"h{n}", rng.randbytes(16)
     identity = f"H:{n}".encode()
@@ -112,7 +156,7 @@ def register(w: World, rng: random.Random) -> None:
              must_not_change=True)
 
 
-def tend(w: World, every: bool = False) -> None:
+def tend(w: HostileWorld, every: bool = False) -> None:
     """Hostile engines whose moment is over leave: an Unregister, or their lifeline closes."""
     for hostile in [h for h in w.hostiles if every or w.now >= h.leave_at]:
         w.hostiles.remove(hostile)
@@ -124,7 +168,7 @@ def tend(w: World, every: bool = False) -> None:
 
 
 # ------------------------------------------------------------------ messages
-def send(w: World, identity: bytes, msg: p.Msg, must_not_change: bool = False) -> p.Msg | None:
+def send(w: HostileWorld, identity: bytes, msg: p.Msg, must_not_change: bool = False) -> p.Msg | None:
     """``msg`` as the loop hands it over (encoded, decoded), then the verdict:
     a refusal is a typed Error and changes no book. Returns the reply."""
     w.hostile_req += 1
@@ -168,7 +212,7 @@ def _brief(msg: p.Msg) -> str:
     return ", ".join(fields)[:240]
 
 
-def check_geometry(w: World, r: EngineRecord) -> None:
+def check_geometry(w: HostileWorld, r: EngineRecord) -> None:
     """An accepted registration is within bounds: nothing it declared is more than its memory could be."""
     alloc = w.allocator
     budget = alloc.pools[r.device].budget_pages
@@ -188,7 +232,7 @@ def check_geometry(w: World, r: EngineRecord) -> None:
         w.violation(f"hostile registration of {r.engine_id} accepted out of bounds: {'; '.join(problems)}")
 
 
-def check_journal(w: World, r: EngineRecord, keyed_before: set[int]) -> None:
+def check_journal(w: HostileWorld, r: EngineRecord, keyed_before: set[int]) -> None:
     """An accepted journal leaves keys only in slabs the engine holds."""
     outside = [b for b in set(r.mirror.key_of) - keyed_before if b // r.blocks_per_slab not in r.slabs]
     if outside:
@@ -199,7 +243,7 @@ def check_journal(w: World, r: EngineRecord, keyed_before: set[int]) -> None:
         w.violation(f"engine {r.engine_id}: a journal put slab(s) {sorted(extra)[:3]} it does not hold in the mirror")
 
 
-def _journals(rng: random.Random, w: World, r: EngineRecord) -> list[p.Msg]:
+def _journals(rng: random.Random, w: HostileWorld, r: EngineRecord) -> list[p.Msg]:
     """Journals naming a slab ``r`` does not hold (for a hostile engine, also absurd step numbers)."""
     x = _foreign_slab(rng, w, r)
     bps = r.blocks_per_slab
@@ -222,18 +266,18 @@ def _record(alloc: Allocator, engine_id: str, identity: bytes) -> EngineRecord |
     return record if record is not None and record.identity == identity and not record.failed else None
 
 
-def _foreign_slab(rng: random.Random, w: World, r: EngineRecord) -> int:
+def _foreign_slab(rng: random.Random, w: HostileWorld, r: EngineRecord) -> int:
     """A slab id ``r`` does not hold: past its range, far away, or a free place in it."""
     free = [s for s in range(min(r.max_slabs, 64)) if s not in r.slabs]
     far = min(rng.choice(_huge(w)), ((1 << 63) - 1) // max(1, r.blocks_per_slab) - 1)
     return rng.choice([r.max_slabs + rng.randrange(8), far, *(free[:1] or [r.max_slabs])])
 
 
-def _huge(w: World) -> tuple[int, ...]:
+def _huge(w: HostileWorld) -> tuple[int, ...]:
     return HUGE if w.guard.available else BOUNDED
 
 
-def _geometry(rng: random.Random, w: World) -> dict[str, Any]:
+def _geometry(rng: random.Random, w: HostileWorld) -> dict[str, Any]:
     """One or two hostile changes to a plain registration (no workers, one page per slab)."""
     budget = w.budget_pages
     huge = rng.choice(_huge(w))

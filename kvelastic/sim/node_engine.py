@@ -1,6 +1,9 @@
 """One simulated engine of the node simulation (``node.py``): a real
 ``SlabPool`` and ``ReservePolicy`` behind the vLLM plugin's scheduling, demand
 and reserve behaviour, with its workers. See ``node.py`` for the whole.
+
+The event loop (``node_sim.NodeSim``) makes and drives the engines; they see
+it through ``NodeLoop``, a ``Protocol`` it fits, so this module does not import it.
 """
 
 from __future__ import annotations
@@ -9,9 +12,10 @@ import collections
 import dataclasses
 import heapq
 import math
-import time
+import random
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvelastic import protocol as p
 from kvelastic.client.engine import give_up
@@ -22,10 +26,8 @@ from kvelastic.sim import traces
 from kvelastic.sim.traces import BLOCK_TOKENS, PAGE, Request
 
 if TYPE_CHECKING:
-    from kvelastic.sim.node import NodeSim
+    from kvelastic.daemon.allocator import Allocator
 
-
-BUDGET_PAGES = 40_960                 # 80 GiB of 2 MiB pages
 STEP = 0.05                           # a scheduling step (and the client's I/O tick)
 JOURNAL_INTERVAL = 0.05               # EngineClient.JOURNAL_INTERVAL
 DEMAND_TIMEOUT = 2.0                  # kvelastic_vllm.block_pool.DEMAND_TIMEOUT
@@ -34,18 +36,8 @@ RESERVE_REFUSED_PAUSE = 0.5           # EngineClient: no reserve refill for this
 MAX_BATCHED_TOKENS = 2048             # vLLM's max_num_batched_tokens: sets the reserve watermark
 PREFILL_TOKENS_PER_STEP = 8192        # prompts admitted per step, in tokens
 MAX_RUNNING = 256                     # vLLM's max_num_seqs
-DAEMON_TICK = 0.1                     # kvelastic.daemon.server.TICK_INTERVAL
-STATUS_EVERY = 10                     # the loop's status snapshot: timed on one tick in this many
-SAMPLE = 1.0                          # metrics every simulated second
-CHECK_EVERY = 5.0                     # Allocator.check() and the node's own checks
 MAP_SECONDS_PER_PAGE = 40e-6          # cuMemMap + cuMemSetAccess of one 2 MiB page
-GROW_SLACK = 0.7                      # transport both ways plus a daemon tick
 IDLE_SETTLE = 2.0                     # after idle_grace: the client's tick returns, the workers unmap
-
-
-# The allocator's cost is this thread's CPU time: what one core spends on it,
-# whatever else the machine runs meanwhile (wall time on a shared machine is not).
-_cpu = time.thread_time
 
 
 @dataclasses.dataclass
@@ -64,10 +56,43 @@ class Running:
     preemptions: int = 0
     seq: int = 0
 
+
+class NodeLoop(Protocol):
+    """What an engine uses of the event loop: the fake clock and its events,
+    the transport to the daemon, the allocator (its peer calls are the loop's
+    timed decisions), and where it reports answers, finishes and violations."""
+
+    @property
+    def now(self) -> float: ...
+
+    @property
+    def rng(self) -> random.Random: ...
+
+    @property
+    def allocator(self) -> Allocator: ...
+
+    @property
+    def identities(self) -> dict[bytes, tuple[NodeEngine, int]]: ...
+
+    @property
+    def finished_at(self) -> list[float]: ...
+
+    def at(self, t: float, fn: Callable[..., object], *args: Any) -> None: ...
+
+    def call(self, kind: str, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    def to_daemon(self, identity: bytes, msg: p.Msg) -> None: ...
+
+    def grow_answered(self, engine: NodeEngine, msg: p.Granted | p.Error, sent: float, demand: bool,
+                      asked: int) -> None: ...
+
+    def violation(self, what: str) -> None: ...
+
+
 class NodeEngine:
     """One serving engine: scheduler, block pool, client I/O thread and workers."""
 
-    def __init__(self, sim: NodeSim, index: int, spec: traces.EngineSpec, static_slabs: int = 0) -> None:
+    def __init__(self, sim: NodeLoop, index: int, spec: traces.EngineSpec, static_slabs: int = 0) -> None:
         self.sim = sim
         self.index = index
         self.spec = spec

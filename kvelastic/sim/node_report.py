@@ -7,11 +7,12 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kvelastic.figures import percentile
-from kvelastic.sim.node_engine import BUDGET_PAGES, DAEMON_TICK, IDLE_SETTLE, SAMPLE, STATUS_EVERY
+from kvelastic.sim.node_engine import IDLE_SETTLE
+from kvelastic.sim.node_sim import BUDGET_PAGES, DAEMON_TICK, SAMPLE, STATUS_EVERY
 from kvelastic.sim.traces import GIB, PAGE
 
 if TYPE_CHECKING:
-    from kvelastic.sim.node import NodeSim
+    from kvelastic.sim.node_sim import NodeSim
 
 
 def _time_mean(values: list[float]) -> float:

@@ -25,6 +25,12 @@ ack deadline (their workers say ``Busy``; the world tracks every ack a
 worker owes, from the command or the last Busy the daemon heard), and
 hostile clients (``hostile.py``). Every allocator call is timed
 (``guard.py``).
+
+This is the top of the simulator's parts: the engines, ghosts and hostile
+clients are handed the world and see it through ``Protocol``s that ``World``
+fits (``engine.EngineWorld``, ``ports.WorkerWorld``, ``hostile.HostileWorld``),
+and the records they all share are in ``records.py``; none of them imports
+this module.
 """
 
 from __future__ import annotations
@@ -44,9 +50,10 @@ from kvelastic.daemon.orphans import OrphanCache, OrphanSlab
 from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.state import EngineRecord, SlabShape
 from kvelastic.sim import ghosts
-from kvelastic.sim.engine import BLOCKS_PER_SLAB, BUSY, KV, SimEngine, SimWorker, Step
+from kvelastic.sim.engine import SimEngine
 from kvelastic.sim.guard import CALL_LIMIT, CallGuard
 from kvelastic.sim.hostile import Hostile
+from kvelastic.sim.records import BLOCKS_PER_SLAB, BUSY, Device, Ghost, SimWorker, Step
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
 
 WORKERS = (1, 1, 2)                # engine i's workers (its slab shape)
@@ -65,22 +72,6 @@ class Wire:
         self.to_daemon: deque[Envelope] = deque()
         self.to_client: deque[Envelope] = deque()
 
-class Device:
-    """Fake physical pages: ``content[page]`` is the engine (and its namespace)
-    that last wrote it; ``kv[(page, offset)]`` what block ``offset`` of the slab
-    the page lies in holds (each worker's page of a slab holds its share of
-    every block of it)."""
-
-    def __init__(self) -> None:
-        self.pages: set[int] = set()
-        self.content: dict[int, tuple[str, str]] = {}
-        self.kv: dict[tuple[int, int], KV] = {}
-        self.fail_creation = False
-
-    def forget(self, page: int) -> None:
-        self.content.pop(page, None)
-        for offset in range(BLOCKS_PER_SLAB):
-            self.kv.pop((page, offset), None)
 
 class WatchedOrphans(OrphanCache):
     """The allocator's orphaned cache, watched by the world: every slab kept
@@ -119,7 +110,7 @@ class World:
         self.violations: list[str] = []
         self.counts: collections.Counter = collections.Counter()   # scenarios that happened (SimResult.faults)
         self.guard = CallGuard(self.violation)   # every allocator call timed (guard.py)
-        self.ghosts: dict[bytes, ghosts.Ghost] = {}   # workers of earlier registrations, still running
+        self.ghosts: dict[bytes, Ghost] = {}   # workers of earlier registrations, still running
         # Acks a worker owes: (its identity, the command's req_id) -> (since, slab, an unmap);
         # since: when the daemon sent it, or the worker last said Busy about it.
         self.owed: dict[tuple[bytes, int], tuple[float, int, bool]] = {}
@@ -207,7 +198,7 @@ class World:
     def haunt(self, engine_id: str, w: SimWorker, frozen: bool, step_until: float, exit_at: float) -> None:
         """``w`` outlives its engine's process (``ghosts.py``)."""
         w.stuck_until = exit_at if frozen else 0.0
-        self.ghosts[w.identity] = ghosts.Ghost(engine_id, w, frozen, step_until, exit_at)
+        self.ghosts[w.identity] = Ghost(engine_id, w, frozen, step_until, exit_at)
         self.counts["ghost_frozen" if frozen else "ghost_stepping"] += 1
 
     def mappers(self) -> Iterator[SimWorker]:

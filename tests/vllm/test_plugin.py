@@ -128,6 +128,11 @@ def test_each_data_parallel_rank_is_an_engine_of_its_own():
 
     from kvelastic_vllm.engine import engine_id_of_rank
 
-    assert engine_id_of_rank("llm", SimpleNamespace(data_parallel_size=1, data_parallel_rank=0)) == "llm"
-    ranks = {engine_id_of_rank("llm", SimpleNamespace(data_parallel_size=2, data_parallel_rank=r)) for r in (0, 1)}
-    assert ranks == {"llm-dp0", "llm-dp1"}
+    def rank(size: int, index: int, rank: int) -> str:
+        return engine_id_of_rank("llm", SimpleNamespace(data_parallel_size=size, data_parallel_rank=rank,
+                                                        data_parallel_index=index))
+
+    assert rank(1, 0, 0) == "llm"                                   # no data parallelism
+    assert {rank(2, 0, 0), rank(2, 1, 1)} == {"llm-dp0", "llm-dp1"}  # MoE: vLLM keeps the DP size
+    # A dense model's ranks run as independent engines of size 1, rank 0: the index tells them apart.
+    assert {rank(1, 0, 0), rank(1, 1, 0)} == {"llm", "llm-dp1"}

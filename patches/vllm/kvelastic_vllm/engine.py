@@ -88,13 +88,16 @@ def reserve_watermark(max_num_batched_tokens: int, block_size: int, blocks_per_s
 
 def engine_id_of_rank(engine_id: str, parallel_config: Any) -> str:
     """Data parallel: each rank's EngineCore is an engine of its own in the
-    daemon (``llm-dp0``, ``llm-dp1``), of one namespace, so hand-off and warm
-    restarts work across the ranks. Its workers learn the name with their KV
-    cache config (``wrap_get_kv_cache_configs``)."""
+    daemon (``llm-dp1``...), of one namespace, so hand-off and warm restarts
+    work across the ranks. Its workers learn the name with their KV cache
+    config (``wrap_get_kv_cache_configs``). vLLM runs each rank of a dense
+    model as an independent engine of DP size 1 and rank 0; only
+    ``data_parallel_index`` keeps the rank, so rank 0 of a dense model keeps
+    the plain id."""
+    index: int = getattr(parallel_config, "data_parallel_index", None) \
+        or getattr(parallel_config, "data_parallel_rank", 0) or 0
     size = getattr(parallel_config, "data_parallel_size", 1) or 1
-    if size <= 1:
-        return engine_id
-    return f"{engine_id}-dp{getattr(parallel_config, 'data_parallel_rank', 0)}"
+    return f"{engine_id}-dp{index}" if size > 1 or index > 0 else engine_id
 
 
 def register(vllm_config: Any, kv_cache_configs: list, plugin: PluginState) -> EngineLink:
