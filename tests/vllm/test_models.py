@@ -112,3 +112,21 @@ def test_compiled_and_speculative_engines_give_stock_tokens_and_never_share_kept
     assert (out["tokens"], out["hits"]) == (ngram["tokens"], ngram["hits"])
     assert second.do("stats")["adopted_blocks"] == 0
     second.exit()
+
+
+def test_pipeline_stages_each_map_their_own_layers_and_tokens_equal_stock(daemon_factory, families):
+    """Two pipeline stages, each a worker with its own layer: one engine of
+    two workers in the daemon; tokens and hits equal stock vLLM's with the
+    same two stages."""
+    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+
+    model = build_tiny_llama(families / "tiny-llama")
+    stock = Engine(model, None, "--pp2")
+    expected = [stock.do("workload"), stock.do("workload")]
+    stock.exit()
+    daemon = daemon_factory(memory="64MiB")
+    engine = Engine(model, daemon, "--pp2", KVELASTIC_ENGINE_ID="stages")
+    got = [engine.do("workload"), engine.do("workload")]
+    assert engine_entry(daemon, "stages")["workers"] == 2
+    engine.exit()
+    assert [(r["tokens"], r["hits"]) for r in got] == [(r["tokens"], r["hits"]) for r in expected]

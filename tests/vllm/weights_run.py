@@ -5,7 +5,8 @@ serves blocks computed under other weights.
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/vllm/weights_run.py MODEL_DIR [--lora] [--compiled] [--ngram]
 
 ``--compiled``: vLLM's compiled path (no ``enforce_eager``); ``--ngram``: ngram
-speculative decoding.
+speculative decoding; ``--pp2``: two pipeline stages, each a worker process
+(vLLM's CPU build runs them compiled only).
 
 Prints ``READY`` once the engine is up, then runs one command per input line,
 each answered by a ``RESULT`` line (JSON), like ``bench/warm_run.py``:
@@ -64,7 +65,7 @@ class WeightUpdate:
         return sorted(weights)
 
 
-def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False):
+def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False, pp2: bool = False):
     """``offline_llm``'s engine (which takes no extra engine arguments), plus
     the worker extension and, with ``lora``, LoRA support."""
     from kvelastic_vllm.bench.vllm_serve import VLLM_ENV
@@ -79,6 +80,7 @@ def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False
     speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} if ngram else None
     return LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=not compiled, enable_prefix_caching=True,
                speculative_config=speculative,
+               **({"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"} if pp2 else {}),
                block_size=32, max_num_seqs=8, seed=0, disable_log_stats=False, kv_cache_memory_bytes=64 << 20,
                worker_extension_cls="weights_run.WeightUpdate",
                enable_lora=lora, max_lora_rank=MAX_LORA_RANK, max_loras=2)   # LoRA settings unused without it
@@ -89,7 +91,8 @@ def main() -> None:
     from vllm.lora.request import LoRARequest
 
     flags = sys.argv[2:]
-    llm = make_llm(sys.argv[1], lora="--lora" in flags, compiled="--compiled" in flags, ngram="--ngram" in flags)
+    llm = make_llm(sys.argv[1], lora="--lora" in flags, compiled="--compiled" in flags or "--pp2" in flags,
+                   ngram="--ngram" in flags, pp2="--pp2" in flags)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     lora_ids: dict[str, int] = {}
 

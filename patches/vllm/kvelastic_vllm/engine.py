@@ -105,7 +105,12 @@ def register(vllm_config: Any, kv_cache_configs: list, plugin: PluginState) -> E
     engine_id = engine_id_of_rank(plugin.engine_id, vllm_config.parallel_config)
     num_workers = len(kv_cache_configs)
     architecture = ",".join(getattr(vllm_config.model_config.hf_config, "architectures", None) or ["this model"])
-    geometry = geometry_of(kv_cache_configs[0], config.page_size, num_workers, architecture)
+    # Pipeline stages hold different layers: a slab has as many regions as the largest stage needs.
+    geometries = [geometry_of(c, config.page_size, num_workers, architecture) for c in kv_cache_configs]
+    if len({g.block_stride for g in geometries}) != 1:
+        raise RuntimeError(f"kvelastic: {architecture}'s workers lay out KV blocks of different sizes "
+                           f"({sorted({g.block_stride for g in geometries})}); run it without KVELASTIC_ENABLE")
+    geometry = max(geometries, key=lambda g: g.regions)
     low = reserve_watermark(vllm_config.scheduler_config.max_num_batched_tokens,
                             vllm_config.cache_config.block_size, geometry.blocks_per_slab,
                             len(kv_cache_configs[0].kv_cache_groups))
