@@ -472,7 +472,7 @@ def test_only_the_operator_or_the_namespaces_owner_may_invalidate_its_kept_cache
     cache_in_a_step(a, "sys", 4, value=7)
     a.do("flush")
     a.kill()
-    wait_for(lambda: kept_blocks(daemon, "llama@uid6001") == 4, what="alice's cache kept")
+    wait_for(lambda: kept_blocks(daemon, "llama@uid6001") == 4, timeout=30, what="alice's cache kept")
 
     def invalidate_as(user, target: str) -> str:
         return as_tenant(user, f"e = RawEngine({daemon.socket!r}, 'probe')\n"
