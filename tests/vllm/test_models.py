@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 from tests.daemon.engines import EngineProcess
 from tests.daemon_proc import wait_for
 from tests.vllm.families import build_family
-from tests.vllm.test_weight_changes import SCRIPT, Engine
+from tests.vllm.run_engine import SCRIPT, Engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PAGE = 2 << 20

@@ -7,9 +7,6 @@ tokens on the same inputs. The weights and adapters are random with enough
 variance that the old and new tokens differ, and the tests assert they do.
 """
 
-import json
-import os
-import pathlib
 import subprocess
 import sys
 
@@ -19,41 +16,9 @@ pytest.importorskip("vllm")
 
 from tests.daemon_proc import wait_for
 from tests.vllm.adapters import write_adapter
+from tests.vllm.run_engine import Engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-SCRIPT = pathlib.Path(__file__).resolve().parent / "weights_run.py"
-
-
-class Engine:
-    """``weights_run.py`` in its own process: stock vLLM, or through the plugin with ``daemon``."""
-
-    def __init__(self, model, daemon=None, *args: str, **env: str) -> None:
-        full = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
-        if daemon is not None:
-            full.update(KVELASTIC_ENABLE="1", KVELASTIC_SOCKET=daemon.socket)
-        else:
-            full["KVELASTIC_ENABLE"] = "0"
-        self.proc = subprocess.Popen([sys.executable, str(SCRIPT), str(model), *args], env=full, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self._read("READY")
-
-    def _read(self, prefix: str) -> str:
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
-        self.proc.wait(timeout=60)
-        raise AssertionError(f"engine exited with {self.proc.returncode}:\n{self.proc.stderr.read()[-4000:]}")
-
-    def do(self, command: str) -> dict:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self._read("RESULT "))
-
-    def exit(self) -> None:
-        self.proc.stdin.close()
-        assert self.proc.wait(timeout=120) == 0, self.proc.stderr.read()[-4000:]
-
-
 def stock(model, *commands: str, args: tuple[str, ...] = ()) -> list[dict]:
     engine = Engine(model, None, *args)
     out = [engine.do(c) for c in commands]
