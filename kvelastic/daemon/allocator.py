@@ -42,6 +42,7 @@ from kvelastic.daemon.arbiter import Rules, pick_victims
 from kvelastic.daemon.events import journal_events
 from kvelastic.daemon.growth import Growth
 from kvelastic.daemon.handoff import CacheHandoff
+from kvelastic.daemon.invalidation import CacheScope
 from kvelastic.daemon.orphans import OrphanCache
 from kvelastic.daemon.registration import Registration
 from kvelastic.daemon.rejected import Rejected
@@ -55,7 +56,7 @@ log = logging.getLogger("kvelastic.daemon")
 STARVED_RESET = 2.0          # no unmet demand for this long: the engine is no longer starved
 
 
-class Allocator(Registration, Growth, CacheHandoff, Reporting):
+class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
     def __init__(self, budgets: dict[str, int], page_size: int, *, backend: str = "host",
                  timing: Timing = Timing(), events: bool = True,
                  token_source: Callable[[], bytes] = lambda: secrets.token_bytes(16),
@@ -345,59 +346,6 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
             raise Rejected(p.Reason.LIMIT, f"min {m.min_bytes} exceeds the device budget")
         engine.min_bytes, engine.max_bytes = m.min_bytes, m.max_bytes
         log.info("engine %s: limits set to min %d max %d bytes", engine.engine_id, m.min_bytes, m.max_bytes)
-        return p.Ok()
-
-    def _on_invalidate(self, identity: bytes, m: p.Invalidate) -> p.Msg:
-        """Drop the prefix cache of a namespace or an engine: running engines
-        clear their index, kept cache is released, cache in transit loses its
-        keys. The operator may name anything; a tenant its own names only."""
-        target = self._invalidation_target(m.target)
-        targets = [e for e in self.engines.values() if target in (e.engine_id, e.namespace)]
-        kept = sum(len(o.cached) for o in self.orphans if target in (o.namespace, o.engine_id))
-        departing = any(target in (e.engine_id, e.namespace) for e in self.departing.values())
-        if not targets and not kept and not departing:
-            raise Rejected(p.Reason.UNKNOWN_TARGET, f"no engine, namespace or kept cache called {target!r}")
-        for engine in targets:
-            self._command(engine.identity, p.ClearIndex())
-            self._forget_handoffs(engine)
-            log.info("engine %s: prefix cache invalidated (%s)", engine.engine_id, target)
-        dropped = self._invalidate_kept(target)
-        if dropped:
-            log.info("%s: %d kept cached block(s) invalidated", target, dropped)
-        return p.Invalidated(engines=len(targets), kept_blocks=dropped)
-
-    def _invalidation_target(self, target: str) -> str:
-        """``target`` as the daemon knows it. A tenant names its own engines
-        and namespaces, with or without its ``@uid<N>``; naming another's is
-        refused (the operator's credential may name anything)."""
-        cred = self._cred
-        if cred is None or not cred.tenant or cred.operator:
-            return target
-        own = cred.scope("")
-        if target.endswith(own):
-            return target
-        names = {n for e in (*self.engines.values(), *self.departing.values()) for n in (e.engine_id, e.namespace)}
-        names |= {n for o in self.orphans for n in (o.namespace, o.engine_id)}
-        if target in names:
-            raise Rejected(p.Reason.NOT_OPERATOR, f"{target!r} is not uid {cred.uid}'s: only the operator or its "
-                                                  "owner may invalidate it")
-        return cred.scope(target)
-
-    def _on_diverge(self, identity: bytes, m: p.Diverge) -> p.Msg:
-        """The engine's weights may have changed in memory: it moves to a
-        namespace of its own (the one it chose) and turns private, so that
-        nothing it caches from now on reaches an engine of the checkpoint, as
-        a hand-on or as kept cache, and nothing of theirs reaches it."""
-        engine = self._own_engine(identity, m.engine_id)
-        if m.namespace != engine.namespace:
-            taken = any(e.namespace == m.namespace for e in (*self.engines.values(), *self.departing.values()))
-            if taken or any(o.namespace == m.namespace for o in self.orphans):
-                raise Rejected(p.Reason.BAD_REQUEST, f"namespace {m.namespace!r} is in use: a diverged engine's "
-                                                     "namespace must be new")
-            log.info("engine %s: weights may have changed (%s): its cache is its own from now on "
-                     "(namespace %s, was %s)", engine.engine_id, m.reason or "-", m.namespace, engine.namespace)
-        engine.namespace, engine.private = m.namespace, True
-        self._forget_handoffs(engine)
         return p.Ok()
 
     def _on_status(self, identity: bytes, m: p.Status) -> p.Msg:
@@ -698,5 +646,5 @@ class Allocator(Registration, Growth, CacheHandoff, Reporting):
         p.Heartbeat: _on_heartbeat, p.Unregister: _on_unregister, p.Busy: _on_busy,
         p.ReclaimDone: _on_reclaim_done, p.Mapped: Growth._on_mapped,
         p.Unmapped: _on_unmapped, p.Status: _on_status, p.SetLimit: _on_set_limit,
-        p.Invalidate: _on_invalidate, p.Diverge: _on_diverge,
+        p.Invalidate: CacheScope._on_invalidate, p.Diverge: CacheScope._on_diverge,
     }

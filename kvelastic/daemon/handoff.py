@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.orphans import OrphanCache, OrphanSlab
-from kvelastic.daemon.requests import GrowRequest, Handoff, Timing
+from kvelastic.daemon.requests import GrowRequest, Timing
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag, shape_of
 
 log = logging.getLogger("kvelastic.daemon")
@@ -32,9 +32,6 @@ class CacheHandoff:
     timing: Timing
     _now: float
     _out: list[fx.Effect]
-    engines: dict[str, EngineRecord]
-    departing: dict[int, EngineRecord]
-    grows: dict[int, GrowRequest]
 
     if TYPE_CHECKING:  # the allocator's methods it calls
         def _start_map(self, engine: EngineRecord, slab_id: int, pages: list[int], page_devices: list[str],
@@ -168,31 +165,3 @@ class CacheHandoff:
             by_ns[o.namespace] = by_ns.get(o.namespace, 0) + 1
         for namespace, n in sorted(by_ns.items()):
             log.info("namespace %s: %d kept cache slab(s) released (%s)", namespace, n, why)
-
-    # -------------------------------------------------------- invalidation
-    def _forget_handoffs(self, engine: EngineRecord) -> None:
-        """Cache on its way to or from ``engine`` travels without its keys
-        from now on (its pages still go where they were going): its namespace
-        changed under it, or was invalidated. Slabs it maps now, slabs it
-        gives up for a replica, and slabs replicas give up for its grows."""
-        seqs = {seq for seq, req in self.grows.items() if req.engine_id == engine.engine_id}
-        for seq in seqs:
-            req = self.grows[seq]
-            req.handoffs = [Handoff(h.pages, h.page_devices, ()) for h in req.handoffs]
-        for other in (*self.engines.values(), *self.departing.values()):
-            for slab in other.slabs.values():
-                if other is engine or slab.handoff_to in seqs:
-                    slab.handoff = ()
-
-    def _invalidate_kept(self, target: str) -> int:
-        """Drop the kept cache of namespace ``target``, or left by engine
-        ``target``, and what departing engines of it would have kept.
-        Returns the blocks dropped."""
-        gone = self.orphans.take_matching(target)
-        self._release_orphans(gone, "invalidated", "invalidate")
-        for engine in self.departing.values():
-            if target in (engine.engine_id, engine.namespace):
-                for slab in engine.slabs.values():
-                    slab.orphan = False
-                self._forget_handoffs(engine)
-        return sum(len(o.cached) for o in gone)

@@ -13,13 +13,15 @@ SCRIPT = pathlib.Path(__file__).resolve().parent / "weights_run.py"
 class Engine:
     """``weights_run.py`` in its own process: stock vLLM, or through the plugin with ``daemon``."""
 
+    script: list[str] = [str(SCRIPT)]      # what the interpreter runs (a subclass may run another driver)
+
     def __init__(self, model, daemon=None, *args: str, **env: str) -> None:
         full = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
         if daemon is not None:
             full.update(KVELASTIC_ENABLE="1", KVELASTIC_SOCKET=daemon.socket)
         else:
             full["KVELASTIC_ENABLE"] = "0"
-        self.proc = subprocess.Popen([sys.executable, str(SCRIPT), str(model), *args], env=full, text=True,
+        self.proc = subprocess.Popen([sys.executable, *self.script, str(model), *args], env=full, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self._read("READY")
 

@@ -9,47 +9,23 @@ the middle of a step -> restart: nothing of that step adopted; then engines
 of another tenant salt, another model and changed weights adopt nothing.
 """
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from tests.daemon_proc import wait_for
+from tests.vllm import run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 WARM_SHARE = 0.9       # the issue's bar: >= 90% of the hits before the restart
 
 
-class Engine:
+class Engine(run_engine.Engine):
     """``kvelastic_vllm.bench.warm_run`` (the script ``bench warm`` runs) in its own process."""
 
-    def __init__(self, model, daemon=None, **env) -> None:
-        full = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
-        if daemon is not None:
-            full.update(KVELASTIC_ENABLE="1", KVELASTIC_SOCKET=daemon.socket)
-        else:
-            full["KVELASTIC_ENABLE"] = "0"
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvelastic_vllm.bench.warm_run", str(model)], env=full,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
-        self._read("READY")
-
-    def _read(self, prefix: str) -> str:
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
-        self.proc.wait(timeout=60)
-        raise AssertionError(f"engine exited with {self.proc.returncode}:\n{self.proc.stderr.read()[-4000:]}")
-
-    def do(self, command: str) -> dict:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self._read("RESULT "))
+    script = ["-m", "kvelastic_vllm.bench.warm_run"]
 
     def poison(self) -> int:
         """Dies by its own SIGKILL in the middle of a step."""
@@ -60,10 +36,6 @@ class Engine:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(timeout=30)
-
-    def exit(self) -> None:
-        self.proc.stdin.close()
-        assert self.proc.wait(timeout=120) == 0, self.proc.stderr.read()[-4000:]
 
 
 def kept(daemon) -> dict[str, int]:
