@@ -460,7 +460,8 @@ class Sequences:
         fields: dict[str, Any] = dict(
             pid=os.getpid(), pages_per_worker=per_worker, num_workers=workers, blocks_per_slab=blocks,
             block_bytes=per_worker * page // blocks, device="", block_tokens=16,
-            key_group_suffix=rng.random() < 0.5, min_bytes=0, max_bytes=0, held=[], occupancy={})
+            key_group_suffix=rng.random() < 0.5, min_bytes=0, max_bytes=0, held=[], occupancy={},
+            pages_per_region=per_worker if rng.random() < 0.2 else 1)    # runs of pages (MLA's blocks)
         if rng.random() < 0.15:
             fields["min_bytes"] = rng.randint(1, 3) * page * per_worker * max(1, workers)
         if rng.random() < 0.15:

@@ -176,6 +176,7 @@ def hostile_ints(page_size: int, budget_bytes: int) -> dict[str, tuple[int, ...]
         "blocks_per_slab": (1, 3, 2**20, 2**31, 2**40, 2**62),
         "block_bytes": (1, 3, page_size + 1, 2**40),
         "pages_per_worker": (2, pages, pages + 1, 2**20, 2**40),
+        "pages_per_region": (0, -1, 2, 3, pages, 2**40),
         "num_workers": (3, 64, 1023, 1024, 2**31),
         "min_bytes": (1, page_size, budget_bytes - page_size, budget_bytes, budget_bytes + 1, 2**62),
         "max_bytes": (1, page_size - 1, page_size, budget_bytes, 2**63 - 1),

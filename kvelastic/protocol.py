@@ -133,6 +133,10 @@ class RegisterEngine(Msg):
     # checkpoint (``Diverge``, or KVELASTIC_PRIVATE_CACHE), so its slabs are
     # never handed on or kept, and it adopts nothing.
     private: bool = False
+    # Consecutive pages of a slab in one region of a worker's arena: more
+    # than 1 when a block's size is no divisor of a page (MLA's 576-wide
+    # latents), so only several pages hold whole blocks. Divides pages_per_worker.
+    pages_per_region: int = 1
     occupancy: dict[int, tuple[int, int, int]] = {}
     # Its secret, chosen by the engine (at least MIN_TOKEN random bytes) and
     # shown first in its lifeline's hello: only the process that knows it can

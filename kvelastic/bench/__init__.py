@@ -19,6 +19,7 @@ BUILT_IN: dict[str, str] = {
     "core": "kvelastic.bench.core",
     "vmm": "kvelastic.bench.vmm",
     "grant": "kvelastic.bench.grant",
+    "handoff": "kvelastic.bench.handoff",
     "sim": "kvelastic.bench.sim",
     "fuzz": "kvelastic.bench.fuzz",
 }

@@ -8,6 +8,10 @@ acknowledged; a return from ``Return`` to its reply, sent once the worker
 unmapped. Runs with one engine and with 8 engine processes at once. The
 baseline, in the same run, is the raw cost of mapping and unmapping the same
 page size with bare system calls (``kvelastic bench vmm``'s raw path).
+
+``handoff_*``: the same grant when the device is full and the page must first
+be reclaimed from another engine's idle cached slab (``bench/handoff.py``, on
+a daemon of its own with a one-page budget; one engine pair).
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ def _parallel(sock: str, engines: int, rounds: int, backend: str) -> dict[str, l
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    from kvelastic.bench import vmm
+    from kvelastic.bench import handoff, vmm
     from kvelastic.vmm import cuda_usable
 
     backend = "cuda" if cuda_usable()[0] else "host"
@@ -81,6 +85,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, running_daemon(tmp, "256MiB", backend) as sock:
         one = engine_loop(sock, "bench-solo", rounds, backend)
         eight = _parallel(sock, 8, max(10, rounds // 4), backend)
+    moved = handoff.measure(backend, 20 if quick else 200)
     out: dict[str, Any] = {"benchmark": "grant", "backend": backend, "page_size": PAGE,
                            "pages_per_slab": 1, "rounds": rounds,
                            "raw_map_p50_us": raw["raw_map_p50_us"], "raw_unmap_p50_us": raw["raw_unmap_p50_us"]}
@@ -91,6 +96,12 @@ def run(quick: bool = False) -> dict[str, Any]:
     out["grant_over_raw_map_p50"] = round(out["grant_p50_us_1_engine"] / raw["raw_map_p50_us"], 1)
     out["return_over_raw_unmap_p50"] = round(out["return_p50_us_1_engine"] / raw["raw_unmap_p50_us"], 1)
     out["grant_over_raw_map_p50_8_engines"] = round(out["grant_p50_us_8_engines"] / raw["raw_map_p50_us"], 1)
+    out.update({f"handoff_{k}": v for k, v in moved.items() if k in ("rounds", "pairs", "pairs_why")})
+    out["handoff_p50_us"], out["handoff_p99_us"] = moved["handoff_p50_us"], moved["handoff_p99_us"]
+    # The loser's grow back: a free page, but another engine's, so a fresh one first.
+    out["handoff_regrant_p50_us"], out["handoff_regrant_p99_us"] = moved["regrant_p50_us"], moved["regrant_p99_us"]
+    out["handoff_over_raw_map_p50"] = round(moved["handoff_p50_us"] / raw["raw_map_p50_us"], 1)
+    out["handoff_over_grant_p50"] = round(moved["handoff_p50_us"] / out["grant_p50_us_1_engine"], 2)
     return out
 
 

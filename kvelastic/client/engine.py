@@ -90,7 +90,8 @@ class EngineClient:
                  page_size: int, pages_per_worker: int, num_workers: int, block_bytes: int,
                  min_bytes: int = 0, max_bytes: int = 0, low_watermark: int | None = None,
                  keep_idle_slabs: int = 1, shrink_grace: float = 5.0, tick_interval: float = 0.01,
-                 key_group_suffix: bool = False, device: str = "", private: bool = False) -> None:
+                 key_group_suffix: bool = False, device: str = "", private: bool = False,
+                 pages_per_region: int = 1) -> None:
         self.pool = pool
         self.engine_id = engine_id
         # A private engine is alone in a namespace of its own (``diverge``).
@@ -99,8 +100,8 @@ class EngineClient:
         # What every registration says; each adds its pid, held slabs and secret.
         self.registration = p.RegisterEngine(
             version=p.PROTOCOL_VERSION, engine_id=engine_id, pid=os.getpid(), namespace=self.namespace, private=private,
-            page_size=page_size, pages_per_worker=pages_per_worker, num_workers=num_workers,
-            blocks_per_slab=pool.blocks_per_slab, block_bytes=block_bytes, min_bytes=min_bytes,
+            page_size=page_size, pages_per_worker=pages_per_worker, pages_per_region=pages_per_region,
+            num_workers=num_workers, blocks_per_slab=pool.blocks_per_slab, block_bytes=block_bytes, min_bytes=min_bytes,
             max_bytes=max_bytes, block_tokens=pool.block_size, key_group_suffix=key_group_suffix, device=device)
         self.reserve = ReservePolicy(pool.blocks_per_slab if low_watermark is None else low_watermark,
                                      keep_idle_slabs=keep_idle_slabs, shrink_grace=shrink_grace,

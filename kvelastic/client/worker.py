@@ -7,6 +7,10 @@ arrives during a step is applied when the step ends; between steps it is
 applied at once. Every map and unmap is acknowledged to the daemon, which
 grants a slab only after every worker mapped it and reuses pages only after
 every worker let go of them.
+
+Before any slab arrives, a warm-up (vLLM's dummy runs and CUDA-graph
+capture) may read and write any block: ``warm_up()`` backs every empty slot
+with one scratch page of the worker's own for its duration.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from kvelastic.vmm.base import Arena, Backend
 
 log = logging.getLogger("kvelastic.client")
 
+# Slots a warm-up backs with the scratch page: each is one mapping (a kernel
+# memory area on the host backend, whose count vm.max_map_count caps).
+MAX_SCRATCH_SLOTS = 32768
+
 
 class WorkerClient:
     def __init__(self, backend: Backend, *, socket_path: str, engine_id: str, rank: int, device: str = "",
@@ -40,6 +48,9 @@ class WorkerClient:
         self._deferred: list[p.UnmapSlab] = []
         self._ack_timeout = p.ACK_TIMEOUT     # the daemon's, from registration
         self._busy_at = 0.0                   # when the daemon last heard that unmaps wait for a step
+        self._scratch: set[int] = set()       # offsets the warm-up's scratch page backs
+        self._warming = False
+        self.warm_up_slots = 0                # slots the last warm-up backed (operators' logs, tests)
         self.conn = Connection(socket_path, engine_id, rank, handshake=self._register,
                                on_command=self._on_command, on_tick=self._tick, tick_interval=0.05,
                                name=f"kvelastic-worker-{engine_id}-{rank}")
@@ -89,6 +100,58 @@ class WorkerClient:
             for msg in deferred:
                 self._unmap(msg)
 
+    @contextlib.contextmanager
+    def warm_up(self, limit: int = MAX_SCRATCH_SLOTS) -> Iterator[int]:
+        """Back every empty slot of the arena with one zeroed scratch page
+        while vLLM warms up and captures CUDA graphs (yields the slots backed).
+
+        Why: those passes run before the engine holds any slab -- dummy runs
+        read block 0, kernel warm-ups write blocks 1.., some verifications
+        span every block -- and an unmapped slot faults. What they write is
+        thrown away with the scratch page. A captured graph keeps addresses,
+        not pages, and the arena never moves: once the scratch is gone the
+        daemon's pages answer at the same addresses. A slab the daemon maps
+        meanwhile replaces the scratch at its offsets (``_map``).
+        """
+        if self._warming:                  # nested (a subclass's warm-up calls its parent's): one scratch
+            yield len(self._scratch)
+            return
+        arena = self.reserved_arena()
+        ps = arena.page_size
+        page = self.backend.create_page()
+        try:
+            with self._mu:
+                for offset in range(0, arena.size, ps):
+                    if len(self._scratch) >= limit:
+                        break
+                    if not arena.is_mapped(offset):
+                        arena.map(offset, page)
+                        self._scratch.add(offset)
+                backed = self.warm_up_slots = len(self._scratch)
+        except BaseException:
+            self._drop_scratch()
+            raise
+        finally:
+            self.backend.release_page(page)    # the mappings keep it alive until the last is gone
+        log.info("kvelastic: worker %d of engine %s: warm-up over %d scratch-backed slot(s) of %d",
+                 self.rank, self.engine_id, backed, arena.size // ps)
+        self._warming = True
+        try:
+            yield backed
+        finally:
+            self._warming = False
+            self._drop_scratch()
+
+    def _drop_scratch(self) -> None:
+        with self._mu:
+            if not self._scratch:
+                return
+            self.backend.synchronize()     # warm-up kernels may still run over the scratch page
+            arena = self.reserved_arena()
+            for offset in self._scratch:
+                arena.unmap(offset)
+            self._scratch.clear()
+
     # ------------------------------------------------------- I/O thread
     def _on_command(self, msg: p.Msg) -> None:
         if isinstance(msg, p.MapSlab):
@@ -122,6 +185,9 @@ class WorkerClient:
                 arena = self.reserved_arena()
                 for page_id, offset in msg.pages:
                     page = self.backend.import_page(fds.pop(page_id))
+                    if offset in self._scratch:          # a slab during a warm-up: its page wins
+                        self._scratch.discard(offset)
+                        arena.unmap(offset)
                     try:
                         arena.map(offset, page)
                     finally:

@@ -53,9 +53,11 @@ class Registration:
                            f"page size {m.page_size}; this daemon's pages are {self.page_size} bytes")
         if not m.engine_id or m.pages_per_worker < 1 or m.num_workers < 0 or m.blocks_per_slab < 1 \
                 or m.block_bytes < 1 or m.min_bytes < 0 or m.max_bytes < 0 or m.block_tokens < 0 \
-                or (m.max_bytes and m.min_bytes > m.max_bytes):
-            raise Rejected(p.Reason.GEOMETRY, "engine id, pages_per_worker, blocks_per_slab, block_bytes must be "
-                                       "positive and min_bytes <= max_bytes")
+                or (m.max_bytes and m.min_bytes > m.max_bytes) or m.pages_per_region < 1 \
+                or m.pages_per_worker % m.pages_per_region:
+            raise Rejected(p.Reason.GEOMETRY, "engine id, pages_per_worker, pages_per_region, blocks_per_slab, "
+                                       "block_bytes must be positive, pages_per_region must divide pages_per_worker, "
+                                       "and min_bytes <= max_bytes")
         old = self.engines.get(m.engine_id)
         if old is not None and (not m.token or m.token != old.token):
             raise Rejected(p.Reason.ENGINE_EXISTS, f"engine {m.engine_id!r} is registered by another process "
@@ -90,7 +92,7 @@ class Registration:
         held = self._check_adoption(m, pool, slab_pages, max_slabs)
         engine = EngineRecord(
             engine_id=m.engine_id, namespace=m.namespace, pid=m.pid, page_size=self.page_size,
-            pages_per_worker=m.pages_per_worker, num_workers=m.num_workers,
+            pages_per_worker=m.pages_per_worker, pages_per_region=m.pages_per_region, num_workers=m.num_workers,
             blocks_per_slab=m.blocks_per_slab, block_bytes=m.block_bytes, block_tokens=m.block_tokens,
             key_group_suffix=m.key_group_suffix, min_bytes=m.min_bytes, private=m.private,
             max_bytes=m.max_bytes, max_slabs=max_slabs, device=device, identity=identity, last_seen=self._now,

@@ -92,6 +92,7 @@ class EngineRecord:
     max_bytes: int
     max_slabs: int
     device: str = ""                                        # where rank-less pages live
+    pages_per_region: int = 1                               # consecutive pages of a slab per region
     identity: bytes = b""                                   # ZMQ routing id
     worker_devices: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> device
     workers: dict[int, bytes] = dataclasses.field(default_factory=dict)  # rank -> routing id
@@ -189,10 +190,14 @@ class EngineRecord:
     def worker_offsets(self, slab_id: int, rank: int) -> list[int]:
         """Arena offsets of the slab's pages in one worker (layer-outer regions).
 
-        Page k of a slab lives in region k; region k spans ``max_slabs`` pages.
+        A worker's arena is ``pages_per_worker / pages_per_region`` regions of
+        ``max_slabs * pages_per_region`` pages; a slab has ``pages_per_region``
+        consecutive pages in each, at the same place in every region.
         """
-        region = self.max_slabs * self.page_size
-        return [k * region + slab_id * self.page_size for k in range(self.pages_per_worker)]
+        run = self.pages_per_region
+        region = self.max_slabs * run * self.page_size
+        return [r * region + (slab_id * run + j) * self.page_size
+                for r in range(self.pages_per_worker // run) for j in range(run)]
 
     def apply_journal(self, batch: JournalBatch, now: float) -> None:
         self.mirror.apply(batch)
@@ -366,6 +371,7 @@ class SlabShape:
 
     device: str
     pages_per_worker: int
+    pages_per_region: int
     num_workers: int
     blocks_per_slab: int
     block_bytes: int
@@ -373,8 +379,8 @@ class SlabShape:
 
 
 def shape_of(engine: EngineRecord) -> SlabShape:
-    return SlabShape(engine.device, engine.pages_per_worker, engine.num_workers, engine.blocks_per_slab,
-                     engine.block_bytes, tuple(sorted(engine.worker_devices.items())))
+    return SlabShape(engine.device, engine.pages_per_worker, engine.pages_per_region, engine.num_workers,
+                     engine.blocks_per_slab, engine.block_bytes, tuple(sorted(engine.worker_devices.items())))
 
 
 def owner_tag(engine: EngineRecord) -> str:

@@ -9,6 +9,14 @@ discarded as warm-up), plus what batching buys (map N pages, then one
 backend's scrub against ``torch.zero_`` on the same memory, and a grant end
 to end (engine -> daemon -> worker mapped -> grant) through a real daemon.
 
+Then what moving memory between engines costs: ``recycling`` (per page, a
+fresh page -- release + create, what the daemon does -- against zeroing the
+old one in place, batched creation, and what a descriptor kept by the old
+owner shows after each: why the daemon pays for fresh pages), ``handoff``
+(a demand grant that must first reclaim another engine's idle cached slab,
+beside the raw map of the same run) and ``devices`` (a page, an arena and a
+tensor on the second GPU; a first-GPU page refused by its arena).
+
 Without a GPU (host mode) it runs a quick smoke of the same code on host
 pages, so the kit cannot rot; those figures say nothing about a GPU.
 
@@ -28,6 +36,7 @@ from typing import Any
 from kvelastic.figures import percentile
 from kvelastic.vmm import get_backend
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE, Backend
+from kvelastic.vmm.errors import PageMismatch
 
 # kvcached (ovg-project), CUDA VMM on an A100, microseconds per 2 MiB page.
 ANCHORS_US = {"cuMemCreate": 193.0, "cuMemMap": 1.45, "cuMemSetAccess": 36.0, "cuMemUnmap": 25.6}
@@ -195,6 +204,63 @@ def grant_latency(backend: str, rounds: int, engines: int) -> dict[str, Any]:
     return out
 
 
+def handoff_latency(backend: str, rounds: int, figures: dict[str, Any]) -> dict[str, Any]:
+    """Demand grant through a reclaim (``bench/handoff.py``), beside the raw
+    page map measured earlier in this run (``arena_vs_raw``)."""
+    from kvelastic.bench import handoff
+
+    out = handoff.measure(backend, rounds)
+    raw = (figures.get("arena_vs_raw") or {}).get("raw_map_p50_us")
+    return handoff.with_raw(out, raw) if raw else out
+
+
+def two_devices(backend: Backend) -> dict[str, Any]:
+    """On a second GPU: a page, an arena, a torch tensor over it (new page
+    reads zero, a write reads back), and a first-GPU page refused by the
+    second GPU's arena (``PageMismatch``, before any driver call)."""
+    if backend.name != "cuda":
+        return {"status": "skipped", "why": "no GPU"}
+    import torch
+
+    count = min(backend.device_count(), torch.cuda.device_count())  # type: ignore[attr-defined]
+    if count < 2:
+        return {"status": "skipped", "why": f"{count} device"}
+    ps = backend.page_size
+    second = get_backend("cuda", ps, device=1)
+    page1, page0 = second.create_page(), backend.create_page()
+    out: dict[str, Any] = {"status": "passed", "devices": count}
+    try:
+        with second.reserve(2 * ps) as arena:
+            arena.map(0, page1)
+            view = arena.tensor(torch.uint8, (ps,))
+            out["tensor_device"] = str(view.device)
+            out["new_page_zero"] = int(view.count_nonzero()) == 0
+            view.fill_(0x3C)
+            second.synchronize()
+            out["write_reads_back"] = int((view == 0x3C).sum()) == ps
+            del view
+            try:
+                arena.map(ps, page0)
+            except PageMismatch:
+                out["foreign_page_refused"] = True
+            else:
+                arena.unmap(ps)
+                out["foreign_page_refused"] = False
+            arena.unmap(0)
+    finally:
+        second.release_page(page1)
+        backend.release_page(page0)
+        second.close()
+        backend.make_current()   # the first GPU's context again for this thread
+    bad = [k for k in ("new_page_zero", "write_reads_back", "foreign_page_refused") if not out[k]]
+    if out["tensor_device"] != "cuda:1":
+        bad.append("tensor_device")
+    if bad:
+        out["status"] = "failed"
+        out["error"] = f"second device: {', '.join(bad)} wrong"
+    return out
+
+
 def _guarded(figures: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
     """One group of figures; an error is recorded (and fails the part) without losing the rest."""
     try:
@@ -214,10 +280,15 @@ def main(backend_name: str) -> dict[str, Any]:
         _guarded(figures, "zeroing", lambda: zeroing(backend))
         _guarded(figures, "arena_vs_raw", lambda: vmm.bench_cuda(backend, 20))
         _guarded(figures, "grant", lambda: grant_latency("cuda", 300, 4))
+        _guarded(figures, "recycling", lambda: vmm.bench_recycle(backend, 64, 4, (16, 64)))
+        _guarded(figures, "handoff", lambda: handoff_latency("cuda", 100, figures))
     else:  # smoke on host pages: the same code paths, quick, no GPU figures
         _guarded(figures, "arena_vs_raw", lambda: vmm.bench_host(backend, 3))
         _guarded(figures, "zeroing", lambda: zeroing(backend, pages=16, rounds=1))
         _guarded(figures, "grant", lambda: grant_latency("host", 20, 0))
+        _guarded(figures, "recycling", lambda: vmm.bench_recycle(backend, 16, 2, (16,)))
+        _guarded(figures, "handoff", lambda: handoff_latency("host", 10, figures))
+    _guarded(figures, "devices", lambda: two_devices(backend))   # last: it switches the thread's context
     backend.close()
     figures["seconds"] = round(time.perf_counter() - started, 2)
     return figures

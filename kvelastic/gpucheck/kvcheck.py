@@ -19,6 +19,13 @@ so while the daemon moves pages between engines. The flow:
    page rule).
 4. B leaves; A grows into B's old pages: they read zero, A fills and attends.
 
+Along the way A captures paged attention as a CUDA graph after step 1 (eager
+without a GPU) and replays it: over blocks mapped before the capture, again
+after losing two slabs to B, and in step 4 over slabs mapped after the
+capture -- each replay equal to the reference, the arena never moved. A
+third engine captures before it holds any slab, over the warm-up scratch
+(vLLM's order with CUDA graphs), then replays over the pages granted later.
+
 ``python -m kvelastic.gpucheck.kvcheck BACKEND`` prints one JSON object on its
 last line: ``{"checks": [{"name", "ok", "detail"}], "pending": [...], "figures"}``.
 """
@@ -121,6 +128,13 @@ def run_flow(sock: str, backend: str, c: Checks) -> dict[str, Any]:
         c.add("A: paged attention over arena KV == over an ordinary allocation, bitwise",
               first["equal"] and first["sequences"] >= 3, first)
 
+        cap = a.call("capture", blocks=figures["blocks_per_slab"])
+        figures["graph"] = cap["graph"]
+        c.add(f"A captures paged attention over arena KV ({cap['graph']}) over blocks of {len(cap['slabs_at_capture'])}"
+              " mapped slabs", cap["blocks"] == figures["blocks_per_slab"], cap)
+        replayed = a.call("replay", after_capture=False)
+        c.add("graph replay over blocks mapped before the capture == reference", replayed["equal"]
+              and replayed["kv_address_unchanged"], replayed)
         released = a.call("release", slabs=2)["released"]
         b = Peer(sock, "kv-b", "model-b", 2, backend)
         got = b.call("grow", slabs=4)
@@ -145,6 +159,9 @@ def run_flow(sock: str, backend: str, c: Checks) -> dict[str, Any]:
         again = a.call("attend")
         c.add("A's remaining KV gives the same bits as before B wrote", again["equal"] and again["stable"]
               and again["sequences"] >= 1, again)
+        replayed = a.call("replay", after_capture=False)
+        c.add("graph replay after A lost 2 slabs to B (unmapped under the graph) == reference",
+              replayed["equal"] and replayed["kv_address_unchanged"], replayed)
         b_hashes = set(b.call("hashes")["hashes"].values())
         stale = [x["stale"] if x["stale_hash"] not in b_hashes else "B's data" for x in lost["lost"]]
         figures["stale_descriptor_shows"] = stale
@@ -166,6 +183,10 @@ def run_flow(sock: str, backend: str, c: Checks) -> dict[str, Any]:
         refill = a.call("fill")
         c.add("A's new blocks after B left read zero before A writes (nothing of B's KV)", refill["zero_before"],
               refill["blocks"])
+        replayed = a.call("replay", after_capture=True)
+        c.add("graph replay over slabs mapped after the capture (new pages, same addresses) == reference",
+              replayed["equal"] and replayed["kv_address_unchanged"], replayed)
+        figures["graph_bitwise"] = replayed["bitwise"]
         final = a.call("attend")
         c.add("A: every sequence again bitwise equal to the reference, earlier ones unchanged",
               final["equal"] and final["stable"], final)
@@ -176,6 +197,26 @@ def run_flow(sock: str, backend: str, c: Checks) -> dict[str, Any]:
     return figures
 
 
+def early_capture_flow(sock: str, backend: str, c: Checks) -> None:
+    """vLLM's order: graphs captured before the engine holds a slab (over the
+    warm-up scratch), the daemon's pages mapped afterwards, replays exact."""
+    e = Peer(sock, "kv-early", "model-early", 3, backend)
+    try:
+        bps = e.hello["blocks_per_slab"]
+        cap = e.call("capture_early", blocks=bps)
+        c.add(f"a graph ({cap['graph']}) captured before any slab, over {cap['scratch_slots']} scratch-backed "
+              "slots; none stays mapped", cap["scratch_slots"] > 0 and cap["mapped_after"] == 0, cap)
+        grown = e.call("grow", slabs=2)
+        filled = e.call("fill")
+        c.add("the engine's first slabs arrive after the capture and read zero (no warm-up bytes)",
+              grown["ok"] and filled["zero_before"], filled)
+        replayed = e.call("replay", after_capture=True)
+        c.add("the early graph replays over the daemon's pages == reference", replayed["equal"]
+              and replayed["kv_address_unchanged"], replayed)
+    finally:
+        e.close()
+
+
 def main(backend: str) -> dict[str, Any]:
     c = Checks()
     started = time.perf_counter()
@@ -184,6 +225,7 @@ def main(backend: str) -> dict[str, Any]:
         try:
             with running_daemon(tmp, "16MiB", backend) as sock:
                 figures = run_flow(sock, backend, c)
+                early_capture_flow(sock, backend, c)
         except PeerError as exc:
             c.add("the flow ran to the end", False, str(exc))
     figures["seconds"] = round(time.perf_counter() - started, 2)

@@ -2,6 +2,14 @@
 ``WorkerClient`` in one process, with paged attention in plain torch over the
 arena that the daemon's pages are mapped into.
 
+It also captures paged attention as a CUDA graph over the arena (``capture``)
+and replays it after the daemon mapped new slabs (``replay``): the graph holds
+raw addresses, so this is what vLLM's CUDA graphs rely on -- the arena never
+moves, pages arrive under addresses the graph already reads, and no page
+changes while a replay may run (both calls run inside ``worker.step()``).
+Without a GPU the "graph" is the same computation run eagerly, so the flow
+stays tested on host pages.
+
 Driven by JSON lines on stdin, one JSON answer per line on stdout (like the
 daemon tests' engine peer, but part of the package: the kit must run where
 only the package and its tests are carried). Every block it fills gets seeded
@@ -69,6 +77,42 @@ def paged_attention(kv: torch.Tensor, table: torch.Tensor, seq_len: int, q: torc
     return torch.stack(out)
 
 
+class Graph:
+    """Paged attention over ``kv`` captured once (CUDA graph) with static
+    inputs; ``replay`` copies a new block table and query into them."""
+
+    def __init__(self, kv: torch.Tensor, table: torch.Tensor, dtype: torch.dtype, slabs: set[int]) -> None:
+        blocks, device = len(table), table.device
+        self.blocks, self.slabs, self.address = blocks, slabs, kv.data_ptr()
+        self.table = table.clone()        # live, mapped blocks: capture reads memory that exists
+        self.q = torch.zeros((LAYERS, HEADS, QUERY_TOKENS, HEAD_DIM), dtype=dtype, device=device)
+        run = lambda: paged_attention(kv, self.table, blocks * BLOCK_TOKENS, self.q)  # noqa: E731
+        self.cuda_graph: torch.cuda.CUDAGraph | None = None
+        if device.type == "cuda":
+            self.kind = "cuda graph"
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):          # warm-up outside the capture, as torch asks
+                for _ in range(2):
+                    run()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = self.cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.out = run()
+        else:
+            self.kind = "eager (no GPU)"
+            self.out = run()
+        self._run = run
+
+    def replay(self, table: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        self.table.copy_(table)
+        self.q.copy_(q)
+        if self.cuda_graph is not None:
+            self.cuda_graph.replay()
+            return self.out.clone()
+        return self._run()
+
+
 class KvEngine:
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.backend_name = cfg["backend"]
@@ -95,6 +139,7 @@ class KvEngine:
         self.kept_of: dict[int, int] = {}                          # mapped slab -> kept descriptor
         self.gone: dict[int, int] = {}                             # slab no longer mapped -> kept descriptor
         self.hash_at_release: dict[int, str] = {}
+        self.graph: Graph | None = None
 
     # ---------------------------------------------------------------- helpers
     def _sync_kept(self) -> None:
@@ -104,6 +149,8 @@ class KvEngine:
         for slab in list(self.kept_of):
             if slab not in mapped:
                 self.gone[slab] = self.kept_of.pop(slab)
+                if self.graph is not None:     # mapped again later: with a page the graph never saw
+                    self.graph.slabs.discard(slab)
         for slab in mapped:
             if slab not in self.kept_of:
                 self.kept_of[slab] = self.keeping.kept[len(self.kept_of) + len(self.gone)]
@@ -166,6 +213,55 @@ class KvEngine:
                 done += 1
             self._sync_device()
         return {"sequences": done, "equal": equal, "stable": stable}
+
+    def capture(self, blocks: int) -> dict[str, Any]:
+        """Capture paged attention over ``blocks`` live blocks as a CUDA graph
+        (eagerly without a GPU), with a static block table and query."""
+        with self.worker.step():
+            slabs = set(self.pool.slab_ids())
+            first = torch.tensor(sorted(self.live)[:blocks], dtype=torch.long, device=self.device)
+            if len(first) < blocks:
+                raise RuntimeError(f"{len(first)} live blocks, the graph would read {blocks}")
+            self.graph = Graph(self.kv, first, self.dtype, slabs)
+            self._sync_device()
+        return {"graph": self.graph.kind, "blocks": blocks, "slabs_at_capture": sorted(slabs),
+                "kv_address": self.kv.data_ptr()}
+
+    def capture_early(self, blocks: int) -> dict[str, Any]:
+        """Capture before the engine holds any slab, as vLLM does: under the
+        worker's warm-up scratch, over blocks 0..``blocks``-1."""
+        if self.pool.slab_ids():
+            raise RuntimeError("capture_early: the engine already holds slabs")
+        with self.worker.warm_up() as backed, self.worker.step():
+            table = torch.arange(blocks, dtype=torch.long, device=self.device)
+            self.graph = Graph(self.kv, table, self.dtype, set())
+            self._sync_device()
+        return {"graph": self.graph.kind, "blocks": blocks, "scratch_slots": backed,
+                "mapped_after": len(self.worker.reserved_arena().mapped())}
+
+    def replay(self, after_capture: bool) -> dict[str, Any]:
+        """Point the captured graph at live blocks (those of slabs mapped after
+        the capture when ``after_capture``), replay it, and compare with paged
+        attention over the reference tensor."""
+        g = self.graph
+        if g is None:
+            raise RuntimeError("replay before capture")
+        candidates = [b for b in sorted(self.live) if (b // self.bps not in g.slabs) == after_capture]
+        if len(candidates) < g.blocks:
+            raise RuntimeError(f"{len(candidates)} live blocks fit, the graph reads {g.blocks}")
+        order = torch.randperm(len(candidates), generator=self.gen, device=self.device).tolist()[:g.blocks]
+        table = torch.tensor([candidates[i] for i in order], dtype=torch.long, device=self.device)
+        q = torch.randn(tuple(g.q.shape), generator=self.gen, device=self.device,
+                        dtype=torch.float32).to(self.dtype)
+        with self.worker.step():
+            out = g.replay(table, q)
+            ref = paged_attention(self.ref, table, g.blocks * BLOCK_TOKENS, q)
+            self._sync_device()
+            bitwise = bool(torch.equal(out, ref))
+            diff = float((out.float() - ref.float()).abs().max())
+        slabs = sorted({int(b) // self.bps for b in table.tolist()})
+        return {"graph": g.kind, "equal": bitwise or diff <= 1e-3, "bitwise": bitwise, "max_diff": diff,
+                "slabs": slabs, "kv_address_unchanged": self.kv.data_ptr() == g.address}
 
     def release(self, slabs: int) -> dict[str, Any]:
         """Cache and free every block of the ``slabs`` highest held slabs (reclaimable)."""

@@ -130,6 +130,19 @@ def _bench_lines(figures: dict[str, Any]) -> list[str]:
         if isinstance(values, dict) and "grant_p50_us" in values:
             lines.append(f"  grant end to end ({label}): p50 {values['grant_p50_us']} us, "
                          f"p99 {values['grant_p99_us']} us")
+    recycle = figures.get("recycling") or {}
+    if "fresh_p50_us" in recycle:
+        lines.append(f"  recycling per page, p50: fresh {recycle['fresh_p50_us']} us, zero in place "
+                     f"{recycle['in_place_p50_us']} us; chosen {recycle['chosen']} (a kept descriptor shows: "
+                     f"fresh {recycle['isolation_fresh']}, in place {recycle['isolation_in_place']})")
+    handoff = figures.get("handoff") or {}
+    if "handoff_p50_us" in handoff:
+        lines.append(f"  handoff (reclaim + grant): p50 {handoff['handoff_p50_us']} us, "
+                     f"p99 {handoff['handoff_p99_us']} us")
+    devices = figures.get("devices") or {}
+    if devices:
+        lines.append(f"  two devices: {devices.get('status', 'passed')}"
+                     + (f" ({devices['why']})" if "why" in devices else ""))
     errors = [f"{k}: {v['error']}" for k, v in figures.items() if isinstance(v, dict) and "error" in v]
     lines += [f"  ERROR {e}" for e in errors]
     return lines

@@ -22,6 +22,7 @@ Invariants (every backend):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -218,6 +219,27 @@ class Backend(ABC):
     @abstractmethod
     def create_page(self) -> Page:
         """A new page of ``page_size`` bytes, zero-filled."""
+
+    def create_pages(self, n: int) -> list[Page]:
+        """``n`` new pages, zero-filled; all or none: on a failure the pages
+        already made are released before the error is raised (a failed call
+        changes nothing). The default is ``create_page`` in a loop; a backend
+        whose per-page cost is mostly per-call overhead (CUDA: one scrub per
+        page) batches it."""
+        if not isinstance(n, int) or n < 0:
+            raise OutOfRange(f"create_pages: count must be a non-negative int, got {n!r}")
+        pages: list[Page] = []
+        try:
+            for _ in range(n):
+                pages.append(self.create_page())
+        except BaseException:
+            for page in pages:
+                # The creation error is what the caller must see; a release that
+                # fails too (device lost) leaves nothing more to undo here.
+                with contextlib.suppress(Exception):
+                    self.release_page(page)
+            raise
+        return pages
 
     @abstractmethod
     def release_page(self, page: Page) -> None:

@@ -10,6 +10,9 @@
 - ``zero`` maps the page at a private scratch address and runs ``cuMemsetD8``
   on a private stream (it never waits on the caller's compute streams). New
   pages are zeroed too: ``cuMemCreate`` does not promise zeroed memory.
+  ``create_pages(n)`` scrubs a batch at once: n handles mapped side by side in
+  the scratch range, one ``cuMemSetAccess``, one memset, one stream sync (the
+  per-page scrub is mostly those fixed costs, not bandwidth).
 - Tensors over an arena are DLPack tensors naming the device (``_dlpack``):
   torch never asks the driver about the address, which may not be mapped yet.
 
@@ -34,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvelastic.vmm._dlpack import KDL_CUDA, tensor_at
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE, Arena, Backend, Page
-from kvelastic.vmm.errors import BackendUnavailable, ClosedHandleError, CudaError, PageMismatch
+from kvelastic.vmm.errors import BackendUnavailable, ClosedHandleError, CudaError, OutOfRange, PageMismatch
 
 if TYPE_CHECKING:
     import torch
@@ -257,8 +260,9 @@ class CudaBackend(Backend):
         access.location.id = device
         access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = [access]
-        self._lock = threading.Lock()  # guards the scratch range used by zero()
+        self._lock = threading.Lock()  # guards the scratch range used by zero() and create_pages()
         self._scratch: int | None = None
+        self._scratch_pages = 0        # the scratch range's size in pages (grown by create_pages)
         self._stream: Any = None
 
     def make_current(self) -> None:
@@ -294,6 +298,26 @@ class CudaBackend(Backend):
             raise
         return page
 
+    def create_pages(self, n: int) -> list[Page]:
+        """``n`` zeroed pages with one scrub for all of them; all or none (a
+        failure releases every handle made here, then raises)."""
+        if not isinstance(n, int) or n < 0:
+            raise OutOfRange(f"create_pages: count must be a non-negative int, got {n!r}")
+        if n <= 1:
+            return [self.create_page() for _ in range(n)]
+        self._current()
+        d = self._driver
+        handles: list[int] = []
+        try:
+            for _ in range(n):
+                handles.append(int(check("cuMemCreate", d.cuMemCreate(self.page_size, self._prop, 0))))
+            self._scrub(handles)
+        except BaseException:
+            for handle in handles:
+                d.cuMemRelease(handle)
+            raise
+        return [CudaPage(handle, self.page_size, self.device) for handle in handles]
+
     def release_page(self, page: Page) -> None:
         handle = self._handle(page, "release_page")
         self._current()
@@ -317,23 +341,39 @@ class CudaBackend(Backend):
         return CudaPage(int(handle), self.page_size, self.device)
 
     def zero(self, page: Page) -> None:
-        handle = self._handle(page, "zero")
+        self._scrub([self._handle(page, "zero")])
+
+    def _scrub(self, handles: list[int]) -> None:
+        """Zero these allocations: mapped side by side at the scratch range,
+        one access call and one memset over all of them, one sync; every
+        mapping made here is undone before returning, error or not (the
+        scratch range is back to reserved-only, the handles untouched)."""
         d = self._driver
         ps = self.page_size
+        n = len(handles)
         with self._lock:
             self.make_current()
-            if self._scratch is None:
-                self._scratch = int(check("cuMemAddressReserve", d.cuMemAddressReserve(ps, ps, 0, 0)))
+            if self._stream is None:
                 self._stream = check("cuStreamCreate",
                                      d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
             va = self._scratch
-            check("cuMemMap", d.cuMemMap(va, ps, 0, handle, 0))
+            if va is None or self._scratch_pages < n:   # (re)reserve: address space only, kept for the next call
+                if va is not None:
+                    d.cuMemAddressFree(va, self._scratch_pages * ps)
+                    self._scratch, self._scratch_pages = None, 0
+                va = int(check("cuMemAddressReserve", d.cuMemAddressReserve(n * ps, ps, 0, 0)))
+                self._scratch, self._scratch_pages = va, n
+            mapped = 0
             try:
-                check("cuMemSetAccess", d.cuMemSetAccess(va, ps, self._access, 1))
-                check("cuMemsetD8Async", d.cuMemsetD8Async(va, 0, ps, self._stream))
+                for i, handle in enumerate(handles):
+                    check("cuMemMap", d.cuMemMap(va + i * ps, ps, 0, handle, 0))
+                    mapped += 1
+                check("cuMemSetAccess", d.cuMemSetAccess(va, n * ps, self._access, 1))
+                check("cuMemsetD8Async", d.cuMemsetD8Async(va, 0, n * ps, self._stream))
                 check("cuStreamSynchronize", d.cuStreamSynchronize(self._stream))
             finally:
-                d.cuMemUnmap(va, ps)
+                for i in range(mapped):
+                    d.cuMemUnmap(va + i * ps, ps)
 
     def reserve(self, nbytes: int) -> CudaArena:
         size = self._arena_size(nbytes)
@@ -345,9 +385,10 @@ class CudaBackend(Backend):
     def close(self) -> None:
         with self._lock:
             if self._scratch is not None:
-                self._driver.cuMemAddressFree(self._scratch, self.page_size)
+                self._driver.cuMemAddressFree(self._scratch, self._scratch_pages * self.page_size)
+                self._scratch, self._scratch_pages = None, 0
+            if self._stream is not None:
                 self._driver.cuStreamDestroy(self._stream)
-                self._scratch = None
                 self._stream = None
 
     def _handle(self, page: Page, op: str) -> int:

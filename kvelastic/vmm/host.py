@@ -140,6 +140,13 @@ class HostBackend(Backend):
             raise SystemCallError("ftruncate", exc.errno or 0) from exc
         return HostPage(fd, self.page_size)
 
+    def create_pages(self, n: int) -> list[Page]:
+        # Nothing to batch: a new memfd reads zero by construction (ftruncate
+        # extends an empty file with holes; memory arrives zeroed on first
+        # touch), so there is no scrub to share, and memfd_create + ftruncate
+        # has no batched form. The base loop (with its rollback) is the whole job.
+        return super().create_pages(n)
+
     def release_page(self, page: Page) -> None:
         fd = self._fd(page, "release_page")
         page.fd = -1  # type: ignore[attr-defined]

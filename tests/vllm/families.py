@@ -46,6 +46,13 @@ def _configs(tok: Any) -> dict[str, Callable[[], tuple[Any, Any]]]:
         "gpt-oss": lambda: (t.GptOssConfig(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
                                            sliding_window=64, layer_types=["sliding_attention", "full_attention"],
                                            **small), t.GptOssForCausalLM),
+        # Multi-head latent attention: a 576-wide latent per token (kv_lora_rank 512 + rope 64, the only
+        # width vLLM's MLA takes), so a block's bytes divide no page; every layer dense (no expert runs).
+        "deepseek-v2-mla": lambda: (t.DeepseekV2Config(
+            num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+            num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+            v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            moe_intermediate_size=64, **common), t.DeepseekV2ForCausalLM),
         "granite-4.0-h": lambda: (t.GraniteMoeHybridConfig(
             num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
             layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=0,
@@ -54,7 +61,7 @@ def _configs(tok: Any) -> dict[str, Callable[[], tuple[Any, Any]]]:
     }
 
 
-FAMILIES = ("qwen3", "gemma3", "mistral-sliding", "qwen2-sliding", "gpt-oss", "granite-4.0-h")
+FAMILIES = ("qwen3", "gemma3", "mistral-sliding", "qwen2-sliding", "gpt-oss", "deepseek-v2-mla", "granite-4.0-h")
 
 
 def build_family(name: str, root: pathlib.Path) -> pathlib.Path:

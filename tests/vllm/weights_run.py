@@ -18,6 +18,7 @@ each answered by a ``RESULT`` line (JSON), like ``bench/warm_run.py``:
   place through a worker extension (``collective_rpc``), then vLLM's prefix
   cache reset, as RL frameworks do after a weight sync: ``{"ok": true}``.
 - ``stats``: this engine's counters in the kvelastic daemon (``KVELASTIC_ENABLE=1``).
+- ``warm-up``: how many arena slots the worker's warm-up backed with scratch.
 End of input: the process exits.
 """
 
@@ -122,6 +123,11 @@ def main() -> None:
             out = {"ok": True, "loaded": loaded[0]}
         elif command == "stats":
             out = engine_stats(wait_for_hits=True)
+        elif command == "warm-up":            # the worker in this process (in-process engine core)
+            from kvelastic_vllm.state import state
+
+            worker = state().worker
+            out = {"scratch_slots": worker.warm_up_slots if worker else None}
         else:
             raise ValueError(f"unknown command {command!r}")
         print("RESULT " + json.dumps(out), flush=True)

