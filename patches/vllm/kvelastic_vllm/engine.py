@@ -70,19 +70,23 @@ def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int, model: s
 
 
 def _check_specs(kv_cache_config: Any, model: str) -> None:
-    """Attention caches only (full, sliding window, chunked local, MLA):
-    state caches (Mamba, linear attention) are refused at start-up, saying
-    what to do."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
+    """Attention caches (full, sliding window, chunked local, MLA, ...) and
+    state caches (``MambaSpec``: Mamba, linear attention, short convolutions)
+    live in the same elastic pages: vLLM gives every group blocks of one page
+    size in one backing allocation, and a state block is a block like any
+    other (live while its request runs, cached only where vLLM caches it).
+    Anything else (HiSparse's caches, allocated apart) is refused at
+    start-up, saying what to do."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
 
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         specs = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-        other = next((s for s in specs if not isinstance(s, AttentionSpec)), None)
+        other = next((s for s in specs if not isinstance(s, AttentionSpec | MambaSpec)), None)
         if other is not None:
-            raise RuntimeError(f"kvelastic: {model} keeps a {type(other).__name__} state cache (Mamba or linear "
-                               "attention), which kvelastic does not back yet: run it without KVELASTIC_ENABLE "
-                               "(see docs/models.md)")
+            raise RuntimeError(f"kvelastic: {model} keeps a {type(other).__name__} cache, which vLLM allocates "
+                               "apart from its KV cache tensors and kvelastic does not back: run it without "
+                               "KVELASTIC_ENABLE (see docs/models.md)")
 
 
 def reserve_watermark(max_num_batched_tokens: int, block_size: int, blocks_per_slab: int, groups: int = 1) -> int:
