@@ -89,11 +89,20 @@ def parse_port(text: str) -> int:
     return port
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, most: int | None = None) -> int:
     value = int(text)
-    if value < 1:
-        raise ValueError(f"expected a positive integer, got {text!r}")
+    if value < 1 or (most is not None and value > most):
+        raise ValueError(f"expected a positive integer{f' up to {most}' if most else ''}, got {text!r}")
     return value
+
+
+def parse_names(text: str) -> tuple[str, ...]:
+    """``0,1`` -> ("0", "1"); empty: none. Names are short printable words."""
+    names = tuple(n.strip() for n in text.split(",")) if text.strip() else ()
+    bad = [n for n in names if not n or len(n) > 64 or not n.isprintable() or " " in n]
+    if bad:
+        raise ValueError(f"expected comma-separated device names such as 0,1, got {text!r}")
+    return names
 
 
 def parse_power_of_two_size(text: str) -> int:
@@ -129,6 +138,10 @@ VARIABLES: tuple[Variable, ...] = (
              "Physical memory backend: `cuda` (CUDA VMM), `host` (memfd pages), `auto` (cuda when a GPU is usable)."),
     Variable("KVELASTIC_MEMORY", "memory", "0.5", parse_memory,
              "Device pool budget for KV cache: bytes with a unit (`40GiB`) or a fraction of the device (`0.5`)."),
+    Variable("KVELASTIC_HOST_DEVICES", "host_devices", "1", lambda t: _positive_int(t, 64),
+             "Daemon, host backend: pools of host memory (devices `0`, `1`, ...), which share the "
+             "`KVELASTIC_MEMORY` budget evenly; workers choose theirs with `KVELASTIC_WORKER_DEVICES` (one per "
+             "CPU socket of a multi-socket box, say). On CUDA every GPU is a device of its own."),
     Variable("KVELASTIC_PAGE_SIZE", "page_size", "2MiB", parse_power_of_two_size,
              "Physical page size; a power of two and a multiple of the backend granularity (CUDA: 2MiB)."),
     Variable("KVELASTIC_SOCKET", "socket", "", str,
@@ -157,6 +170,10 @@ VARIABLES: tuple[Variable, ...] = (
              "vLLM plugin: memory this engine is guaranteed (never reclaimed below it)."),
     Variable("KVELASTIC_ENGINE_MAX_MEMORY", "engine_max_memory", "0", parse_size,
              "vLLM plugin: the most this engine may hold; `0` means up to the device budget."),
+    Variable("KVELASTIC_WORKER_DEVICES", "worker_devices", "", parse_names,
+             "vLLM plugin: the daemon device of each worker rank, comma-separated (rank r takes entry r modulo "
+             "their number), e.g. `0,1`. Default: on CUDA each worker's own GPU, by its UUID (whatever index "
+             "`CUDA_VISIBLE_DEVICES` gives it); on host memory the daemon's first device."),
     Variable("KVELASTIC_TENANT_SALT", "tenant_salt", "", str,
              "vLLM plugin: a tenant's salt, part of the namespace, so blocks of different tenants never match."),
     Variable("KVELASTIC_PRIVATE_CACHE", "private_cache", "0", parse_bool,
@@ -197,6 +214,7 @@ class Config:
     enable: bool
     backend: str
     memory: int | float
+    host_devices: int
     page_size: int
     socket: str
     metrics_port: int
@@ -209,6 +227,7 @@ class Config:
     engine_id: str
     engine_min_memory: int
     engine_max_memory: int
+    worker_devices: tuple[str, ...]
     tenant_salt: str
     private_cache: bool
     socket_group: str

@@ -34,7 +34,8 @@ def daemon_factory(tmp_path):
 # limit of nothing); "tuned" sets every other plugin setting.
 PLUGIN_TUNED = {"KVELASTIC_ENGINE_ID": "tuned-engine", "KVELASTIC_ENGINE_MIN_MEMORY": "4MiB",
                 "KVELASTIC_ENGINE_MAX_MEMORY": "40MiB", "KVELASTIC_TENANT_SALT": "tenant-a",
-                "KVELASTIC_PREFIX_CACHE_TTL": "1s", "KVELASTIC_PRIVATE_CACHE": "1"}
+                "KVELASTIC_PREFIX_CACHE_TTL": "1s", "KVELASTIC_PRIVATE_CACHE": "1",
+                "KVELASTIC_WORKER_DEVICES": "1"}     # the daemon has two host devices
 PLUGIN_PLAIN = {"KVELASTIC_PREFIX_CACHE_MAX_SIZE": "1"}     # one byte: no block may stay cached
 
 
@@ -53,7 +54,7 @@ def plugin_runs(tmp_path_factory) -> dict:
 
     tmp = tmp_path_factory.mktemp("plugin")
     model = build_tiny_llama(tmp / "tiny-llama")
-    daemon = DaemonProcess(tmp, memory="256MiB").start()
+    daemon = DaemonProcess(tmp, memory="256MiB", KVELASTIC_HOST_DEVICES="2").start()
     script = pathlib.Path(__file__).resolve().parent / "vllm" / "settings_run.py"
     runs: dict = {"model": model}
     try:

@@ -60,14 +60,18 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
     def __init__(self, budgets: dict[str, int], page_size: int, *, backend: str = "host",
                  timing: Timing = Timing(), events: bool = True,
                  token_source: Callable[[], bytes] = lambda: secrets.token_bytes(16),
-                 max_engines: int = 256, hash_secret: bytes | None = None) -> None:
+                 max_engines: int = 256, hash_secret: bytes | None = None,
+                 aliases: dict[str, str] | None = None) -> None:
         """``budgets``: device name -> budget in pages (the first is the default device).
+        ``aliases``: other names of a device -> its name (a GPU's UUID, which
+        a worker knows whatever ``CUDA_VISIBLE_DEVICES`` numbers it).
         ``hash_secret``: the key of the namespaces' hash seeds (``hash_seed``);
         the daemon keeps one across restarts, by default a fresh random one."""
         self.pools = {name: PagePool(pages) for name, pages in budgets.items()}
         self.backend = backend
         self.medium = "GPU" if backend == "cuda" else "CPU"
         self.default_device = next(iter(budgets))
+        self.device_aliases = dict(aliases or {})
         self.page_size = page_size
         self.timing = timing
         self.rules = Rules(idle_grace=timing.idle_grace, hold_down=timing.hold_down)

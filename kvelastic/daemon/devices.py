@@ -21,8 +21,9 @@ BATCH = 64
 
 
 class Device:
-    def __init__(self, name: str, backend: Backend, budget_bytes: int) -> None:
+    def __init__(self, name: str, backend: Backend, budget_bytes: int, aliases: tuple[str, ...] = ()) -> None:
         self.name = name
+        self.aliases = aliases          # other names workers may give it (a GPU's UUID)
         self.backend = backend
         self.page_size = backend.page_size
         self.budget_pages = budget_bytes // self.page_size

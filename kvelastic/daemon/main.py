@@ -43,16 +43,23 @@ def budget_bytes(config: Config, total: int) -> int:
 
 
 def open_devices(config: Config) -> list[Device]:
-    """One pool per GPU (each with the same budget rule), or one for host memory."""
+    """One pool per GPU (each with the same budget rule, known also by its
+    UUID), or ``KVELASTIC_HOST_DEVICES`` pools of host memory sharing its budget."""
     from kvelastic.vmm.cuda import CudaBackend
 
     first = get_backend(config.backend, config.page_size)
     if not isinstance(first, CudaBackend):
-        return [Device("0", first, budget_bytes(config, host_memory_bytes()))]
+        count = config.host_devices
+        share = budget_bytes(config, host_memory_bytes()) // count
+        if share < config.page_size:
+            raise ConfigError(f"KVELASTIC_MEMORY={config.memory!r} split between KVELASTIC_HOST_DEVICES={count} "
+                              f"pools is smaller than one page ({config.page_size} bytes) each")
+        return [Device(str(i), first, share - share % config.page_size) for i in range(count)]
     devices = []
     for index in range(first.device_count()):
         backend = first if index == first.device else CudaBackend(config.page_size, device=index)
-        devices.append(Device(str(index), backend, budget_bytes(config, backend.total_memory())))
+        devices.append(Device(str(index), backend, budget_bytes(config, backend.total_memory()),
+                              aliases=(backend.uuid(),)))
     return devices
 
 

@@ -29,6 +29,7 @@ class Registration:
     pools: dict[str, PagePool]
     engines: dict[str, EngineRecord]
     default_device: str
+    device_aliases: dict[str, str]
     page_size: int
     rules: Rules
     max_engines: int
@@ -64,7 +65,7 @@ class Registration:
                                                    f"(pid {old.pid}); a re-registration needs its secret")
         if old is None and m.token and len(m.token) < p.MIN_TOKEN:
             raise Rejected(p.Reason.BAD_TOKEN, f"an engine's secret must be at least {p.MIN_TOKEN} random bytes")
-        device = m.device or self.default_device
+        device = self.device_aliases.get(m.device, m.device) or self.default_device
         if device not in self.pools:
             raise Rejected(p.Reason.UNKNOWN_DEVICE, f"device {device!r}; this daemon has {', '.join(self.pools)}")
         pool = self.pools[device]
@@ -171,7 +172,7 @@ class Registration:
         if not 0 <= m.rank < engine.num_workers:
             raise Rejected(p.Reason.BAD_RANK,
                            f"rank {m.rank} of engine {m.engine_id} with {engine.num_workers} workers")
-        device = m.device or engine.device
+        device = self.device_aliases.get(m.device, m.device) or engine.device
         if device not in self.pools:
             raise Rejected(p.Reason.UNKNOWN_DEVICE, f"device {device!r}; this daemon has {', '.join(self.pools)}")
         if not self._alive(engine, m.rank):

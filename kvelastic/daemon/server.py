@@ -53,7 +53,8 @@ class Daemon:
         self.clock = clock
         self.allocator = Allocator({d.name: d.budget_pages for d in devices}, devices[0].page_size,
                                    backend=devices[0].backend.name, timing=timing, events=kv_events is not None,
-                                   max_engines=max_engines, hash_secret=hash_secret)
+                                   max_engines=max_engines, hash_secret=hash_secret,
+                                   aliases={a: d.name for d in devices for a in d.aliases})
         self.snapshot = self.allocator.status()
         self.metrics = DaemonMetrics(lambda: self.snapshot, list(self.devices))
         self.socket_path = socket_path

@@ -99,6 +99,12 @@ def unavailable_message(why: str) -> str:
     )
 
 
+def format_uuid(raw: bytes) -> str:
+    """16 bytes as ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` (nvidia-smi's form)."""
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
 class CudaPage(Page):
     """A VMM allocation on ``device``. ``handle`` is None once released."""
 
@@ -280,6 +286,14 @@ class CudaBackend(Backend):
 
     def device_count(self) -> int:
         return int(check("cuDeviceGetCount", self._driver.cuDeviceGetCount()))
+
+    def uuid(self) -> str:
+        """The GPU's identity as nvidia-smi prints it (``GPU-`` and 8-4-4-4-12
+        hex digits): the same in every process, whatever index
+        ``CUDA_VISIBLE_DEVICES`` gives the GPU there."""
+        dev = check("cuDeviceGet", self._driver.cuDeviceGet(self.device))
+        raw = bytes(check("cuDeviceGetUuid", self._driver.cuDeviceGetUuid(dev)).bytes)[:16]
+        return format_uuid(raw)
 
     def total_memory(self) -> int:
         dev = check("cuDeviceGet", self._driver.cuDeviceGet(self.device))

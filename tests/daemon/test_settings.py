@@ -420,6 +420,20 @@ def _private_cache(node: Node, request: pytest.FixtureRequest) -> None:
     assert not plain["private"] and "~" not in plain["namespace"]
 
 
+@probe("KVELASTIC_WORKER_DEVICES")
+def _worker_devices(node: Node, request: pytest.FixtureRequest) -> None:
+    runs = request.getfixturevalue("plugin_runs")   # a daemon of two host devices: the tuned worker on "1"
+    assert runs["tuned"]["engine"]["worker_devices"] == {"0": "1"}
+    assert runs["plain"]["engine"]["worker_devices"] == {"0": "0"}
+
+
+@probe("KVELASTIC_HOST_DEVICES")
+def _host_devices(node: Node, request: pytest.FixtureRequest) -> None:
+    devices = node.daemon(memory="32MiB", KVELASTIC_HOST_DEVICES="2").request(p.Status()).status.devices
+    assert [(d.device, d.budget_bytes) for d in devices] == [("0", 16 * MiB), ("1", 16 * MiB)]
+    assert [d.device for d in node.daemon(memory="32MiB").request(p.Status()).status.devices] == ["0"]
+
+
 @probe("KVELASTIC_PREFIX_CACHE_MAX_SIZE")
 def _prefix_cache_max_size(node: Node, request: pytest.FixtureRequest) -> None:
     runs = request.getfixturevalue("plugin_runs")

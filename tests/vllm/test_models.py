@@ -23,6 +23,10 @@ from tests.vllm.run_engine import Engine
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PAGE = 2 << 20
 SERVED = ["qwen3", "gemma3", "mistral-sliding", "qwen2-sliding", "gpt-oss"]
+# Families that stock vLLM itself cannot run on an older release (without kvelastic).
+GPT_OSS_BEFORE_031 = ("stock vLLM 0.29 and 0.30 (CPU) stop in cpu_attention_with_kv_cache: "
+                      "'expected scalar type BFloat16 but found Float'")
+STOCK_FAILS = {("gpt-oss", (0, 29)): GPT_OSS_BEFORE_031, ("gpt-oss", (0, 30)): GPT_OSS_BEFORE_031}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +40,10 @@ def engine_entry(daemon, engine_id: str) -> dict:
 
 @pytest.mark.parametrize("family", SERVED)
 def test_a_family_gives_stock_tokens_and_hits_also_after_a_reclaim(family, families, daemon_factory):
+    from kvelastic_vllm import vllm_version
+
+    if (family, vllm_version()) in STOCK_FAILS:
+        pytest.skip(STOCK_FAILS[family, vllm_version()])
     model = build_family(family, families)
     stock = Engine(model)
     cold, warm = stock.do("workload"), stock.do("workload")
@@ -144,19 +152,23 @@ def test_compiled_and_speculative_engines_give_stock_tokens_and_never_share_kept
     second.exit()
 
 
-def test_pipeline_stages_each_map_their_own_layers_and_tokens_equal_stock(daemon_factory, families):
+def test_pipeline_stages_each_map_their_own_layers_on_their_own_device(daemon_factory, families):
     """Two pipeline stages, each a worker with its own layer: one engine of
-    two workers in the daemon; tokens and hits equal stock vLLM's with the
-    same two stages."""
+    two workers in the daemon, each rank's pages on its own device (two host
+    devices stand in for two GPUs: ``KVELASTIC_WORKER_DEVICES``); tokens and
+    hits equal stock vLLM's with the same two stages."""
     from kvelastic_vllm.bench.tinymodel import build_tiny_llama
 
     model = build_tiny_llama(families / "tiny-llama")
     stock = Engine(model, None, "--pp2")
     expected = [stock.do("workload"), stock.do("workload")]
     stock.exit()
-    daemon = daemon_factory(memory="64MiB")
-    engine = Engine(model, daemon, "--pp2", KVELASTIC_ENGINE_ID="stages")
+    daemon = daemon_factory(memory="128MiB", KVELASTIC_HOST_DEVICES="2")
+    engine = Engine(model, daemon, "--pp2", KVELASTIC_ENGINE_ID="stages", KVELASTIC_WORKER_DEVICES="0,1")
     got = [engine.do("workload"), engine.do("workload")]
-    assert engine_entry(daemon, "stages")["workers"] == 2
+    entry = engine_entry(daemon, "stages")
+    assert entry["workers"] == 2 and entry["worker_devices"] == {0: "0", 1: "1"}, entry
+    held = {d["device"]: d["memory"]["held"] for d in daemon.status()["devices"]}
+    assert held["0"] == held["1"] == entry["held_bytes"] // 2 > 0, held      # a page per stage per slab
     engine.exit()
     assert [(r["tokens"], r["hits"]) for r in got] == [(r["tokens"], r["hits"]) for r in expected]

@@ -193,3 +193,21 @@ def test_driver_errors_carry_their_name(cuda: Backend) -> None:
         os.fstat(fd)  # a failed import leaves the descriptor with the caller
     finally:
         os.close(fd)
+
+
+def test_format_uuid_is_nvidia_smis_form() -> None:
+    from kvelastic.vmm.cuda import format_uuid
+
+    assert format_uuid(bytes(range(16))) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+
+
+@on_gpu
+def test_the_gpus_uuid_is_the_one_torch_and_the_plugin_name_it_by(cuda: Backend) -> None:
+    """Workers name their GPU by UUID (``kvelastic_vllm.worker.daemon_device``:
+    torch's device properties), the daemon knows each of its devices by it too
+    (``CudaBackend.uuid``: the driver): the two must agree."""
+    import torch
+
+    mine = cuda.uuid()  # type: ignore[attr-defined]
+    seen = str(torch.cuda.get_device_properties(cuda.device).uuid)  # type: ignore[attr-defined]
+    assert mine == (seen if seen.startswith("GPU-") else f"GPU-{seen}"), (mine, seen)

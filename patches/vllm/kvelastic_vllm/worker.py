@@ -33,6 +33,19 @@ def _rank() -> int:
     return 0
 
 
+def daemon_device(device: torch.device, rank: int, chosen: tuple[str, ...]) -> str:
+    """The daemon device this worker's pages live on: ``KVELASTIC_WORKER_DEVICES``
+    by rank; else its GPU's UUID (CUDA indices differ between processes under
+    ``CUDA_VISIBLE_DEVICES``; the UUID names the same GPU in the daemon);
+    else "" (the engine's device)."""
+    if chosen:
+        return chosen[rank % len(chosen)]
+    if device.type == "cuda":
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    return ""
+
+
 def worker_client(device: torch.device, token: bytes = b"", engine_id: str = "") -> WorkerClient:
     """This worker's link, opened with its engine's secret and name (``token``,
     ``engine_id``: from the KV cache config the EngineCore sent, see
@@ -49,11 +62,12 @@ def worker_client(device: torch.device, token: bytes = b"", engine_id: str = "")
     if plugin.link is not None:
         engine_id = engine_id or plugin.link.client.engine_id
     engine_id = engine_id or plugin.engine_id
-    client = WorkerClient(backend, socket_path=config.socket, engine_id=engine_id, rank=_rank(),
-                          token=token).start(30.0)
+    rank = _rank()
+    client = WorkerClient(backend, socket_path=config.socket, engine_id=engine_id, rank=rank,
+                          device=daemon_device(device, rank, config.worker_devices), token=token).start(30.0)
     plugin.worker = client
-    log.info("kvelastic: worker %d of engine %s reserved %d MiB of virtual KV space",
-             client.rank, engine_id, client.reserved_arena().size >> 20)
+    log.info("kvelastic: worker %d of engine %s reserved %d MiB of virtual KV space on device %s",
+             client.rank, engine_id, client.reserved_arena().size >> 20, client.device or "(the engine's)")
     return client
 
 
