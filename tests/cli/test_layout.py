@@ -1,0 +1,125 @@
+"""The layout keeps its promises: no import circles among product modules
+(type-only imports count: a type is a dependency all the same), and every
+link of the README and of docs/ leads to a file that exists.
+
+A package's ``__init__`` importing its own submodules is its face, not a
+circle: those edges are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGES = {"kvelastic": ROOT / "kvelastic", "kvelastic_vllm": ROOT / "patches" / "vllm" / "kvelastic_vllm"}
+
+
+def modules() -> dict[str, pathlib.Path]:
+    """Dotted name -> file, for every module of the product packages."""
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def imports_of(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """Product modules ``name`` imports, anywhere in the file (``TYPE_CHECKING``
+    blocks and function bodies included)."""
+    is_package = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:       # ``from a.b import C``: the module a.b
+                target = target.rpartition(".")[0]
+            if target and target != name and not (is_package and target.startswith(name + ".")):
+                out.add(target)
+    return out
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_checker_finds_a_circle_through_a_type_only_import(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n")
+    (tmp_path / "b.py").write_text("from pkg import a\n")
+    (tmp_path / "__init__.py").write_text("from pkg import a, b\n")
+    known = {"pkg", "pkg.a", "pkg.b"}
+    graph = {"pkg.a": imports_of("pkg.a", tmp_path / "a.py", known),
+             "pkg.b": imports_of("pkg.b", tmp_path / "b.py", known),
+             "pkg": imports_of("pkg", tmp_path / "__init__.py", known)}
+    assert circles(graph) == [["pkg.a", "pkg.b"]]     # the package's face is no circle
+
+
+def test_no_import_circles_among_product_modules() -> None:
+    found = modules()
+    graph = {name: imports_of(name, path, set(found)) for name, path in found.items()}
+    assert len(graph) > 100
+    assert circles(graph) == [], "import circles: shared records belong in a module below their users"
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_readme_and_docs_links_resolve() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            if not path.exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
+    readme_links = LINK.findall((ROOT / "README.md").read_text())
+    assert not [t for t in readme_links if re.match(r"https?:", t)], "the README never points outside the repository"
+    assert "docs/architecture.md" in readme_links
