@@ -124,6 +124,8 @@ def test_several_cache_groups_share_one_layout():
     config = hybrid(2, 1)
     config.kv_cache_groups[0] = KVCacheGroupSpec(["g0l0"], mamba)     # a state cache: blocks like any other
     assert geometry_of(config, 2 << 20, 1, "JambaForCausalLM").blocks_per_slab == 128
+    with pytest.raises(RuntimeError, match="JambaForCausalLM keeps a MambaSpec state cache.*--no-enable-prefix"):
+        geometry_of(config, 2 << 20, 1, "JambaForCausalLM", prefix_caching=True)
     config.kv_cache_groups[0] = KVCacheGroupSpec(["g0l0"], HiSparseHotSpec(block_size=32, page_size=stride,
                                                                            blocks_per_request=4))
     with pytest.raises(RuntimeError, match="DeepseekV32ForCausalLM keeps a HiSparseHotSpec cache.*without "

@@ -26,7 +26,8 @@ MAX_PAGES_PER_REGION = 64
 log = logging.getLogger("kvelastic.vllm")
 
 
-def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int, model: str = "this model") -> Geometry:
+def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int, model: str = "this model",
+                prefix_caching: bool = False) -> Geometry:
     """Check that vLLM's layout maps onto pages and derive the slab geometry.
 
     vLLM keeps the whole KV cache in one backing allocation and describes it
@@ -37,7 +38,7 @@ def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int, model: s
     block at a time. So a slab is the same block range in every region, as
     for one group: layer-outer, a page per region; block-outer, one page
     holding whole blocks."""
-    _check_specs(kv_cache_config, model)
+    _check_specs(kv_cache_config, model, prefix_caching)
     tensors = kv_cache_config.kv_cache_tensors
     t = tensors[0]
     shapes = {(x.size, x.block_stride, x.layer_stride) for x in tensors}
@@ -69,7 +70,7 @@ def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int, model: s
     return Geometry(t.block_stride, regions, bps, run * page_size * regions * max(1, num_workers) // bps, run)
 
 
-def _check_specs(kv_cache_config: Any, model: str) -> None:
+def _check_specs(kv_cache_config: Any, model: str, prefix_caching: bool = False) -> None:
     """Attention caches (full, sliding window, chunked local, MLA, ...) and
     state caches (``MambaSpec``: Mamba, linear attention, short convolutions)
     live in the same elastic pages: vLLM gives every group blocks of one page
@@ -86,6 +87,14 @@ def _check_specs(kv_cache_config: Any, model: str) -> None:
         if other is not None:
             raise RuntimeError(f"kvelastic: {model} keeps a {type(other).__name__} cache, which vLLM allocates "
                                "apart from its KV cache tensors and kvelastic does not back: run it without "
+                               "KVELASTIC_ENABLE (see docs/models.md)")
+        state = next((s for s in specs if isinstance(s, MambaSpec)), None)
+        if state is not None and prefix_caching:
+            # vLLM caches state blocks by moving block hashes and caching
+            # partial blocks (BlockPool.move_block_hashes, cache_partial_block),
+            # which the elastic pool does not do.
+            raise RuntimeError(f"kvelastic: {model} keeps a {type(state).__name__} state cache; kvelastic backs it "
+                               "without prefix caching only: run vLLM with --no-enable-prefix-caching, or without "
                                "KVELASTIC_ENABLE (see docs/models.md)")
 
 
@@ -116,7 +125,8 @@ def register(vllm_config: Any, kv_cache_configs: list, plugin: PluginState) -> E
     num_workers = len(kv_cache_configs)
     architecture = ",".join(getattr(vllm_config.model_config.hf_config, "architectures", None) or ["this model"])
     # Pipeline stages hold different layers: a slab has as many regions as the largest stage needs.
-    geometries = [geometry_of(c, config.page_size, num_workers, architecture) for c in kv_cache_configs]
+    caching = bool(vllm_config.cache_config.enable_prefix_caching)
+    geometries = [geometry_of(c, config.page_size, num_workers, architecture, caching) for c in kv_cache_configs]
     if len({g.block_stride for g in geometries}) != 1:
         raise RuntimeError(f"kvelastic: {architecture}'s workers lay out KV blocks of different sizes "
                            f"({sorted({g.block_stride for g in geometries})}); run it without KVELASTIC_ENABLE")
