@@ -8,7 +8,7 @@
   no alert for the healthy daemon, KvelasticDaemonDown pending for a target
   that does not answer, and each rule's signal carries the labels its
   annotations name;
-- the README's Alerts table and grafana/README.md keep up with the file;
+- the Alerts table (docs/observability.md) and grafana/README.md keep up with the file;
 - KvelasticDaemonDown also fires for a daemon that answers scrapes with a
   stale snapshot (its loop stuck), and a real daemon's snapshot is fresh.
 """
@@ -160,18 +160,18 @@ def test_every_rule_reads_metrics_that_metrics_py_defines():
         assert not unknown, f"{r['alert']} reads {sorted(unknown)}, which kvelastic/metrics.py does not define"
 
 
-def test_readme_and_grafana_readme_document_the_alerts():
-    readme = (ROOT / "README.md").read_text()
-    m = re.search(r"^### Alerts\n(.*?)(?=^##? )", readme, re.S | re.M)
-    assert m, "README.md has no '### Alerts' section"
+def test_docs_and_grafana_readme_document_the_alerts():
+    page = ROOT / "docs" / "observability.md"
+    m = re.search(r"^### Alerts\n(.*?)(?=^##? |\Z)", page.read_text(), re.S | re.M)
+    assert m, "docs/observability.md has no '### Alerts' section"
     section = m.group(1)
     assert "daemon/prometheus/kvelastic-alerts.yml" in section
-    assert "://" not in section, "the README links only inside the repository"
+    assert "://" not in section, "the docs link only inside the repository"
     for link in re.findall(r"\]\(([^)#]*)(?:#[^)]*)?\)", section):
-        assert not link or (ROOT / link).exists(), f"README links to {link!r}, which is not in the repository"
+        assert not link or (page.parent / link).exists(), f"{page.name} links to {link!r}, not in the repository"
     for r in rules():
         row = next((line for line in section.splitlines() if f"`{r['alert']}`" in line), None)
-        assert row, f"README's Alerts table lacks {r['alert']}"
+        assert row, f"docs/observability.md's Alerts table lacks {r['alert']}"
         assert r["for"] in row and r["labels"]["severity"] in row, (r["alert"], row)
     grafana = (ROOT / "grafana" / "README.md").read_text()
     assert "rule_files" in grafana and "kvelastic-alerts.yml" in grafana
