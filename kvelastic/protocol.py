@@ -446,7 +446,7 @@ class EngineStatus(msgspec.Struct, kw_only=True):
     idle: bool = False           # no activity for the idle grace: reserve decayed, never grows
     starved_seconds: float = 0.0 # how long its demand has gone unmet (0: it has not)
     private: bool = False        # its cache is its own (weights that may change in memory)
-    worker_devices: dict[int, str] = {}   # rank -> the device its pages live on
+    worker_devices: dict[str, str] = {}   # rank (as text, as JSON has it) -> the device its pages live on
 
 
 class OrphanStatus(msgspec.Struct, kw_only=True):

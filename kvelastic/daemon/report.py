@@ -52,7 +52,7 @@ class Reporting:
                 min_bytes=e.min_bytes, max_bytes=e.max_bytes,
                 grants=e.grants, returns=e.returns, reclaims=e.reclaims, stats=dict(e.stats),
                 idle=is_idle(e, self._now, self.rules), private=e.private,
-                worker_devices=dict(sorted(e.worker_devices.items())),
+                worker_devices={str(r): d for r, d in sorted(e.worker_devices.items())},
                 starved_seconds=0.0 if e.starved_since is None else self._now - e.starved_since))
         devices = [pool.status(name, self.backend, held[name], cached[name], self.page_size, quarantined[name])
                    for name, pool in self.pools.items()]

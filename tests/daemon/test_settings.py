@@ -332,7 +332,7 @@ def _hold_down(node: Node, request: pytest.FixtureRequest) -> None:
             e.do("free")
         return a.do("ensure", n=4, keep_cache=True, timeout=wait)["ok"]
 
-    assert moved_back("0s", wait=10)
+    assert moved_back("0s", wait=30)
     assert not moved_back("30s", wait=2)     # 30 s of hold-down: not within 2 s
 
 

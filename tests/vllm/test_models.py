@@ -167,7 +167,7 @@ def test_pipeline_stages_each_map_their_own_layers_on_their_own_device(daemon_fa
     engine = Engine(model, daemon, "--pp2", KVELASTIC_ENGINE_ID="stages", KVELASTIC_WORKER_DEVICES="0,1")
     got = [engine.do("workload"), engine.do("workload")]
     entry = engine_entry(daemon, "stages")
-    assert entry["workers"] == 2 and entry["worker_devices"] == {0: "0", 1: "1"}, entry
+    assert entry["workers"] == 2 and entry["worker_devices"] == {"0": "0", "1": "1"}, entry
     held = {d["device"]: d["memory"]["held"] for d in daemon.status()["devices"]}
     assert held["0"] == held["1"] == entry["held_bytes"] // 2 > 0, held      # a page per stage per slab
     engine.exit()
