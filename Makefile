@@ -14,7 +14,7 @@ TORCH  ?= torch==2.13.0
 # no CPU builds and which text models do not need.
 VLLM_LOCK := patches/vllm/requirements-cpu.lock
 
-.PHONY: setup run lint test clean gpu-wheels gpu-check
+.PHONY: setup run lint test clean gpu-wheels gpu-check test-vllm test-vllm-matrix
 
 setup: $(STAMP)
 
@@ -50,7 +50,40 @@ test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-vllm-* build *.egg-info
+
+# --- vLLM releases: the plugin's vLLM tests against one release, or all ----------
+# `make test-vllm VLLM=0.30` builds .venv-vllm-0.30 once (the lock with the pins
+# that patches/vllm/releases/0.30.txt replaces, from that release's metadata)
+# and runs VLLM_TESTS there; 0.32 is the lock itself and uses .venv.
+# `make test-vllm-matrix` runs every release in VLLM_RELEASES and prints a table
+# (7 to 8 minutes a release on 2 cores, plus about 2 to build its venv the first time:
+# outside `make test`). patches/vllm/NOTES.md says what differs between them.
+VLLM          ?= 0.32
+VLLM_RELEASES ?= 0.29 0.30 0.31 0.32
+# Stock tokens and prefix hits through kvelastic, the block pool on vLLM's own
+# scheduler, the plugin's patches, LoRA block keys and the hybrid model families.
+VLLM_TESTS    ?= tests/vllm/test_plugin.py tests/vllm/test_block_pool.py tests/vllm/test_offline.py \
+	tests/vllm/test_parity.py "tests/vllm/test_weight_changes.py::test_two_adapters_in_one_engine_never_share_blocks" \
+	"tests/vllm/test_weight_changes.py::test_a_lora_adapter_rewritten_in_place_never_meets_its_old_blocks" \
+	"tests/vllm/test_models.py::test_a_family_gives_stock_tokens_and_hits_also_after_a_reclaim"
+RVENV  := $(if $(filter 0.32,$(VLLM)),$(VENV),.venv-vllm-$(VLLM))
+ifneq ($(filter test-vllm,$(MAKECMDGOALS)),)
+ifeq ($(filter 0.32,$(VLLM))$(wildcard patches/vllm/releases/$(VLLM).txt),)
+$(error VLLM=$(VLLM) is not in the window: 0.32 and $(patsubst patches/vllm/releases/%.txt,%,$(wildcard patches/vllm/releases/*.txt)))
+endif
+endif
+
+.venv-vllm-%/.kvelastic-setup: patches/vllm/releases/%.txt patches/vllm/releases/venv.sh $(VLLM_LOCK) \
+		pyproject.toml patches/vllm/pyproject.toml
+	PYTHON=$(PYTHON) TORCH="$(TORCH)" patches/vllm/releases/venv.sh $* .venv-vllm-$*
+	touch $@
+
+test-vllm: $(RVENV)/.kvelastic-setup
+	$(RVENV)/bin/python -m pytest -p no:cacheprovider $(VLLM_TESTS) $(PYTEST_ARGS)
+
+test-vllm-matrix:
+	patches/vllm/releases/matrix.sh $(VLLM_RELEASES)
 
 # --- On a GPU: one device call proves the CUDA path (README, "On a GPU") ---------
 # `make gpu-wheels` (here, with network) fetches the wheels the GPU image lacks

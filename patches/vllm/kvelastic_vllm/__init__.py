@@ -27,7 +27,7 @@ from kvelastic_vllm.state import state
 
 log = logging.getLogger("kvelastic.vllm")
 
-SUPPORTED = ((0, 32), (0, 33))
+SUPPORTED = ((0, 29), (0, 30), (0, 31), (0, 32), (0, 33))   # patches/vllm/NOTES.md: what differs
 
 
 def vllm_version() -> tuple[int, int]:
@@ -48,7 +48,7 @@ def register() -> None:
     if version not in SUPPORTED:
         import vllm
 
-        raise RuntimeError(f"kvelastic supports vLLM 0.32 and 0.33, this is vLLM {vllm.__version__}; "
+        raise RuntimeError(f"kvelastic supports vLLM 0.29 to 0.33, this is vLLM {vllm.__version__}; "
                            "unset KVELASTIC_ENABLE to run vLLM without kvelastic")
     # The EngineCore and the workers are started from the process that runs
     # this first: they inherit the id (read through Config there).

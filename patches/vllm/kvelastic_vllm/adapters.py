@@ -86,7 +86,10 @@ def wrap_lora_extra_hash_keys(original: Callable[[Any], list], fingerprints: Ada
         lora = request.lora_request
         if not lora or not keys:
             return keys
-        return [(*keys[0], fingerprints.of(lora.lora_int_id, lora.lora_name, lora.lora_path)), *keys[1:]]
+        content = fingerprints.of(lora.lora_int_id, lora.lora_name, lora.lora_path)
+        first = keys[0]
+        # vLLM 0.31+: [("lora", name, path)]; vLLM 0.29/0.30: [name]
+        return [(*first, content) if isinstance(first, tuple) else (first, content), *keys[1:]]
 
     return gen_lora_extra_hash_keys
 

@@ -59,6 +59,11 @@ class ElasticBlock(KVCacheBlock):
     __slots__ = ("slab",)
 
 
+# vLLM 0.30+ blocks name their pool (``free_blocks`` routes a block of another
+# pool back to it); vLLM 0.29's have no such field.
+BLOCKS_NAME_THEIR_POOL = "pool" in getattr(KVCacheBlock, "__dataclass_fields__", {})
+
+
 class ElasticBlockPool(BlockPool):
     # BlockPool.__init__ is not called: it would build num_gpu_blocks records
     # and a free queue over the whole virtual range. Records are made per slab.
@@ -86,7 +91,8 @@ class ElasticBlockPool(BlockPool):
         with self.lock:
             if self.core.slab_ids():
                 raise RuntimeError("kvelastic: the engine's pool already holds slabs of another block pool")
-            self.core.block_factory = lambda block_id: ElasticBlock(block_id, pool=self)
+            self.core.block_factory = (lambda block_id: ElasticBlock(block_id, pool=self)) \
+                if BLOCKS_NAME_THEIR_POOL else ElasticBlock
             if enable_kv_cache_events:
                 self.core.on_key_removed = self._key_removed
             self.core.on_cleared = self._cleared

@@ -118,13 +118,17 @@ def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
         spec = group.kv_cache_spec
         if isinstance(spec, UniformTypeKVCacheSpecs):
             spec = spec.kv_cache_specs[tensor.layers[0]]
-        if not spec.has_layer_views:
+        # vLLM 0.30+: a spec without per-layer views lays the raw buffer out
+        # itself, and a tensor may hold its own block count; vLLM 0.29 views
+        # every spec over kv_cache_config.num_blocks.
+        if not getattr(spec, "has_layer_views", True):
             kv_caches.update((name, buf) for name in tensor.layers)
             continue
         kernel_block_size = kernel_block_sizes[group_id] if kernel_block_sizes and group_id < len(
             kernel_block_sizes) else None
-        views = create_kv_cache_views(buf, spec, kv_cache_config.num_blocks_of(tensor), layout, tensor,
-                                      kernel_block_size=kernel_block_size)
+        num_blocks = kv_cache_config.num_blocks_of(tensor) if hasattr(kv_cache_config, "num_blocks_of") \
+            else kv_cache_config.num_blocks
+        views = create_kv_cache_views(buf, spec, num_blocks, layout, tensor, kernel_block_size=kernel_block_size)
         kv_caches.update(zip(tensor.layers, views))
     return kv_caches
 
