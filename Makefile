@@ -13,6 +13,10 @@ TORCH  ?= torch==2.13.0
 # --no-deps: its metadata asks for torchvision/torchaudio/torchcodec, which have
 # no CPU builds and which text models do not need.
 VLLM_LOCK := patches/vllm/requirements-cpu.lock
+# Dynamo's standalone KV indexer, for tests/routing (a real router reading our
+# engines' events). --no-deps: it asks for pydantic <= 2.13.5, vLLM's lock has
+# 2.14.3, and the indexer runs with it (its uvloop is in the lock).
+DYNAMO := ai-dynamo-runtime==1.6.1
 
 .PHONY: setup run lint test clean gpu-wheels gpu-check test-vllm test-vllm-matrix
 
@@ -25,6 +29,7 @@ $(STAMP): pyproject.toml patches/vllm/pyproject.toml $(VLLM_LOCK) Makefile
 	$(PIP) --upgrade pip wheel 2>&1 | grep -v '^WARNING: Location' || true
 	$(PY) -c 'import torch' 2>/dev/null || $(PIP) "$(TORCH)" 2>&1 | grep -v '^WARNING: Location' || true
 	$(PIP) --no-deps -r $(VLLM_LOCK) 2>&1 | grep -v '^WARNING: Location' || true
+	$(PIP) --no-deps "$(DYNAMO)" 2>&1 | grep -v '^WARNING: Location' || true
 	$(PIP) -e '.[test]' -e patches/vllm 2>&1 | grep -v '^WARNING: Location' || true
 	$(PY) -c 'import kvelastic, kvelastic_vllm, vllm, torch, zmq, msgspec, prometheus_client, pytest, hypothesis, yaml, matplotlib, mypy'
 	$(VENV)/bin/ruff --version >/dev/null

@@ -115,6 +115,10 @@ class EngineClient:
         # the engine alive, act as its workers or take its id over.
         self.token = secrets.token_bytes(32)
         self.failed = ""                   # the daemon failed this engine (why): it must restart
+        # Called on the I/O thread's tick with ``lock`` held (the vLLM plugin
+        # publishes the cache events a reclaim or an expiry queued: an idle
+        # engine has no step that would).
+        self.on_tick: Callable[[], None] | None = None
         self.hash_seed = ""                # its namespace's block-hash root, likewise
         self.orphan_ttl = 0.0              # the daemon keeps this engine's cache after it leaves
         self._removal_unacked = False      # a journal that dropped keys went out unacknowledged
@@ -443,6 +447,8 @@ class EngineClient:
                 self._grow_answered.clear()   # before the flag: ensure() must never see a stale answer
                 self._grow_in_flight = True
                 self.conn.call_async(p.Grow(engine_id=self.engine_id, slabs=want), self._on_grow_reply)
+            if self.on_tick is not None:
+                self.on_tick()
         finally:
             self.lock.release()
 

@@ -128,6 +128,7 @@ def scheduler_patches() -> list[tuple[object, str, object]]:
     mgr, coord, sched = manager.KVCacheManager, coordinator.KVCacheCoordinator, scheduler.Scheduler
     return [
         (coordinator, "BlockPool", ElasticBlockPool),
+        (sched, "__init__", engine.wrap_scheduler_init(sched.__init__)),
         (sched, "schedule", engine.wrap_schedule(sched.schedule)),
         (sched, "update_from_output", engine.wrap_update_from_output(sched.update_from_output)),
         (mgr, "allocate_slots", engine.wrap_allocate_slots(mgr.allocate_slots)),

@@ -28,7 +28,7 @@ import time
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, cast
 
-from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent
+from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent, KVEventBatch
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
@@ -79,6 +79,7 @@ class ElasticBlockPool(BlockPool):
         self.metrics_collector = metrics_collector
         self.medium = medium
         self.kv_event_queue: list[KVCacheEvent] = []
+        self.publisher: Any = None   # the scheduler's KV event publisher (``engine.wrap_scheduler_init``)
         self._reuse_watchers: dict = {}
         self._group_suffix: dict[int, bytes] = {}   # group id -> its key suffix (get_cached_block)
         self.link = state().engine()
@@ -95,6 +96,7 @@ class ElasticBlockPool(BlockPool):
                 if BLOCKS_NAME_THEIR_POOL else ElasticBlock
             if enable_kv_cache_events:
                 self.core.on_key_removed = self._key_removed
+                self.client.on_tick = self._publish_queued
             self.core.on_cleared = self._cleared
             self.client.low_watermark = self.link.low_watermark
         if not self.client.ensure(1, timeout=30.0):
@@ -254,6 +256,17 @@ class ElasticBlockPool(BlockPool):
         with self.lock:
             events, self.kv_event_queue = self.kv_event_queue, []
         return events
+
+    def _publish_queued(self) -> None:
+        """On the I/O thread's tick, with the client's lock held: publish the
+        events queued since the last step. vLLM publishes only at the end of
+        a step, but kvelastic drops keys between steps (a reclaim, an expiry,
+        an invalidation): an idle engine would leave routers believing in
+        blocks it no longer has. The lock orders this with the scheduler's own
+        take-and-publish (``engine.wrap_update_from_output`` holds it)."""
+        if self.publisher is not None and self.kv_event_queue:
+            events, self.kv_event_queue = self.kv_event_queue, []
+            self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
     # ------------------------------------------------- core pool callbacks
     def _key_removed(self, key: Hashable) -> None:

@@ -244,13 +244,30 @@ def wrap_update_from_output(original):
 
     def update_from_output(self, scheduler_output, *args, **kwargs):
         link = plugin.link
+        if link is None:
+            return original(self, scheduler_output, *args, **kwargs)
         step = getattr(scheduler_output, "kvelastic_step", 0)
-        if link is not None and step:
-            with link.client.lock:
+        # Held throughout: vLLM takes the pool's events and publishes them in
+        # here, and the I/O thread publishes what a reclaim queued between
+        # steps (``ElasticBlockPool._publish_queued``): one order for both.
+        with link.client.lock:
+            if step:
                 link.pool.end_step(step)
-        return original(self, scheduler_output, *args, **kwargs)
+            return original(self, scheduler_output, *args, **kwargs)
 
     return update_from_output
+
+
+def wrap_scheduler_init(original):
+    """The elastic block pool publishes through the scheduler's KV event publisher too."""
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        pool = getattr(getattr(self, "kv_cache_manager", None), "block_pool", None)
+        if hasattr(pool, "publisher"):
+            pool.publisher = getattr(self, "kv_event_publisher", None)
+
+    return __init__
 
 
 def wrap_get_num_blocks_to_allocate(original):

@@ -1,0 +1,121 @@
+"""KV event streams, as the tests read them: vLLM's own publisher and the
+kvelastic daemon's node stream, both ``(topic, seq, msgpack KVEventBatch)``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+
+def ext_hash(h: int | bytes) -> int:
+    """A block hash as vLLM publishes it by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1,
+    ``maybe_convert_block_hash``): the low 64 bits of the hash bytes, unsigned."""
+    return h & ((1 << 64) - 1) if isinstance(h, int) else int.from_bytes(h, "big") & ((1 << 64) - 1)
+
+
+def _field(ev, name: str, pos: int):
+    return ev.get(name) if isinstance(ev, dict) else (ev[pos] if len(ev) > pos else None)
+
+
+class CacheModel:
+    """The cached blocks a stream describes: hash -> token ids (None if the event had none)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, tuple[int, ...] | None] = {}
+        self.counts = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
+        self.batches = 0
+
+    def apply(self, payload: bytes) -> None:
+        ts, events, *_ = msgspec.msgpack.decode(payload)
+        self.batches += 1
+        for ev in events:
+            kind = ev.get("type") if isinstance(ev, dict) else ev[0]
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            if kind == "BlockStored":
+                hashes = _field(ev, "block_hashes", 1)
+                tokens = _field(ev, "token_ids", 3) or []
+                size = _field(ev, "block_size", 4)
+                for i, h in enumerate(hashes):
+                    chunk = tuple(tokens[i * size:(i + 1) * size])
+                    self.blocks[ext_hash(h)] = chunk if len(chunk) == size else None
+            elif kind == "BlockRemoved":
+                for h in _field(ev, "block_hashes", 1):
+                    self.blocks.pop(ext_hash(h), None)
+            elif kind == "AllBlocksCleared":
+                self.blocks.clear()
+
+    def hashes(self) -> set[int]:
+        return set(self.blocks)
+
+
+class Subscriber:
+    """A SUB socket read by a thread of its own into a ``CacheModel``."""
+
+    def __init__(self, endpoint: str, topic: bytes = b"") -> None:
+        self.model = CacheModel()
+        self.lock = threading.Lock()
+        self.topic = topic
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, topic)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self.last_seq = -1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(50):
+                topic, seq, payload = self._sock.recv_multipart()
+                with self.lock:
+                    self.last_seq = int.from_bytes(seq, "big")
+                    self.model.apply(payload)
+
+    def hashes(self) -> set[int]:
+        with self.lock:
+            return self.model.hashes()
+
+    def snapshot(self) -> CacheModel:
+        with self.lock:
+            m = CacheModel()
+            m.blocks = dict(self.model.blocks)
+            m.counts = dict(self.model.counts)
+            m.batches = self.model.batches
+            return m
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+def dump_hashes(dump: dict, model_name: str, worker_id: int) -> set[int]:
+    """The block hashes Dynamo's ``/dump`` holds for one worker."""
+    out: set[int] = set()
+    for ev in dump.get(f"{model_name}:default", {}).get("events", []):
+        if ev["worker_id"] != worker_id:
+            continue
+        data = ev["event"]["data"]
+        if "stored" in data:
+            out.update(b["block_hash"] for b in data["stored"]["blocks"])
+    return out
+
+
+def wait_for(cond: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)

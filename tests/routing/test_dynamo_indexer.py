@@ -1,0 +1,179 @@
+"""Dynamo's standalone KV indexer indexes a vLLM engine that runs through kvelastic.
+
+One real daemon, one real ``vllm serve`` (tiny model, CPU) through the plugin
+with vLLM's own ZMQ KV event publisher (``--kv-events-config``), and Dynamo's
+indexer (``ai-dynamo-runtime``) in a network namespace of its own
+(``dynamo_indexer.py``), registered for the engine's ``ipc://`` endpoints.
+Three views of the engine's prefix cache must agree: the indexer's ``/dump``,
+vLLM's own events (a second SUB socket), and the daemon's node stream (the
+core pool's journal: what the engine really caches). ``/query`` must rank the
+engine by the prefix it holds, and its prediction must be the prefix-cache
+hit vLLM then reports.
+
+Then the daemon reclaims the engine's cached slabs for another engine while
+the engine is idle. vLLM publishes its event queue only when the scheduler
+finishes a step; the plugin publishes what a reclaim queued on its I/O
+thread's tick, so the indexer drops the reclaimed blocks with no further
+request; and after the next step it still agrees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import shutil
+import tempfile
+import time
+
+import pytest
+
+from tests.routing.dynamo_indexer import DynamoIndexer, available
+from tests.routing.events import Subscriber, dump_hashes, ext_hash, wait_for
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BLOCK = 32          # vllm_serve.SERVE_FLAGS' --block-size
+MODEL = "tiny"      # its --served-model-name
+INSTANCE = 1
+
+
+@pytest.fixture
+def short_tmp():
+    """ipc:// paths must fit a unix socket address (108 bytes): pytest's tmp_path may not.
+    KVR_KEEP=1 keeps the folder (the indexer's, vLLM's and the daemon's logs)."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix="kvr-", dir="/tmp"))
+    yield path
+    if not os.environ.get("KVR_KEEP"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    pytest.importorskip("vllm")
+    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+def test_dynamo_indexer_tracks_an_engine_through_kvelastic(short_tmp, tiny_model, request):
+    why = available()
+    if why:
+        pytest.skip(f"Dynamo's indexer cannot run here: {why}")
+    from kvelastic_vllm.bench.vllm_serve import VllmServer
+    from tests.daemon.engines import EngineProcess
+    from tests.daemon_proc import DaemonProcess
+
+    t_start = time.monotonic()
+    tmp = short_tmp
+    endpoint, replay = f"ipc://{tmp}/ev.sock", f"ipc://{tmp}/ev-replay.sock"
+    events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                  "replay_endpoint": replay, "topic": "kv"}
+    daemon = DaemonProcess(tmp, memory="32MiB").start()
+    indexer = server = hog = vllm_events = node_events = None
+    try:
+        indexer = DynamoIndexer(tmp / "indexer.log").start()
+        node_events = Subscriber(f"ipc://{daemon.socket}.kv-events", topic=b"kv@e1@")
+        server = VllmServer(tiny_model, tmp / "vllm.log", flags=["--kv-events-config", json.dumps(events_cfg)],
+                            env={"KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": daemon.socket,
+                                 "KVELASTIC_ENGINE_ID": "e1", "KVELASTIC_METRICS_PORT": "0"}).start()
+        vllm_events = Subscriber(endpoint)
+        # Batches published before the indexer's SUB connected are replayed
+        # (from sequence 0) when the first live batch shows the gap.
+        indexer.register(INSTANCE, endpoint, MODEL, BLOCK, replay)
+
+        def truth() -> set[int]:
+            """The engine's cached blocks per the daemon (its journal), as vLLM's 64-bit event hashes."""
+            return {ext_hash(h) for h in node_events.model.blocks} if node_events else set()
+
+        def indexed() -> set[int]:
+            return dump_hashes(indexer.dump(), MODEL, INSTANCE)
+
+        def agree() -> bool:
+            t = truth()
+            return bool(t) and indexed() == vllm_events.hashes() == t
+
+        def explain() -> str:
+            t, d, v = truth(), indexed(), vllm_events.hashes()
+            return (f"daemon {len(t)}, indexer {len(d)}, vLLM events {len(v)} ({vllm_events.snapshot().counts}); "
+                    f"indexer-daemon {sorted(d - t)[:4]}, daemon-indexer {sorted(t - d)[:4]}")
+
+        rng = random.Random(7)
+
+        def tokens(n: int) -> list[int]:
+            return [rng.randrange(3, 500) for _ in range(n)]
+
+        shared = tokens(2 * BLOCK)
+        prompts = [shared + tokens(40), shared + tokens(40), tokens(100)]
+        for prompt in prompts:
+            server.complete(prompt, max_tokens=4)  # type: ignore[arg-type]
+        try:
+            wait_for(agree, 30, "indexer == vLLM's events == the daemon's journal")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {explain()}") from None
+        # 104-token prompts: 3 full blocks each, the first 2 shared by prompts 0 and 1 (+ none of the 4 outputs).
+        assert len(truth()) == 7, explain()
+
+        # /query ranks by the prefix held, in tokens (blocks x block size).
+        assert indexer.query(MODEL, shared + tokens(40)) == {INSTANCE: 2 * BLOCK}
+        assert indexer.query(MODEL, prompts[0]) == {INSTANCE: 3 * BLOCK}
+        assert indexer.query(MODEL, prompts[2][:BLOCK] + tokens(60)) == {INSTANCE: BLOCK}
+        assert indexer.query(MODEL, tokens(100)) == {}
+        # ... and its prediction is the hit vLLM then reports.
+        probe = shared + tokens(50)
+        predicted = indexer.query(MODEL, probe).get(INSTANCE, 0)
+        _, hits_before = server.prefix_cache()
+        server.complete(probe, max_tokens=1)  # type: ignore[arg-type]
+        _, hits_after = server.prefix_cache()
+        assert hits_after - hits_before == predicted == 2 * BLOCK
+        wait_for(agree, 30, "the probe's blocks indexed")
+        # Enough more cache to fill e1's first slab (128 blocks of 32 KiB in 4 MiB, the null
+        # block among them: best fit fills it first) and spill into a second one, which a
+        # reclaim can take (a slab goes back only with no live block: the first never does).
+        for _ in range(6):
+            server.complete(tokens(30 * BLOCK), max_tokens=1)  # type: ignore[arg-type]
+        wait_for(lambda: len(truth()) > 128 and agree(), 60, "the filler indexed")
+        cached_before = truth()
+
+        # Another engine needs the memory: the daemon reclaims e1's cached slabs.
+        hog = EngineProcess(daemon.socket, "hog", bps=4, grace=60)
+        # All of the 32 MiB budget but e1's first slab (it holds the null block), in 2 MiB slabs of 4 blocks.
+        hog.do("ensure", n=4 * 14, timeout=10.0)
+        wait_for(lambda: len(truth()) < len(cached_before), 30, "e1's cached blocks reclaimed (daemon stream)")
+        reclaimed = cached_before - truth()
+        try:   # e1 stays idle: no step of its own publishes the removals
+            wait_for(lambda: not (reclaimed & indexed()) and agree(), 30, "the reclaim indexed while e1 is idle")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {explain()}") from None
+        print(f"reclaimed {len(reclaimed)} cached blocks; the indexer dropped them while e1 was idle")
+        hog.close()
+        hog = None
+
+        # The next step publishes the queued BlockRemoved events.
+        server.complete(tokens(20), max_tokens=1)  # type: ignore[arg-type]
+        try:
+            wait_for(agree if truth() else (lambda: indexed() == vllm_events.hashes() == set()), 30,
+                     "the reclaim reaches the indexer after e1's next step")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {explain()}") from None
+        assert not (reclaimed & indexed())
+        # The indexer's prediction is vLLM's hit again, whatever the reclaim left.
+        probe = shared + tokens(50)
+        predicted = indexer.query(MODEL, probe).get(INSTANCE, 0)
+        _, hits_before = server.prefix_cache()
+        server.complete(probe, max_tokens=1)  # type: ignore[arg-type]
+        _, hits_after = server.prefix_cache()
+        assert hits_after - hits_before == predicted, explain()
+        print(f"test took {time.monotonic() - t_start:.1f} s")
+    finally:
+        for sub in (vllm_events, node_events):
+            if sub is not None:
+                sub.close()
+        if hog is not None:
+            hog.close()
+        if server is not None:
+            server.stop()
+        if indexer is not None:
+            indexer.stop()
+        daemon.stop()
