@@ -266,7 +266,7 @@ class ElasticBlockPool(BlockPool):
         take-and-publish (``engine.wrap_update_from_output`` holds it)."""
         if self.publisher is not None and self.kv_event_queue:
             events, self.kv_event_queue = self.kv_event_queue, []
-            self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
+            self.publisher.publish(KVEventBatch(ts=time.time(), events=events))  # type: ignore[arg-type]
 
     # ------------------------------------------------- core pool callbacks
     def _key_removed(self, key: Hashable) -> None:
