@@ -65,7 +65,7 @@ def test_a_family_gives_stock_tokens_and_hits_also_after_a_reclaim(family, famil
     pages = daemon.status()["budget_bytes"] // PAGE - entry["slab_bytes"] // PAGE
     other = EngineProcess(daemon.socket, "demand", namespace="other-model", grace=60)
     try:
-        assert other.do("ensure", n=4 * pages, timeout=20)["ok"]      # 4 blocks of a page per slab
+        assert other.do("ensure", n=4 * pages, timeout=60)["ok"]      # 4 blocks of a page per slab (slow when loaded)
         wait_for(lambda: engine_entry(daemon, family)["reclaims"] > 0, timeout=30,
                  what="a reclaim from the vLLM engine")
         after = engine.do("workload")
