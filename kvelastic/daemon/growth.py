@@ -126,7 +126,12 @@ class Growth:
             owned += adopted
             self._started += adopted
         paced = False
-        while not expired and len(req.slabs) + len(req.mapping) < req.wanted and owned < cap:
+        # A reserve refill waits while another engine's demand on its devices
+        # is pending: that demand may be waiting for the very pages a reclaim
+        # is freeing, and the victim's refill would take them back first (its
+        # own stale pages are usable to it at once, the demand's need fresh ones).
+        yields = not req.demand and self._demand_pending(engine)
+        while not expired and not yields and len(req.slabs) + len(req.mapping) < req.wanted and owned < cap:
             if self._started >= SLABS_PER_PASS:
                 paced = self.more_work = True
                 break
@@ -185,6 +190,16 @@ class Growth:
                 engine.starved_since = req.started
                 log.warning("engine %s: starved: demand for %d slab(s) unmet", engine.engine_id, short)
             engine.last_unmet = self._now
+
+    def _demand_pending(self, engine: EngineRecord) -> bool:
+        """Another engine's demand grow on one of ``engine``'s devices is unanswered."""
+        devices = self._devices_of(engine)
+        for other in self.grows.values():
+            if other.demand and other.engine_id != engine.engine_id:
+                requester = self.engines.get(other.engine_id)
+                if requester is not None and devices & self._devices_of(requester):
+                    return True
+        return False
 
     def _on_its_way(self, engine_id: str, slab_id: int) -> bool:
         """A reclaimed slab still unmapping by an engine that is not failed."""
