@@ -330,6 +330,9 @@ def _hold_down(node: Node, request: pytest.FixtureRequest) -> None:
             e.do("alloc", n=8)
             e.do("cache", prefix=e.engine_id)
             e.do("free")
+        # The daemon must know b's blocks are cached, not live (b's journal), or no slab is a candidate.
+        wait_for(lambda: any(e["engine_id"] == b.engine_id and e["cached_blocks"] == 8 and e["live_blocks"] == 0
+                             for e in daemon.status()["engines"]), timeout=30, what="b's cache in the daemon's books")
         return a.do("ensure", n=4, keep_cache=True, timeout=wait)["ok"]
 
     assert moved_back("0s", wait=30)
