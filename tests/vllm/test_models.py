@@ -157,40 +157,34 @@ def test_pipeline_stages_each_map_their_own_layers_on_their_own_device(daemon_fa
     two workers in the daemon, each rank's pages on its own device (two host
     devices stand in for two GPUs: ``KVELASTIC_WORKER_DEVICES``); tokens and
     hits equal stock vLLM's with the same two stages."""
-    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
-
-    model = build_tiny_llama(families / "tiny-llama")
-    stock = Engine(model, None, "--pp2")
-    expected = [stock.do("workload"), stock.do("workload")]
-    stock.exit()
-    daemon = daemon_factory(memory="128MiB", KVELASTIC_HOST_DEVICES="2")
-    engine = Engine(model, daemon, "--pp2", KVELASTIC_ENGINE_ID="stages", KVELASTIC_WORKER_DEVICES="0,1")
-    got = [engine.do("workload"), engine.do("workload")]
-    entry = engine_entry(daemon, "stages")
-    assert entry["workers"] == 2 and entry["worker_devices"] == {"0": "0", "1": "1"}, entry
-    held = {d["device"]: d["memory"]["held"] for d in daemon.status()["devices"]}
-    assert held["0"] == held["1"] == entry["held_bytes"] // 2 > 0, held      # a page per stage per slab
-    engine.exit()
-    assert [(r["tokens"], r["hits"]) for r in got] == [(r["tokens"], r["hits"]) for r in expected]
+    two_ranks_on_two_devices(daemon_factory, families, "--pp2", "stages")   # a page per stage per slab
 
 
 def test_tensor_parallel_ranks_map_their_own_pages_on_their_own_device(daemon_factory, families):
     """TP=2: one engine of two workers, each rank's half of every layer's KV
     in pages of its own device (two host devices stand in for two GPUs);
     tokens and hits equal stock vLLM's with the same two ranks."""
+    got = two_ranks_on_two_devices(daemon_factory, families, "--tp2", "ranks")
+    assert got[1]["hits"] > got[0]["hits"]
+
+
+def two_ranks_on_two_devices(daemon_factory, families, flag: str, engine_id: str) -> list[dict]:
+    """Two workers of one engine (``flag``: --pp2 or --tp2) on a daemon of two
+    host devices, rank r on device r: each holds half the engine's memory, and
+    two workloads give stock's tokens and hits with the same two ranks."""
     from kvelastic_vllm.bench.tinymodel import build_tiny_llama
 
     model = build_tiny_llama(families / "tiny-llama")
-    stock = Engine(model, None, "--tp2")
+    stock = Engine(model, None, flag)
     expected = [stock.do("workload"), stock.do("workload")]
     stock.exit()
     daemon = daemon_factory(memory="128MiB", KVELASTIC_HOST_DEVICES="2")
-    engine = Engine(model, daemon, "--tp2", KVELASTIC_ENGINE_ID="ranks", KVELASTIC_WORKER_DEVICES="0,1")
+    engine = Engine(model, daemon, flag, KVELASTIC_ENGINE_ID=engine_id, KVELASTIC_WORKER_DEVICES="0,1")
     got = [engine.do("workload"), engine.do("workload")]
-    entry = engine_entry(daemon, "ranks")
+    entry = engine_entry(daemon, engine_id)
     assert entry["workers"] == 2 and entry["worker_devices"] == {"0": "0", "1": "1"}, entry
     held = {d["device"]: d["memory"]["held"] for d in daemon.status()["devices"]}
     assert held["0"] == held["1"] == entry["held_bytes"] // 2 > 0, held
     engine.exit()
     assert [(r["tokens"], r["hits"]) for r in got] == [(r["tokens"], r["hits"]) for r in expected]
-    assert got[1]["hits"] > got[0]["hits"]
+    return got
