@@ -1,4 +1,4 @@
-"""The ``kvelastic`` command: ``daemon``, ``config``, ``bench``, and the operator
+"""The ``kvelastic`` command: ``daemon``, ``config``, ``bench``, ``router``, and the operator
 commands ``status``, ``top``, ``limit`` and ``invalidate`` (logic in ``kvelastic.ctl``)."""
 
 from __future__ import annotations
@@ -38,6 +38,48 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
     from kvelastic.daemon.main import main as daemon_main
 
     return daemon_main()
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvelastic.errors import IndexerError
+    from kvelastic.router.policy import Policy
+    from kvelastic.router.proxy import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        server = serve(args.listen, args.engine, args.indexer, args.model, args.block_size, Policy(args.policy))
+    except IndexerError as exc:
+        print(f"kvelastic router: cannot register the engines with the indexer at {args.indexer}: {exc}",
+              file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"kvelastic router: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def _engine(text: str):  # -> Engine
+    from kvelastic.router.proxy import parse_engine
+
+    try:
+        return parse_engine(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _listen(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -120,6 +162,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sim only: 'seeds' (default) many small seeded runs with faults; 'node' one "
                         "trace-driven day of 8 engines on an 80 GiB device")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("router", help="a KV-aware router in front of vLLM engines (asks Dynamo's KV indexer)")
+    p.add_argument("--listen", type=_listen, default="127.0.0.1:8000", metavar="HOST:PORT",
+                   help="where to serve OpenAI requests (default 127.0.0.1:8000)")
+    p.add_argument("--indexer", default="http://127.0.0.1:8090", metavar="URL",
+                   help="Dynamo's KV indexer (default http://127.0.0.1:8090)")
+    p.add_argument("--model", required=True, help="the served model name the engines publish events for")
+    p.add_argument("--block-size", type=_positive_int, required=True, metavar="N",
+                   help="the engines' --block-size (tokens per block)")
+    p.add_argument("--engine", type=_engine, action="append", required=True,
+                   metavar="ID=URL[,EVENTS[,REPLAY]]",
+                   help="an engine: a positive integer id, its http://HOST:PORT, and its vLLM KV event "
+                        "endpoints (registered with the indexer at start); repeat for each engine")
+    p.add_argument("--policy", choices=("kv", "round-robin"), default="kv",
+                   help="kv (default): the longest cached prefix, ties by load; round-robin: a baseline")
+    p.set_defaults(func=_cmd_router)
 
     socket_opt = argparse.ArgumentParser(add_help=False)
     socket_opt.add_argument("--socket", metavar="PATH", help="daemon socket (default: KVELASTIC_SOCKET)")

@@ -68,3 +68,7 @@ def require(condition: bool, what: str) -> None:
     """Check an invariant (kept under ``python -O``, unlike ``assert``)."""
     if not condition:
         raise InvariantViolation(what)
+
+
+class IndexerError(KvelasticError):
+    """The router's KV indexer could not be reached or refused a request."""

@@ -178,3 +178,31 @@ class DaemonCollector(Collector):
             for reason in ("ttl", "reclaim", "invalidate"):
                 evictions.add_metric([d.device, "", reason], d.kept_evictions.get(reason, 0))
         yield from (held, cached, idle, starved, limit, *slabs.values(), *stats.values(), evictions)
+
+
+ROUTER_ERRORS = ("bad_request", "tokenize", "indexer", "engine")
+
+
+class RouterMetrics:
+    """``kvelastic router``'s instruments: where requests went and how much
+    of their prompts the chosen engine already held (per the indexer)."""
+
+    def __init__(self, engines: list[str]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(f"{PREFIX}_router_requests", "Requests the router sent to an engine.",
+                                ["engine"], registry=self.registry)
+        self.prompt_tokens = Counter(f"{PREFIX}_router_prompt_tokens",
+                                     "Prompt tokens of routed requests (as the router tokenized them).",
+                                     ["engine"], registry=self.registry)
+        self.matched_tokens = Counter(f"{PREFIX}_router_matched_tokens",
+                                      "Prompt tokens the indexer reported the chosen engine holds.",
+                                      ["engine"], registry=self.registry)
+        self.errors = Counter(f"{PREFIX}_router_errors",
+                              "Requests the router could not route as asked, by reason (bad_request: refused; "
+                              "tokenize, indexer: routed without scores; engine: the engine failed).",
+                              ["reason"], registry=self.registry)
+        for engine in engines:
+            for family in (self.requests, self.prompt_tokens, self.matched_tokens):
+                family.labels(engine)
+        for reason in ROUTER_ERRORS:
+            self.errors.labels(reason)

@@ -28,12 +28,14 @@ from kvelastic.core.journal import (
     ADD_SLAB,
     CLEAR,
     DONE,
+    LABEL,
     REMOVE,
     REMOVE_SLAB,
     STEP,
     STORE,
     ClearOp,
     KeyOp,
+    LabelOp,
     Op,
     SlabOp,
     StepOp,
@@ -96,6 +98,9 @@ Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]       # engine
 # A name as the daemon shows it: a tenant's carries ``@uid<N>`` (``daemon/tenancy.py``).
 ShownName = Annotated[str, msgspec.Meta(min_length=1, max_length=160)]
 Key = Annotated[bytes, msgspec.Meta(max_length=256)]                    # a prefix-cache key
+# A key's label (core/journal.py): opaque to the daemon, at most 4 KiB (a
+# block's token ids and parent hash, as the vLLM adapter packs them).
+Label = Annotated[bytes, msgspec.Meta(max_length=4096)]
 Stats = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], int], msgspec.Meta(max_length=64)]
 # An engine's registration secret: given to it over its own connection, and
 # shown by its workers (RegisterWorker, the page channel's Hello) and by its
@@ -228,11 +233,20 @@ class StepDone(msgspec.Struct, tag="done", array_like=True, frozen=True):
         return (DONE, self.step)
 
 
-JournalOp = StoreKey | RemoveKey | AddSlab | RemoveSlab | ClearKeys | StepBegun | StepDone
+class LabelBlock(msgspec.Struct, tag="label", array_like=True, frozen=True):
+    """The label of the key just stored in this block (travels with the key)."""
+    block: BlockId
+    label: Label
+
+    def core(self) -> LabelOp:
+        return (LABEL, self.block, self.label)
+
+
+JournalOp = StoreKey | RemoveKey | AddSlab | RemoveSlab | ClearKeys | StepBegun | StepDone | LabelBlock
 # Each class takes the op's fields after the code, in order.
 _WIRE_OP: dict[int, Callable[..., JournalOp]] = {
     STORE: StoreKey, REMOVE: RemoveKey, ADD_SLAB: AddSlab, REMOVE_SLAB: RemoveSlab, CLEAR: ClearKeys,
-    STEP: StepBegun, DONE: StepDone}
+    STEP: StepBegun, DONE: StepDone, LABEL: LabelBlock}
 
 
 def journal_ops(ops: Sequence[Op]) -> list[JournalOp]:
@@ -281,9 +295,10 @@ class Busy(Msg):
 # ------------------------------------------- client answers to daemon commands
 class CachedBlock(msgspec.Struct, array_like=True, frozen=True):
     """A cached block of a slab, by its place in the slab (``block_id %
-    blocks_per_slab``), with its prefix-cache key."""
+    blocks_per_slab``), with its prefix-cache key and the key's label."""
     offset: Annotated[int, msgspec.Meta(ge=0)]
     key: Key
+    label: Label = b""
 
 
 # A slab's cached blocks, oldest first (LRU order): what travels with a slab

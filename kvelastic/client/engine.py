@@ -75,7 +75,8 @@ def give_up(pool: SlabPool, slab_ids: list[int]) -> tuple[list[int], list[int], 
             continue
         given.append(slab_id)
         if entries.get(slab_id):
-            cached[slab_id] = [p.CachedBlock(offset, wire_key(key)) for offset, key in entries[slab_id]]
+            cached[slab_id] = [p.CachedBlock(offset, wire_key(key), label)
+                               for offset, key, label in entries[slab_id]]
     return given, refused, cached
 
 
@@ -204,6 +205,7 @@ class EngineClient:
         # state: a key of a step still running must not count as written.
         ops: list[p.JournalOp] = [p.ClearKeys(), *p.journal_ops(self.pool.journal.resync())]
         ops += [p.StoreKey(key=wire_key(k), block=b) for k, b in self.pool.cached_keys()]
+        ops += [p.LabelBlock(block=b, label=label) for b, label in self.pool.labelled_keys()]
         self._removal_unacked = False      # every drop so far is in what this sends (the keys left)
         occupancy = self.pool.occupancies()
         for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):   # the daemon takes journals in parts
@@ -366,7 +368,7 @@ class EngineClient:
             handed = None if self.private else reply.cached.get(slab_id)
             if handed:
                 try:
-                    n = self.pool.adopt(slab_id, [(c.offset, c.key) for c in handed])
+                    n = self.pool.adopt(slab_id, [(c.offset, c.key, c.label) for c in handed])
                 except PoolError as exc:
                     log.warning("engine %s: handed-on blocks of slab %d not adopted: %s",
                                 self.engine_id, slab_id, exc)

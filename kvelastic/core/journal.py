@@ -16,6 +16,12 @@ calls a block *valid* when that step is done: only valid blocks outlive a
 dead engine. A pool that never marks steps (tests, simulators) has every
 key valid at once.
 
+Labels. A block's key may come with a label (``LABEL`` right after its
+``STORE``): bytes the pool and the daemon never read, that travel with the
+block wherever its key does (hand-on to another engine, kept cache). The vLLM
+adapter puts there what a router needs to announce a block it adopts (its
+token ids and parent): a key alone cannot be turned back into tokens.
+
 A key dropped (``REMOVE``, ``CLEAR``) means its block may be written again:
 ``removed`` tells the client that the daemon must acknowledge this journal
 before the next step runs (``EngineClient.seal_step``), or a ``kill -9``
@@ -36,6 +42,7 @@ REMOVE: Final = 3        # (REMOVE, key, block_id)
 CLEAR: Final = 4         # (CLEAR,)  every key dropped (invalidate / reset)
 STEP: Final = 5          # (STEP, n)  keys stored from here on belong to step n
 DONE: Final = 6          # (DONE, n)  steps up to n finished: their blocks' KV is written
+LABEL: Final = 7         # (LABEL, block_id, label)  the block's label (after its STORE): opaque bytes
 
 # One op: a plain tuple whose code says its shape (for the type checker too:
 # ``op[0] == STORE`` narrows an ``Op`` to a ``KeyOp``).
@@ -43,7 +50,8 @@ SlabOp = tuple[Literal[0, 1], int]            # ADD_SLAB, REMOVE_SLAB
 KeyOp = tuple[Literal[2, 3], Hashable, int]   # STORE, REMOVE
 ClearOp = tuple[Literal[4]]                   # CLEAR
 StepOp = tuple[Literal[5, 6], int]            # STEP, DONE
-Op = SlabOp | KeyOp | ClearOp | StepOp
+LabelOp = tuple[Literal[7], int, bytes]       # LABEL
+Op = SlabOp | KeyOp | ClearOp | StepOp | LabelOp
 
 Occupancy = tuple[int, int, int]  # (live, cached, free) blocks
 
@@ -129,6 +137,7 @@ class Mirror:
         # A block holds at most one key (as in the pool): a STORE replaces the
         # block's old key, so the mirror never outgrows the blocks it covers.
         self.key_of: dict[int, Hashable] = {}
+        self.label_of: dict[int, bytes] = {}  # block -> its key's label (only keyed blocks)
         self.stored_in: dict[int, int] = {}   # block -> the step its key came in
         self.step = 0                          # the last STEP seen
         self.done = 0                          # the last DONE seen
@@ -145,9 +154,13 @@ class Mirror:
                     self._unindex(self.key_of[op[2]], op[2])
                 self.index.setdefault(op[1], set()).add(op[2])
                 self.key_of[op[2]] = op[1]
+                self.label_of.pop(op[2], None)
                 self.stored_in[op[2]] = self.step
                 if self.blocks_per_slab:
                     self._in_slab.setdefault(op[2] // self.blocks_per_slab, {})[op[2]] = None
+            elif op[0] == LABEL:
+                if op[1] in self.key_of:
+                    self.label_of[op[1]] = op[2]
             elif op[0] == STEP:
                 self.step = max(self.step, op[1])
             elif op[0] == DONE:
@@ -162,6 +175,7 @@ class Mirror:
             elif op[0] == CLEAR:
                 self.index.clear()
                 self.key_of.clear()
+                self.label_of.clear()
                 self.stored_in.clear()
                 self._in_slab.clear()
             else:
@@ -173,6 +187,7 @@ class Mirror:
 
     def _unindex(self, key: Hashable, block: int) -> None:
         del self.key_of[block]
+        self.label_of.pop(block, None)
         del self.stored_in[block]
         if self.blocks_per_slab:
             slab = self._in_slab[block // self.blocks_per_slab]

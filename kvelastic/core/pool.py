@@ -32,7 +32,7 @@ from typing import NoReturn
 
 from kvelastic.core.block import Block, BlockRecord, Slab
 from kvelastic.core.index import HashIndex
-from kvelastic.core.journal import ADD_SLAB, CLEAR, REMOVE, REMOVE_SLAB, STORE, Journal, JournalBatch
+from kvelastic.core.journal import ADD_SLAB, CLEAR, LABEL, REMOVE, REMOVE_SLAB, STORE, Journal, JournalBatch
 from kvelastic.core.stats import PoolStats
 from kvelastic.errors import (
     BlockNotCached,
@@ -74,6 +74,9 @@ class SlabPool:
         self.on_key_removed: Callable[[Hashable], None] | None = None
         # Called when clear_index drops the whole index (vLLM's AllBlocksCleared).
         self.on_cleared: Callable[[], None] | None = None
+        # Called with the (key, label) of labelled blocks an ``adopt`` cached:
+        # KV this engine did not compute, which no router has heard of from it.
+        self.on_adopted: Callable[[list[tuple[Hashable, bytes]]], None] | None = None
 
         self._slabs: dict[int, Slab] = {}
         # _by_free[k]: held slabs with exactly k free blocks. Invariant: no
@@ -95,6 +98,8 @@ class SlabPool:
         self.stats = PoolStats()
         # Adopted blocks not hit yet (their first hit counts in stats.adopted_hits).
         self._adopted: set[int] = set()
+        # Labels of keyed blocks (block_id -> label; see journal.py): only blocks cached with one.
+        self._labels: dict[int, bytes] = {}
 
     # ------------------------------------------------------------ capacity
     @property
@@ -160,22 +165,30 @@ class SlabPool:
         self.journal.ops.append((ADD_SLAB, slab_id))
         self.journal.dirty.add(slab_id)
 
-    def cached_entries(self, slab_ids: Iterable[int]) -> dict[int, list[tuple[int, Hashable]]]:
-        """Each slab's cached blocks as ``(offset in the slab, key)``, oldest
-        first: what another engine of the namespace can adopt with the slab."""
+    def cached_entries(self, slab_ids: Iterable[int]) -> dict[int, list[tuple[int, Hashable, bytes]]]:
+        """Each slab's cached blocks as ``(offset in the slab, key, label)``
+        (label ``b""`` if none), oldest first: what another engine of the
+        namespace can adopt with the slab."""
         wanted = {sid: self._slabs[sid] for sid in slab_ids if sid in self._slabs}
-        out: dict[int, list[tuple[int, Hashable]]] = {sid: [] for sid in wanted}
+        out: dict[int, list[tuple[int, Hashable, bytes]]] = {sid: [] for sid in wanted}
+        labels = self._labels
         for blk in self._lru.values():
             slab = blk.slab
             if slab.slab_id in wanted:
-                out[slab.slab_id].append((blk.block_id - slab.slab_id * self.blocks_per_slab, blk._block_hash))
+                out[slab.slab_id].append((blk.block_id - slab.slab_id * self.blocks_per_slab, blk._block_hash,
+                                          labels.get(blk.block_id, b"")))
         return out
 
-    def adopt(self, slab_id: int, entries: Sequence[tuple[int, Hashable]]) -> int:
+    def labelled_keys(self) -> list[tuple[int, bytes]]:
+        """(block_id, label) of every labelled keyed block: with ``cached_keys``, a resync."""
+        return list(self._labels.items())
+
+    def adopt(self, slab_id: int, entries: Sequence[tuple[int, Hashable] | tuple[int, Hashable, bytes]]) -> int:
         """A slab just granted arrived with its blocks' KV (handed on by an
         engine of the same namespace): the blocks at ``entries``' offsets
         become cached under their keys, older than every block cached here
-        (oldest first in ``entries``). A key this pool already caches is
+        (oldest first in ``entries``), with their labels if the entries have
+        them (``on_adopted`` hears of the labelled ones). A key this pool already caches is
         skipped (one block per key keeps eviction simple). All checked before
         anything changes. Returns the number of blocks adopted."""
         slab = self._slabs.get(slab_id)
@@ -183,27 +196,31 @@ class SlabPool:
             raise UnknownSlab(f"slab {slab_id} is not held")
         if slab.live or slab.cached:
             raise SlabBusy(f"slab {slab_id} is in use: only a slab just granted adopts blocks")
-        offsets = [off for off, _ in entries]
+        offsets = [entry[0] for entry in entries]
         if len(set(offsets)) != len(offsets) or any(not 0 <= off < self.blocks_per_slab for off in offsets):
             raise PoolError(f"adopt: offsets {offsets} are not distinct places in a slab of "
                             f"{self.blocks_per_slab} blocks")
         seen: set[Hashable] = set()
         take = []
-        for off, key in entries:
+        for entry in entries:
+            off, key = entry[0], entry[1]
             if key not in seen and self._index.get_one(key) is None:
                 seen.add(key)
-                take.append((slab.blocks[off], key))
+                take.append((slab.blocks[off], key, entry[2] if len(entry) > 2 else b""))
         if not take:
             return 0
         old_free = len(slab.free)
-        taken = {blk.block_id for blk, _ in take}
+        taken = {blk.block_id for blk, _, _ in take}
         slab.free = [blk for blk in slab.free if blk.block_id not in taken]
         now = self._clock()
         self.journal.mark_store()
-        for blk, key in reversed(take):      # the oldest ends up first in the LRU
+        for blk, key, label in reversed(take):      # the oldest ends up first in the LRU
             blk._block_hash = key
             self._index.insert(key, blk)
             self.journal.ops.append((STORE, key, blk.block_id))
+            if label:
+                self._labels[blk.block_id] = label
+                self.journal.ops.append((LABEL, blk.block_id, label))
             self._lru[blk.block_id] = blk
             self._lru.move_to_end(blk.block_id, last=False)
             if self.ttl:
@@ -214,6 +231,8 @@ class SlabPool:
         self._rebucket(slab, old_free)
         self.journal.dirty.add(slab_id)
         self.stats.adopted_blocks += len(take)
+        if self.on_adopted is not None and any(label for _, _, label in take):
+            self.on_adopted([(key, label) for _, key, label in take if label])
         self._enforce_limits(now)
         return len(take)
 
@@ -378,13 +397,16 @@ class SlabPool:
         raise BlockNotLive(f"block {bad.block_id} is not allocated (double free?)")
 
     def cache(self, blocks: Sequence[BlockRecord], keys: Sequence[Hashable],
-              num_tokens: Sequence[int] | None = None) -> None:
+              num_tokens: Sequence[int] | None = None, labels: Sequence[bytes] | None = None) -> None:
         """Give live blocks their prefix-cache keys (re-keying replaces).
         ``num_tokens[i]``, when given, is the length of the prefix that
-        ``keys[i]`` covers (vLLM's ``block_hash_num_tokens``)."""
-        if len(blocks) != len(keys) or (num_tokens is not None and len(num_tokens) != len(keys)):
+        ``keys[i]`` covers (vLLM's ``block_hash_num_tokens``); ``labels[i]``
+        the key's label (journal.py), carried wherever the key goes."""
+        if len(blocks) != len(keys) or (num_tokens is not None and len(num_tokens) != len(keys)) \
+                or (labels is not None and len(labels) != len(keys)):
             raise PoolError(f"cache: {len(blocks)} blocks, {len(keys)} keys"
-                            + ("" if num_tokens is None else f", {len(num_tokens)} prefix lengths"))
+                            + ("" if num_tokens is None else f", {len(num_tokens)} prefix lengths")
+                            + ("" if labels is None else f", {len(labels)} labels"))
         for blk in blocks:
             slab = getattr(blk, "slab", None)
             if slab is None or slab.owner is not self:
@@ -404,6 +426,9 @@ class SlabPool:
                 blk._block_hash_num_tokens = num_tokens[i]
             self._index.insert(key, blk)
             ops.append((STORE, key, blk.block_id))
+            if labels is not None and labels[i]:
+                self._labels[blk.block_id] = labels[i]
+                ops.append((LABEL, blk.block_id, labels[i]))
 
     def uncache(self, blocks: Sequence[BlockRecord], reason: str = "explicit") -> int:
         """Drop the keys of these blocks (live ones stay live; cached ones turn
@@ -496,6 +521,7 @@ class SlabPool:
         self._lru.clear()
         self._cached_at.clear()
         self._adopted.clear()
+        self._labels.clear()
         self.journal.ops.append((CLEAR,))
         self.journal.removed = True
         self.stats.evictions["invalidate"] += dropped
@@ -535,6 +561,8 @@ class SlabPool:
     def _drop_key(self, blk: BlockRecord) -> None:
         key = blk._block_hash
         self._adopted.discard(blk.block_id)
+        if self._labels:
+            self._labels.pop(blk.block_id, None)
         self._index.remove(key, blk)
         journal = self.journal
         journal.ops.append((REMOVE, key, blk.block_id))

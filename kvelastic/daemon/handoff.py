@@ -104,11 +104,13 @@ class CacheHandoff:
         if not slab.orphan or engine.failed or engine.private or not slab.pages or self.timing.orphan_ttl <= 0:
             return False
         kept = []
+        first = slab.slab_id * engine.blocks_per_slab
+        labels = engine.mirror.label_of
         for offset, key in engine.mirror.valid_in(slab.slab_id, engine.blocks_per_slab):
             wire = cast(bytes, key)
             if wire not in engine.kept_keys:
                 engine.kept_keys.add(wire)
-                kept.append(p.CachedBlock(offset, wire))
+                kept.append(p.CachedBlock(offset, wire, labels.get(first + offset, b"")))
         if not kept:
             return False
         self.orphans.keep(OrphanSlab(engine.namespace, shape_of(engine), list(slab.pages), list(slab.page_devices),

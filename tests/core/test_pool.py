@@ -354,13 +354,46 @@ def test_uncache_drops_keys_and_frees_cached_blocks():
 
 
 # ---------------------------------------------------------------- handoff
+def test_labels_travel_with_their_keys_to_the_mirror_and_an_adopter():
+    giver = make_pool(slabs=(0,), bps=4)
+    mirror = Mirror()
+    blocks = giver.allocate(3)
+    giver.cache(blocks, keys(0, 1, 2), labels=[b"L0", b"", b"L2"])
+    mirror.apply(giver.take_journal())
+    assert mirror.label_of == {blocks[0].block_id: b"L0", blocks[2].block_id: b"L2"}
+    giver.cache([blocks[2]], keys(7))                  # re-keyed without a label: the old label goes
+    giver.free(blocks)
+    mirror.apply(giver.take_journal())
+    assert mirror.label_of == {blocks[0].block_id: b"L0"}
+    assert giver.labelled_keys() == [(blocks[0].block_id, b"L0")]
+    entries = giver.cached_entries([0])[0]
+    assert sorted(entries) == sorted([(blocks[0].block_id, b"k0", b"L0"), (blocks[1].block_id, b"k1", b""),
+                                      (blocks[2].block_id, b"k7", b"")])
+    with pytest.raises(PoolError, match="2 labels"):
+        giver.cache(blocks[:1], keys(5), labels=[b"a", b"b"])
+
+    taker = make_pool(slabs=(), bps=4)
+    heard: list = []
+    taker.on_adopted = heard.append
+    taker.add_slab(3)
+    taker_mirror = Mirror()
+    assert taker.adopt(3, entries) == 3
+    taker_mirror.apply(taker.take_journal())
+    assert heard == [[(b"k0", b"L0")]]                 # only labelled blocks are announced
+    assert taker_mirror.label_of == {12 + blocks[0].block_id: b"L0"}
+    taker.clear_index()
+    taker_mirror.apply(taker.take_journal())
+    assert taker.labelled_keys() == [] and taker_mirror.label_of == {}
+    check_pool(taker)
+
+
 def test_a_handed_on_slab_is_adopted_with_its_keys_oldest_first():
     giver = make_pool(slabs=(0,), bps=4)
     blocks = giver.allocate(4)
     giver.cache(blocks, keys(0, 1, 2, 3))
     giver.free([blocks[2], blocks[0], blocks[3], blocks[1]])        # LRU: k2, k0, k3, k1
     entries = giver.cached_entries([0])[0]
-    assert entries == [(blocks[i].block_id, f"k{i}".encode()) for i in (2, 0, 3, 1)]
+    assert entries == [(blocks[i].block_id, f"k{i}".encode(), b"") for i in (2, 0, 3, 1)]
 
     taker = make_pool(slabs=(1,), bps=4)
     [own] = taker.allocate(1)

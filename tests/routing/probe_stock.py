@@ -11,10 +11,10 @@ import sys
 import tempfile
 import time
 
+from kvelastic_vllm.bench.dynamo_indexer import DynamoIndexer
+from kvelastic_vllm.bench.kv_events import Subscriber, dump_hashes, wait_for
 from kvelastic_vllm.bench.tinymodel import build_tiny_llama
 from kvelastic_vllm.bench.vllm_serve import VllmServer
-from tests.routing.dynamo_indexer import DynamoIndexer
-from tests.routing.events import Subscriber, dump_hashes, wait_for
 
 BLOCK = 32
 

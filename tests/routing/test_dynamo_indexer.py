@@ -29,8 +29,8 @@ import time
 
 import pytest
 
-from tests.routing.dynamo_indexer import DynamoIndexer, available
-from tests.routing.events import Subscriber, dump_hashes, ext_hash, wait_for
+from kvelastic_vllm.bench.dynamo_indexer import DynamoIndexer, available
+from kvelastic_vllm.bench.kv_events import Subscriber, dump_hashes, ext_hash, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

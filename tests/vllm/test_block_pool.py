@@ -193,3 +193,36 @@ def elastic_blocks() -> int:
     from kvelastic_vllm.state import state
 
     return state().engine().num_blocks
+
+
+def test_an_engine_announces_the_cache_it_adopts_as_its_first_engine_stored_it(daemon):
+    """Kept cache after a restart: the next engine of the namespace adopts the
+    blocks, and publishes a BlockStored per block (hash, parent, token ids)
+    equal to what the first engine published, parents first: a router learns
+    of KV the new engine did not compute, before any request hits it."""
+    from vllm.distributed.kv_events import BlockStored
+
+    prompt = [random.Random(3).randrange(30000) for _ in range(5 * BS)] + [1]
+    with elastic(daemon.socket, low_watermark=8, engine_id="first"):
+        mgr = manager(num_blocks=elastic_blocks(), block_size=BS, events=True)
+        r0 = request("0", prompt)
+        admit(mgr, r0)
+        mgr.free(r0)
+        first = [e for e in mgr.take_events() if isinstance(e, BlockStored)]
+    # The first engine's range event, one block at a time.
+    expected = []
+    for e in first:
+        parent = e.parent_block_hash
+        for i, h in enumerate(e.block_hashes):
+            expected.append((h, parent, e.token_ids[i * BS:(i + 1) * BS]))
+            parent = h
+    assert len(expected) == 5
+
+    with elastic(daemon.socket, low_watermark=8, engine_id="second") as link:
+        mgr = manager(num_blocks=elastic_blocks(), block_size=BS, events=True)
+        assert link.pool.stats.adopted_blocks == 5
+        announced = [e for e in mgr.take_events() if isinstance(e, BlockStored)]
+        assert [(e.block_hashes[0], e.parent_block_hash, e.token_ids) for e in announced] == expected
+        assert all(len(e.block_hashes) == 1 and e.medium == mgr.block_pool.medium for e in announced)
+        _, hit = admit(mgr, request("1", prompt))
+        assert hit == 5 * BS                                  # the KV is there, as announced

@@ -17,6 +17,13 @@ large it is, and a new block comes from a new slab before a cached block is
 evicted while the daemon has memory. When the daemon cannot supply it the
 answer counts cached blocks too, and vLLM evicts them or waits, as stock.
 
+KV events (``--kv-events-config``): the events vLLM publishes, plus
+kvelastic's own moves. Keys the daemon drops between steps (reclaim, expiry,
+invalidation) are published on the client's tick. A block adopted from
+another engine (hand-on, kept cache after a restart) is announced as
+``BlockStored``: each cached key carries a *label*, its own single-block
+``BlockStored`` in msgpack, which travels with the key through the daemon.
+
 The null block is block 0 of the first slab, allocated once and never freed
 (vLLM does not keep its refcount, so it is pinned far from 0).
 """
@@ -28,7 +35,15 @@ import time
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, cast
 
-from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVCacheEvent, KVEventBatch
+import msgspec
+from vllm.distributed.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+)
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
@@ -51,6 +66,7 @@ NULL_PINNED = 1 << 40
 # so a full device costs one round trip per back-off, not one per request.
 DEMAND_TIMEOUT = 2.0
 REFUSAL_BACKOFF = 0.2
+MAX_LABEL = 8192     # protocol.Label's bound: a larger block goes unlabelled (adopters cannot announce it)
 
 
 class ElasticBlock(KVCacheBlock):
@@ -82,6 +98,7 @@ class ElasticBlockPool(BlockPool):
         self.publisher: Any = None   # the scheduler's KV event publisher (``engine.wrap_scheduler_init``)
         self._reuse_watchers: dict = {}
         self._group_suffix: dict[int, bytes] = {}   # group id -> its key suffix (get_cached_block)
+        self._unannounced: list[tuple[Hashable, bytes]] = []   # adopted (key, label), not yet in the queue
         self.link = state().engine()
         self.core = self.link.pool
         self.client = self.link.client
@@ -96,6 +113,7 @@ class ElasticBlockPool(BlockPool):
                 if BLOCKS_NAME_THEIR_POOL else ElasticBlock
             if enable_kv_cache_events:
                 self.core.on_key_removed = self._key_removed
+                self.core.on_adopted = self._adopted
                 self.client.on_tick = self._publish_queued
             self.core.on_cleared = self._cleared
             self.client.low_watermark = self.link.low_watermark
@@ -189,6 +207,7 @@ class ElasticBlockPool(BlockPool):
         if num_cached_blocks >= num_full_blocks:
             return
         hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        events = self.enable_kv_cache_events
         to_cache, keys, prefix_lengths, stored = [], [], [], []
         for i, block in enumerate(blocks[num_cached_blocks:num_full_blocks]):
             if block.is_null or (block_mask is not None and not block_mask[i]):
@@ -198,31 +217,54 @@ class ElasticBlockPool(BlockPool):
             keys.append(make_block_hash_with_group_id(block_hash, kv_cache_group_id))
             prefix_lengths.append((num_cached_blocks + i + 1) * block_size)
             stored.append(i)
+        labels = None
+        if events and stored:
+            extra_keys = self._extra_keys(request, num_cached_blocks, num_full_blocks, block_size, stored)
+            labels = [self._label(request, hashes, num_cached_blocks + i, block_size, kv_cache_group_id, extra)
+                      for i, extra in zip(stored, extra_keys)]
         with self.lock:
-            self.core.cache(to_cache, keys, num_tokens=prefix_lengths)
-        if self.enable_kv_cache_events and stored:
-            self._emit_stored(request, blocks, hashes, num_cached_blocks, num_full_blocks, block_size,
-                              kv_cache_group_id, stored)
+            self.core.cache(to_cache, keys, num_tokens=prefix_lengths, labels=labels)
+        if events and stored:
+            self._emit_stored(request, hashes, num_cached_blocks, num_full_blocks, block_size,
+                              kv_cache_group_id, stored, extra_keys)
 
-    def _emit_stored(self, request, blocks, hashes, first, last, block_size, group_id, stored) -> None:
+    @staticmethod
+    def _extra_keys(request, first: int, last: int, block_size: int, stored: list[int]) -> list:
+        """vLLM's per-block extra keys (LoRA, multimodal, salt) of the stored blocks."""
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
-        extra_keys, mm_idx = [], 0
+        out, mm_idx = [], 0
         for i in range(first, last):
             keys, mm_idx = generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size, mm_idx)
             if i - first in stored:
-                extra_keys.append(keys)
+                out.append(keys)
+        return out
+
+    def _lookahead(self, request, blocks: Sequence[int], block_size: int) -> dict[str, Any]:
+        if not self.num_hash_lookahead_tokens:
+            return {}
+        # vLLM 0.33's lookahead hashing: a method of its BlockPool (0.32 lacks it).
+        return {"lookahead_token_ids": [self._lookahead_token_ids(request, (j + 1) * block_size)  # type: ignore[attr-defined]
+                                        for j in blocks]}
+
+    def _label(self, request, hashes, j: int, block_size: int, group_id: int, extra_keys) -> bytes:
+        """Block ``j``'s own ``BlockStored``, packed: what an engine that adopts it announces."""
+        event = self._build_block_stored_event(
+            request, block_hashes=[maybe_convert_block_hash(hashes[j])],
+            parent_block_hash=maybe_convert_block_hash(hashes[j - 1]) if j else None,
+            start_token_idx=j * block_size, end_token_idx=(j + 1) * block_size, block_size=block_size,
+            kv_cache_group_id=group_id, extra_keys_list=[extra_keys], **self._lookahead(request, [j], block_size))
+        label = msgspec.msgpack.encode(event)
+        return label if len(label) <= MAX_LABEL else b""
+
+    def _emit_stored(self, request, hashes, first, last, block_size, group_id, stored, extra_keys) -> None:
+        """The range's event, as stock vLLM builds it."""
         parent = maybe_convert_block_hash(hashes[first - 1]) if first else None
-        extra: dict[str, Any] = {}
-        if self.num_hash_lookahead_tokens:  # vLLM 0.33's lookahead hashing
-            # A method of vLLM 0.33's BlockPool; the vLLM checked against (0.32) lacks it.
-            extra["lookahead_token_ids"] = [
-                self._lookahead_token_ids(request, (first + i + 1) * block_size)  # type: ignore[attr-defined]
-                for i in stored]
         event = self._build_block_stored_event(
             request, block_hashes=[maybe_convert_block_hash(hashes[first + i]) for i in stored],
             parent_block_hash=parent, start_token_idx=first * block_size, end_token_idx=last * block_size,
-            block_size=block_size, kv_cache_group_id=group_id, extra_keys_list=extra_keys, **extra)
+            block_size=block_size, kv_cache_group_id=group_id, extra_keys_list=extra_keys,
+            **self._lookahead(request, [first + i for i in stored], block_size))
         with self.lock:
             self.kv_event_queue.append(event)
 
@@ -254,6 +296,7 @@ class ElasticBlockPool(BlockPool):
         if not self.enable_kv_cache_events:
             return []
         with self.lock:
+            self._announce_adopted()
             events, self.kv_event_queue = self.kv_event_queue, []
         return events
 
@@ -264,12 +307,48 @@ class ElasticBlockPool(BlockPool):
         an invalidation): an idle engine would leave routers believing in
         blocks it no longer has. The lock orders this with the scheduler's own
         take-and-publish (``engine.wrap_update_from_output`` holds it)."""
+        self._announce_adopted()
         if self.publisher is not None and self.kv_event_queue:
             events, self.kv_event_queue = self.kv_event_queue, []
             self.publisher.publish(KVEventBatch(ts=time.time(), events=events))  # type: ignore[arg-type]
 
     # ------------------------------------------------- core pool callbacks
+    def _adopted(self, entries: list[tuple[Hashable, bytes]]) -> None:
+        # Announced when the queue is next taken or a key leaves: a grant adopts
+        # slab by slab, and a block's parent may come in a later slab.
+        self._unannounced += entries
+
+    def _announce_adopted(self) -> None:
+        """Queue a ``BlockStored`` per adopted labelled block, every parent
+        before its children (a router files a block under its parent). With
+        the lock held."""
+        if not self._unannounced:
+            return
+        pending, self._unannounced = self._unannounced, []
+        events: dict[int, Any] = {}
+        for key, label in pending:
+            try:
+                event = msgspec.msgpack.decode(label, type=BlockStored)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                log.warning("kvelastic: an adopted block's label does not decode; not announced")
+                continue
+            own = maybe_convert_block_hash(get_block_hash(cast(BlockHashWithGroupId, key)))
+            if event.block_hashes != [own]:   # a label names its own key, or it is not this block's
+                log.warning("kvelastic: an adopted block's label names another block; not announced")
+                continue
+            events[own] = msgspec.structs.replace(event, medium=self.medium)
+        done: set[int] = set()
+        for start in events:
+            chain = []
+            h: Any = start
+            while h in events and h not in done:   # up to the first ancestor already queued (or not adopted)
+                chain.append(h)
+                done.add(h)
+                h = events[h].parent_block_hash
+            self.kv_event_queue.extend(events[x] for x in reversed(chain))
+
     def _key_removed(self, key: Hashable) -> None:
+        self._announce_adopted()   # a block announced after its removal would live on in routers
         # The core pool is generic in its keys; this one's are what cache_full_blocks stored.
         hashed = cast(BlockHashWithGroupId, key)
         self.kv_event_queue.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(get_block_hash(hashed))],
@@ -277,6 +356,7 @@ class ElasticBlockPool(BlockPool):
 
     def _cleared(self) -> None:
         if self.enable_kv_cache_events:
+            self._unannounced.clear()
             self.kv_event_queue.append(AllBlocksCleared())
 
     # ------------------------------------------- features kvelastic leaves out

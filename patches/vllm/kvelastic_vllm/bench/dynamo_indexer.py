@@ -1,4 +1,4 @@
-"""Dynamo's standalone KV indexer (``python -m dynamo.indexer``), run for tests.
+"""Dynamo's standalone KV indexer (``python -m dynamo.indexer``), run for tests and ``bench route``.
 
 The indexer binds its HTTP port on 0.0.0.0 and has no option to bind
 elsewhere, so it runs in a network namespace of its own (``unshare -n``, with
@@ -8,6 +8,8 @@ sockets in the file system and so work across network namespaces. Its HTTP
 API is reached from a thread that joins the indexer's namespace
 (``setns(2)``) just long enough to open a TCP connection: a socket keeps the
 namespace it was created in, so the rest of the exchange runs anywhere.
+``loopback_url`` relays a port on this namespace's 127.0.0.1 to it, for a
+process (``kvelastic router``) that takes a URL.
 """
 
 from __future__ import annotations
@@ -152,10 +154,51 @@ class DynamoIndexer:
             raise RuntimeError(f"/dump: {status} {reply}")
         return reply
 
+    def loopback_url(self) -> str:
+        """An http:// URL on 127.0.0.1 that reaches the indexer (a relay thread per connection)."""
+        import socket
+
+        listener = socket.create_server(("127.0.0.1", 0))
+        self._relay = listener
+
+        def pipe(src: socket.socket, dst: socket.socket) -> None:
+            try:
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (src, dst):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        def accept() -> None:
+            while True:
+                try:
+                    client, _ = listener.accept()
+                except OSError:
+                    return          # closed by stop()
+                try:
+                    upstream = _connect_in(self.netns, PORT, 10.0)
+                    upstream.settimeout(None)
+                except OSError:
+                    client.close()
+                    continue
+                for a, b in ((client, upstream), (upstream, client)):
+                    threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+
+        threading.Thread(target=accept, daemon=True).start()
+        return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
     def workers(self) -> Any:
         return self.request("GET", "/workers")[1]
 
     def stop(self) -> None:
+        relay = getattr(self, "_relay", None)
+        if relay is not None:
+            relay.close()
         if self.proc is None:
             return
         if self.proc.poll() is None:

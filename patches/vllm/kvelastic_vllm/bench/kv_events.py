@@ -22,10 +22,13 @@ def _field(ev, name: str, pos: int):
 
 
 class CacheModel:
-    """The cached blocks a stream describes: hash -> token ids (None if the event had none)."""
+    """The cached blocks a stream describes: hash -> token ids (None if the event had none).
+    ``chain`` remembers every block ever stored by (parent hash, token ids), so
+    that a prompt's blocks can be named by hash (``held_prefix``)."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, tuple[int, ...] | None] = {}
+        self.chain: dict[tuple[int | None, tuple[int, ...]], int] = {}
         self.counts = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
         self.batches = 0
 
@@ -37,11 +40,16 @@ class CacheModel:
             self.counts[kind] = self.counts.get(kind, 0) + 1
             if kind == "BlockStored":
                 hashes = _field(ev, "block_hashes", 1)
+                parent = _field(ev, "parent_block_hash", 2)
+                parent = None if parent is None else ext_hash(parent)
                 tokens = _field(ev, "token_ids", 3) or []
                 size = _field(ev, "block_size", 4)
                 for i, h in enumerate(hashes):
                     chunk = tuple(tokens[i * size:(i + 1) * size])
                     self.blocks[ext_hash(h)] = chunk if len(chunk) == size else None
+                    if len(chunk) == size:
+                        self.chain[(parent, chunk)] = ext_hash(h)
+                    parent = ext_hash(h)
             elif kind == "BlockRemoved":
                 for h in _field(ev, "block_hashes", 1):
                     self.blocks.pop(ext_hash(h), None)
@@ -50,6 +58,18 @@ class CacheModel:
 
     def hashes(self) -> set[int]:
         return set(self.blocks)
+
+    def held_prefix(self, tokens: list[int], block_size: int, held: set[int]) -> int:
+        """How many tokens of a prompt's leading whole blocks are in ``held``
+        (hashes), at most what vLLM can hit: the last token is always computed."""
+        parent: int | None = None
+        n = 0
+        for i in range((len(tokens) - 1) // block_size):
+            h = self.chain.get((parent, tuple(tokens[i * block_size:(i + 1) * block_size])))
+            if h is None or h not in held:
+                break
+            parent, n = h, n + 1
+        return n * block_size
 
 
 class Subscriber:
@@ -83,10 +103,15 @@ class Subscriber:
         with self.lock:
             return self.model.hashes()
 
+    def held_prefix(self, tokens: list[int], block_size: int, held: set[int]) -> int:
+        with self.lock:
+            return self.model.held_prefix(tokens, block_size, held)
+
     def snapshot(self) -> CacheModel:
         with self.lock:
             m = CacheModel()
             m.blocks = dict(self.model.blocks)
+            m.chain = dict(self.model.chain)
             m.counts = dict(self.model.counts)
             m.batches = self.model.batches
             return m

@@ -1,0 +1,52 @@
+"""Dynamo's standalone KV indexer (``python -m dynamo.indexer``), as the router asks it.
+
+Its HTTP API (ai-dynamo-runtime 1.6.1): ``/register`` an engine's vLLM event
+endpoints as a worker, ``/query`` a model's token ids for matched tokens per
+worker (``{"scores": {worker: {dp_rank: tokens}}}``). The indexer hashes the
+tokens itself, so the router needs no hash seed.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from kvelastic.errors import IndexerError
+
+
+class IndexerClient:
+    def __init__(self, base_url: str, model: str, timeout: float = 2.0) -> None:
+        self.base = base_url.rstrip("/")
+        self.model = model
+        self.timeout = timeout
+
+    def _post(self, path: str, body: dict[str, Any], ok: int) -> Any:
+        req = urllib.request.Request(self.base + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                raw = resp.read()
+                if resp.status != ok:
+                    raise IndexerError(f"{path}: HTTP {resp.status}: {raw[:200]!r}")
+                return json.loads(raw) if raw else None
+        except urllib.error.HTTPError as exc:
+            raise IndexerError(f"{path}: HTTP {exc.code}: {exc.read()[:200]!r}") from None
+        except (OSError, ValueError) as exc:
+            raise IndexerError(f"{path}: {exc}") from None
+
+    def register(self, instance_id: int, endpoint: str, replay_endpoint: str | None, block_size: int) -> None:
+        body: dict[str, Any] = {"instance_id": instance_id, "endpoint": endpoint, "model_name": self.model,
+                                "block_size": block_size}
+        if replay_endpoint:
+            body["replay_endpoint"] = replay_endpoint
+        self._post("/register", body, 201)
+
+    def scores(self, token_ids: list[int]) -> dict[int, int]:
+        """Matched tokens per engine (data-parallel rank 0), engines with a match only."""
+        reply = self._post("/query", {"model_name": self.model, "token_ids": token_ids}, 200)
+        try:
+            return {int(worker): int(ranks.get("0", 0)) for worker, ranks in reply["scores"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise IndexerError(f"/query: unexpected reply {str(reply)[:200]}") from None

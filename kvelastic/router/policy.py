@@ -1,0 +1,59 @@
+"""Which engine serves a request: the decision, apart from any I/O.
+
+``Picker.choose`` takes the indexer's overlap scores (matched tokens per
+engine) and the requests each engine has in flight, and returns the engine.
+KV policy: the longest match wins; ties go to the least loaded engine, then
+round-robin among the rest, so a prompt nobody holds spreads over the engines
+like round-robin. Round-robin policy ignores the scores (the baseline).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+class Policy(enum.Enum):
+    KV = "kv"
+    ROUND_ROBIN = "round-robin"
+
+
+@dataclass(frozen=True)
+class Choice:
+    engine: int
+    matched_tokens: int   # the indexer's score for the chosen engine (0 under round-robin)
+    best_tokens: int      # the best score of any engine
+
+
+class Picker:
+    """Invariant: ``choose`` returns one of ``engines`` and, under the KV
+    policy, one whose score equals the best score."""
+
+    def __init__(self, engines: Sequence[int], policy: Policy) -> None:
+        if not engines:
+            raise ValueError("a router needs at least one engine")
+        if len(set(engines)) != len(engines):
+            raise ValueError(f"engine ids must differ: {list(engines)}")
+        self.engines = list(engines)
+        self.policy = policy
+        self._next = 0   # round-robin position
+
+    def _round_robin(self, among: Sequence[int]) -> int:
+        # The next engine in the fixed order that is among the candidates.
+        n = len(self.engines)
+        for step in range(n):
+            engine = self.engines[(self._next + step) % n]
+            if engine in among:
+                self._next = (self._next + step + 1) % n
+                return engine
+        raise AssertionError("no candidate among the engines")
+
+    def choose(self, scores: Mapping[int, int], in_flight: Mapping[int, int]) -> Choice:
+        best = max((scores.get(e, 0) for e in self.engines), default=0)
+        if self.policy is Policy.ROUND_ROBIN:
+            return Choice(self._round_robin(self.engines), 0, best)
+        top = [e for e in self.engines if scores.get(e, 0) == best]
+        least = min(in_flight.get(e, 0) for e in top)
+        engine = self._round_robin([e for e in top if in_flight.get(e, 0) == least])
+        return Choice(engine, best, best)

@@ -1,0 +1,236 @@
+"""The router's HTTP shell: OpenAI requests in, the chosen engine's reply out.
+
+Per request: the prompt's token ids (given as ids, or from an engine's
+``/tokenize``), the indexer's scores, ``Picker.choose``, then the body goes
+unchanged to the engine and its reply (streamed or not) comes back with two
+headers that say what was decided: ``x-kvelastic-engine`` and
+``x-kvelastic-matched-tokens``. If the tokenizer or the indexer fails, the
+request is still served, routed without scores (counted in
+``kvelastic_router_errors``); only a request the router cannot read is refused.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import threading
+import urllib.parse
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvelastic.errors import IndexerError
+from kvelastic.metrics import RouterMetrics
+from kvelastic.router.indexer import IndexerClient
+from kvelastic.router.policy import Choice, Picker, Policy
+
+log = logging.getLogger("kvelastic.router")
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+MAX_BODY = 64 << 20
+ENGINE_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True)
+class Engine:
+    id: int
+    url: str                    # http://host:port of its vLLM server
+    events: str | None = None   # its vLLM KV event endpoints, registered with the indexer at start
+    replay: str | None = None
+
+
+def parse_engine(text: str) -> Engine:
+    """``ID=HTTP_URL[,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]]``"""
+    ident, sep, rest = text.partition("=")
+    parts = rest.split(",") if sep else []
+    if not ident.isdigit() or int(ident) <= 0 or not parts or len(parts) > 3:
+        raise ValueError(f"expected ID=HTTP_URL[,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]] with a positive integer "
+                         f"ID, got {text!r}")
+    url = urllib.parse.urlsplit(parts[0])
+    if url.scheme != "http" or not url.hostname or not url.port:
+        raise ValueError(f"engine {ident}: expected an http://HOST:PORT URL, got {parts[0]!r}")
+    return Engine(int(ident), parts[0].rstrip("/"), *(p or None for p in parts[1:]))
+
+
+class RouterState:
+    """What the handlers share: the picker, in-flight counts, clients, metrics."""
+
+    def __init__(self, engines: list[Engine], indexer: IndexerClient, policy: Policy, model: str) -> None:
+        self.engines = {e.id: e for e in engines}
+        self.picker = Picker([e.id for e in engines], policy)
+        self.indexer = indexer
+        self.model = model
+        self.metrics = RouterMetrics([str(e.id) for e in engines])
+        self.lock = threading.Lock()
+        self.in_flight = {e.id: 0 for e in engines}
+
+    def tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids, or None if they cannot be had."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            prompt = prompt[0]           # a batch: routed by its first prompt
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        query: dict[str, Any] = {"model": body.get("model", self.model)}
+        if path == "/v1/chat/completions" and isinstance(body.get("messages"), list):
+            query["messages"] = body["messages"]
+        elif isinstance(prompt, str):
+            query["prompt"] = prompt
+        else:
+            return None
+        engine = self.engines[self.picker.engines[0]]
+        try:
+            reply = _post_json(engine.url + "/tokenize", query, timeout=10.0)
+            tokens = reply["tokens"]
+            return [int(t) for t in tokens]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.metrics.errors.labels("tokenize").inc()
+            log.warning("router: cannot tokenize on engine %d: %s; routing without scores", engine.id, exc)
+            return None
+
+    def choose(self, tokens: list[int] | None) -> Choice:
+        scores: dict[int, int] = {}
+        if tokens and self.picker.policy is Policy.KV:
+            try:
+                scores = self.indexer.scores(tokens)
+            except IndexerError as exc:
+                self.metrics.errors.labels("indexer").inc()
+                log.warning("router: indexer: %s; routing without scores", exc)
+        with self.lock:
+            choice = self.picker.choose(scores, self.in_flight)
+            self.in_flight[choice.engine] += 1
+        engine = str(choice.engine)
+        self.metrics.requests.labels(engine).inc()
+        self.metrics.prompt_tokens.labels(engine).inc(len(tokens or ()))
+        self.metrics.matched_tokens.labels(engine).inc(choice.matched_tokens)
+        return choice
+
+    def done(self, engine: int) -> None:
+        with self.lock:
+            self.in_flight[engine] -= 1
+
+
+def _post_json(url: str, body: dict[str, Any], timeout: float) -> Any:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request("POST", parts.path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        if resp.status != 200:
+            raise ValueError(f"HTTP {resp.status}: {raw[:200]!r}")
+        return json.loads(raw)
+    finally:
+        conn.close()
+
+
+class RouterHandler(BaseHTTPRequestHandler):
+    server: RouterServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # one line per request is the engines' job
+        pass
+
+    def _reply(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, status: int, message: str) -> None:
+        self._reply(status, json.dumps({"error": {"message": message, "code": status}}).encode())
+
+    def do_GET(self) -> None:
+        state = self.server.state
+        if self.path == "/health":
+            self._reply(200, json.dumps({"engines": sorted(state.engines), "policy": state.picker.policy.value,
+                                         "in_flight": state.in_flight}).encode())
+        elif self.path == "/metrics":
+            self._reply(200, generate_latest(state.metrics.registry), CONTENT_TYPE_LATEST)
+        else:
+            self._error(404, f"no such path {self.path!r}")
+
+    def do_POST(self) -> None:
+        state = self.server.state
+        if self.path not in ROUTED_PATHS:
+            self._error(404, f"the router serves {', '.join(ROUTED_PATHS)}, not {self.path!r}")
+            return
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+            if not 0 < length <= MAX_BODY:
+                raise ValueError(f"a body of 1 to {MAX_BODY} bytes is needed")
+            raw = self.rfile.read(length)
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as exc:
+            state.metrics.errors.labels("bad_request").inc()
+            self._error(400, f"bad request: {exc}")
+            return
+        choice = state.choose(state.tokens(self.path, body))
+        try:
+            self._forward(state.engines[choice.engine], raw, choice)
+        finally:
+            state.done(choice.engine)
+
+    def _forward(self, engine: Engine, raw: bytes, choice: Choice) -> None:
+        parts = urllib.parse.urlsplit(engine.url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=ENGINE_TIMEOUT)
+        try:
+            try:
+                conn.request("POST", self.path, raw, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+            except OSError as exc:
+                self.server.state.metrics.errors.labels("engine").inc()
+                log.warning("router: engine %d (%s) failed: %s", engine.id, engine.url, exc)
+                self._error(502, f"engine {engine.id} failed: {exc}")
+                return
+            self.send_response(resp.status)
+            self.send_header("Content-Type", resp.getheader("Content-Type", "application/json"))
+            self.send_header("x-kvelastic-engine", str(engine.id))
+            self.send_header("x-kvelastic-matched-tokens", str(choice.matched_tokens))
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            # Relayed as it arrives: a streamed reply's first token reaches the client at once.
+            while chunk := resp.read1(65536):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        finally:
+            conn.close()
+
+
+class RouterServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], state: RouterState) -> None:
+        self.state = state
+        super().__init__(address, RouterHandler)
+
+
+def register_engines(engines: list[Engine], indexer: IndexerClient, block_size: int) -> int:
+    """Register every engine that names its event endpoint; returns how many."""
+    count = 0
+    for engine in engines:
+        if engine.events:
+            indexer.register(engine.id, engine.events, engine.replay, block_size)
+            log.info("router: engine %d registered with the indexer (%s)", engine.id, engine.events)
+            count += 1
+    return count
+
+
+def serve(listen: str, engines: list[Engine], indexer_url: str, model: str, block_size: int,
+          policy: Policy) -> RouterServer:
+    """Register the engines, bind, and return the server (the caller runs ``serve_forever``)."""
+    host, _, port = listen.rpartition(":")
+    indexer = IndexerClient(indexer_url, model)
+    if policy is Policy.KV:
+        register_engines(engines, indexer, block_size)
+    server = RouterServer((host or "127.0.0.1", int(port)), RouterState(engines, indexer, policy, model))
+    log.info("router: %s policy over %d engine(s) on %s:%d", policy.value, len(engines), *server.server_address[:2])
+    return server
