@@ -116,7 +116,7 @@ class RouterState:
 
 def _post_json(url: str, body: dict[str, Any], timeout: float) -> Any:
     parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
     try:
         conn.request("POST", parts.path, json.dumps(body).encode(), {"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -180,7 +180,7 @@ class RouterHandler(BaseHTTPRequestHandler):
 
     def _forward(self, engine: Engine, raw: bytes, choice: Choice) -> None:
         parts = urllib.parse.urlsplit(engine.url)
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=ENGINE_TIMEOUT)
+        conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=ENGINE_TIMEOUT)
         try:
             try:
                 conn.request("POST", self.path, raw, {"Content-Type": "application/json"})

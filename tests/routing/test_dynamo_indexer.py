@@ -177,3 +177,105 @@ def test_dynamo_indexer_tracks_an_engine_through_kvelastic(short_tmp, tiny_model
         if indexer is not None:
             indexer.stop()
         daemon.stop()
+
+
+def test_dynamo_indexer_stays_exact_through_a_kill_and_warm_restart_and_a_daemon_restart(short_tmp, tiny_model):
+    """kvelastic's moves stock vLLM never makes, each followed by the three
+    views agreeing (the indexer's /dump, the daemon's journal, vLLM's events):
+
+    1. ``kill -9`` of the engine and a new ``vllm serve`` of the same id and
+       endpoints: the daemon kept the engine's valid cache; the new engine
+       clears its old life's blocks in the indexer and announces the blocks it
+       adopts (token ids and parents from their labels), so the indexer
+       predicts the hit the restarted engine then gives, before any request
+       recomputed them.
+    2. ``kill -9`` of the daemon and a new one on the same socket: the engine
+       keeps its cache and re-sends its index; nothing changes for the indexer.
+    """
+    why = available()
+    if why:
+        pytest.skip(f"Dynamo's indexer cannot run here: {why}")
+    from kvelastic_vllm.bench.vllm_serve import VllmServer
+    from tests.daemon_proc import DaemonProcess
+
+    tmp = short_tmp
+    endpoint, replay = f"ipc://{tmp}/ev.sock", f"ipc://{tmp}/ev-replay.sock"
+    flags = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                               "endpoint": endpoint, "replay_endpoint": replay, "topic": "kv"})]
+    env = {"KVELASTIC_ENABLE": "1", "KVELASTIC_ENGINE_ID": "e1", "KVELASTIC_METRICS_PORT": "0"}
+    daemon = DaemonProcess(tmp, memory="32MiB").start()
+    env["KVELASTIC_SOCKET"] = daemon.socket
+    indexer = server = vllm_events = node_events = None
+    rng = random.Random(11)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, 500) for _ in range(n)]
+
+    def truth() -> set[int]:
+        return {ext_hash(h) for h in node_events.model.blocks} if node_events else set()
+
+    def agree() -> bool:
+        t = truth()
+        return bool(t) and dump_hashes(indexer.dump(), MODEL, INSTANCE) == vllm_events.hashes() == t
+
+    def explain() -> str:
+        t, d, v = truth(), dump_hashes(indexer.dump(), MODEL, INSTANCE), vllm_events.hashes()
+        return f"daemon {len(t)}, indexer {len(d)}, vLLM events {len(v)}; indexer-daemon {len(d - t)}, " \
+               f"daemon-indexer {len(t - d)}"
+
+    def settle(what: str) -> None:
+        try:
+            wait_for(agree, 60, what)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {explain()}") from None
+
+    try:
+        indexer = DynamoIndexer(tmp / "indexer.log").start()
+        node_events = Subscriber(f"ipc://{daemon.socket}.kv-events", topic=b"kv@e1@")
+        server = VllmServer(tiny_model, tmp / "vllm.log", flags=flags, env=env).start()
+        vllm_events = Subscriber(endpoint)
+        indexer.register(INSTANCE, endpoint, MODEL, BLOCK, replay)
+        prompts = [tokens(3 * BLOCK + 10) for _ in range(4)]
+        for prompt in prompts:
+            server.complete(prompt, max_tokens=4)  # type: ignore[arg-type]
+        settle("the first engine's blocks indexed")
+        before = truth()
+
+        # 1. kill -9 and a warm restart of the same engine.
+        server.kill()
+        wait_for(lambda: daemon.status()["orphans"], 30, "the daemon keeping e1's cache")
+        server = VllmServer(tiny_model, tmp / "vllm-2.log", flags=flags, env=env).start()
+        settle("the restarted engine's adopted blocks indexed")
+        assert truth() == before, explain()     # every block kept, adopted and announced
+        server.complete(tokens(2 * BLOCK + 5), max_tokens=2)  # type: ignore[arg-type]
+        settle("the restarted engine's first request indexed (its batches are not taken for old ones)")
+        assert len(truth()) == len(before) + 2, explain()
+        before = truth()
+        probe = prompts[1][:3 * BLOCK] + tokens(20)
+        predicted = indexer.query(MODEL, probe).get(INSTANCE, 0)
+        _, hits_before = server.prefix_cache()
+        server.complete(probe, max_tokens=1)  # type: ignore[arg-type]
+        _, hits_after = server.prefix_cache()
+        assert hits_after - hits_before == predicted == 3 * BLOCK
+        settle("the probe indexed")
+        assert truth() == before, explain()     # the probe's blocks were all cached: nothing new
+
+        # 2. kill -9 of the daemon and a new daemon on the same socket.
+        daemon.kill()
+        node_events.close()
+        node_events = None
+        daemon.start()
+        node_events = Subscriber(f"ipc://{daemon.socket}.kv-events", topic=b"kv@e1@")
+        settle("the engine's index re-sent to the new daemon")
+        assert truth() == before, explain()
+        server.complete(tokens(2 * BLOCK + 5), max_tokens=2)  # type: ignore[arg-type]
+        settle("a request after the daemon restart indexed")
+    finally:
+        for sub in (vllm_events, node_events):
+            if sub is not None:
+                sub.close()
+        if server is not None:
+            server.stop()
+        if indexer is not None:
+            indexer.stop()
+        daemon.stop()

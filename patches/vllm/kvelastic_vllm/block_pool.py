@@ -111,12 +111,16 @@ class ElasticBlockPool(BlockPool):
                 raise RuntimeError("kvelastic: the engine's pool already holds slabs of another block pool")
             self.core.block_factory = (lambda block_id: ElasticBlock(block_id, pool=self)) \
                 if BLOCKS_NAME_THEIR_POOL else ElasticBlock
+            self.core.on_cleared = self._cleared
+            self.client.low_watermark = self.link.low_watermark
             if enable_kv_cache_events:
                 self.core.on_key_removed = self._key_removed
                 self.core.on_adopted = self._adopted
                 self.client.on_tick = self._publish_queued
-            self.core.on_cleared = self._cleared
-            self.client.low_watermark = self.link.low_watermark
+                # A router may still hold blocks of this engine's earlier life
+                # (same endpoint, killed): they are gone, unless adopted, and
+                # then announced again below.
+                self.kv_event_queue.append(AllBlocksCleared())
         if not self.client.ensure(1, timeout=30.0):
             raise RuntimeError("kvelastic: the daemon granted no memory to this engine; "
                                "check KVELASTIC_MEMORY and `kvelastic status`")
@@ -325,7 +329,7 @@ class ElasticBlockPool(BlockPool):
         if not self._unannounced:
             return
         pending, self._unannounced = self._unannounced, []
-        events: dict[int, Any] = {}
+        events: dict[Any, Any] = {}   # vLLM's published hash (int, or bytes without int hashes) -> event
         for key, label in pending:
             try:
                 event = msgspec.msgpack.decode(label, type=BlockStored)
@@ -337,7 +341,7 @@ class ElasticBlockPool(BlockPool):
                 log.warning("kvelastic: an adopted block's label names another block; not announced")
                 continue
             events[own] = msgspec.structs.replace(event, medium=self.medium)
-        done: set[int] = set()
+        done: set[Any] = set()
         for start in events:
             chain = []
             h: Any = start

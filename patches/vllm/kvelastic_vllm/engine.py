@@ -9,8 +9,10 @@ whole virtual capacity. Memory arrives underneath, slab by slab.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import time
 from typing import Any
 
 from kvelastic.client.engine import EngineClient
@@ -259,13 +261,23 @@ def wrap_update_from_output(original):
 
 
 def wrap_scheduler_init(original):
-    """The elastic block pool publishes through the scheduler's KV event publisher too."""
+    """The elastic block pool publishes through the scheduler's KV event publisher too.
+
+    Its sequence numbers start at the wall clock in microseconds, not 0: a
+    router takes a batch whose number it has seen from this endpoint for a
+    duplicate, and an engine restarted on the same endpoint (a warm restart,
+    whose first batches announce the cache it adopted) would go unheard until
+    it passed its earlier life's count. At most one batch per step, so a
+    later life always numbers above an earlier one's."""
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         pool = getattr(getattr(self, "kv_cache_manager", None), "block_pool", None)
         if hasattr(pool, "publisher"):
-            pool.publisher = getattr(self, "kv_event_publisher", None)
+            publisher = getattr(self, "kv_event_publisher", None)
+            pool.publisher = publisher
+            if hasattr(publisher, "_seq_gen"):   # vLLM's ZmqEventPublisher (itertools.count from 0)
+                publisher._seq_gen = itertools.count(time.time_ns() // 1000)
 
     return __init__
 

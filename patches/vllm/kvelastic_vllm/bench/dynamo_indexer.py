@@ -80,7 +80,7 @@ class _NsConnection(http.client.HTTPConnection):
         self.netns = netns
 
     def connect(self) -> None:
-        self.sock = _connect_in(self.netns, self.port, self.timeout)
+        self.sock = _connect_in(self.netns, self.port, self.timeout or 10.0)
 
 
 class DynamoIndexer:

@@ -36,7 +36,7 @@ class CacheModel:
         ts, events, *_ = msgspec.msgpack.decode(payload)
         self.batches += 1
         for ev in events:
-            kind = ev.get("type") if isinstance(ev, dict) else ev[0]
+            kind = str(ev.get("type") if isinstance(ev, dict) else ev[0])
             self.counts[kind] = self.counts.get(kind, 0) + 1
             if kind == "BlockStored":
                 hashes = _field(ev, "block_hashes", 1)

@@ -73,11 +73,12 @@ def stream_completion(base: str, prompt: list[int], max_tokens: int,
                       timeout: float = 120.0) -> tuple[int, int, float | None, list[int]]:
     """One streamed completion: (engine, matched tokens, TTFT, generated ids)."""
     parts = urllib.parse.urlsplit(base)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
     sent = time.monotonic()
-    ttft, ids = None, []
+    ttft: float | None = None
+    ids: list[int] = []
     try:
         conn.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
         resp = conn.getresponse()
