@@ -201,8 +201,11 @@ class RouterMetrics:
                               "Requests the router could not route as asked, by reason (bad_request: refused; "
                               "tokenize, indexer: routed without scores; engine: the engine failed).",
                               ["reason"], registry=self.registry)
+        self.registrations = Counter(f"{PREFIX}_router_registrations",
+                                     "Engines registered with the indexer again (the engine restarted, or the "
+                                     "indexer did not list it).", ["engine"], registry=self.registry)
         for engine in engines:
-            for family in (self.requests, self.prompt_tokens, self.matched_tokens):
+            for family in (self.requests, self.prompt_tokens, self.matched_tokens, self.registrations):
                 family.labels(engine)
         for reason in ROUTER_ERRORS:
             self.errors.labels(reason)

@@ -5,7 +5,9 @@ each run an ``EngineClient`` and a ``WorkerClient`` (one rank, one 2 MiB page
 per slab). A grant is timed from the engine's ``Grow`` to the ``Granted``
 reply, which the daemon sends only after the worker mapped the page and
 acknowledged; a return from ``Return`` to its reply, sent once the worker
-unmapped. Runs with one engine and with 8 engine processes at once. The
+unmapped. Runs with one engine and with 8 engine processes at once (they
+start measuring together, after every one connected and warmed up: a
+barrier, so the figures are of 8 engines, not of start-ups). The
 baseline, in the same run, is the raw cost of mapping and unmapping the same
 page size with bare system calls (``kvelastic bench vmm``'s raw path).
 
@@ -17,6 +19,8 @@ a daemon of its own with a one-page budget; one engine pair).
 from __future__ import annotations
 
 import json
+import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,8 +33,11 @@ from kvelastic.figures import percentile
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
 
 
-def engine_loop(socket_path: str, engine_id: str, rounds: int, backend: str) -> dict[str, list[float]]:
-    """One engine: grow by one slab, return it, ``rounds`` times (microseconds)."""
+def engine_loop(socket_path: str, engine_id: str, rounds: int, backend: str,
+                barrier: str = "") -> dict[str, list[float]]:
+    """One engine: grow by one slab, return it, ``rounds`` times (microseconds).
+    ``barrier``: a folder; after the warm-up the engine writes ``ready-ID``
+    there and waits for ``go``."""
     from kvelastic.client.connection import expect
     from kvelastic.client.engine import EngineClient
     from kvelastic.client.worker import WorkerClient
@@ -43,9 +50,12 @@ def engine_loop(socket_path: str, engine_id: str, rounds: int, backend: str) -> 
                           low_watermark=0, shrink_grace=3600).start()
     worker = WorkerClient(get_backend(backend), socket_path=socket_path, engine_id=engine_id, rank=0,
                           token=engine.token).start()
-    grants, returns = [], []
+    grants: list[float] = []
+    returns: list[float] = []
     try:
         for i in range(rounds + 5):
+            if i == 5 and barrier:
+                _wait_at(barrier, engine_id)
             t0 = time.perf_counter()
             reply = expect(engine.conn.call(p.Grow(engine_id=engine_id, slabs=1)), p.Granted)
             t1 = time.perf_counter()
@@ -62,9 +72,25 @@ def engine_loop(socket_path: str, engine_id: str, rounds: int, backend: str) -> 
     return {"grant": grants, "return": returns}
 
 
+def _wait_at(barrier: str, engine_id: str, timeout: float = 120.0) -> None:
+    pathlib.Path(barrier, f"ready-{engine_id}").touch()
+    go = pathlib.Path(barrier, "go")
+    deadline = time.monotonic() + timeout
+    while not go.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"engine {engine_id}: the other engines never got ready")
+        time.sleep(0.005)
+
+
 def _parallel(sock: str, engines: int, rounds: int, backend: str) -> dict[str, list[float]]:
+    barrier = tempfile.mkdtemp(prefix="kvgrant-")
     procs = [subprocess.Popen([sys.executable, "-m", "kvelastic.bench.grant", sock, f"bench-{i}", str(rounds),
-                               backend], stdout=subprocess.PIPE, text=True) for i in range(engines)]
+                               backend, barrier], stdout=subprocess.PIPE, text=True) for i in range(engines)]
+    deadline = time.monotonic() + 120
+    while len(list(pathlib.Path(barrier).glob("ready-*"))) < engines and time.monotonic() < deadline \
+            and all(proc.poll() is None for proc in procs):
+        time.sleep(0.01)
+    pathlib.Path(barrier, "go").touch()
     merged: dict[str, list[float]] = {"grant": [], "return": []}
     for proc in procs:
         out, _ = proc.communicate(timeout=600)
@@ -72,6 +98,7 @@ def _parallel(sock: str, engines: int, rounds: int, backend: str) -> dict[str, l
             raise RuntimeError(f"a benchmark engine failed ({proc.returncode})")
         for key, values in json.loads(out.strip().splitlines()[-1]).items():
             merged[key].extend(values)
+    shutil.rmtree(barrier, ignore_errors=True)
     return merged
 
 
@@ -84,7 +111,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     raw = vmm.run(quick=quick, backend=backend)
     with tempfile.TemporaryDirectory() as tmp, running_daemon(tmp, "256MiB", backend) as sock:
         one = engine_loop(sock, "bench-solo", rounds, backend)
-        eight = _parallel(sock, 8, max(10, rounds // 4), backend)
+        eight = _parallel(sock, 8, max(25, rounds // 4), backend)
     moved = handoff.measure(backend, 20 if quick else 200)
     out: dict[str, Any] = {"benchmark": "grant", "backend": backend, "page_size": PAGE,
                            "pages_per_slab": 1, "rounds": rounds,
@@ -93,6 +120,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         for kind in ("grant", "return"):
             out[f"{kind}_p50_us_{label}"] = round(percentile(data[kind], 0.5), 1)
             out[f"{kind}_p99_us_{label}"] = round(percentile(data[kind], 0.99), 1)
+            out[f"{kind}_p999_us_{label}"] = round(percentile(data[kind], 0.999), 1)
+        out[f"samples_{label}"] = len(data["grant"])
     out["grant_over_raw_map_p50"] = round(out["grant_p50_us_1_engine"] / raw["raw_map_p50_us"], 1)
     out["return_over_raw_unmap_p50"] = round(out["return_p50_us_1_engine"] / raw["raw_unmap_p50_us"], 1)
     out["grant_over_raw_map_p50_8_engines"] = round(out["grant_p50_us_8_engines"] / raw["raw_map_p50_us"], 1)
@@ -106,5 +135,5 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 if __name__ == "__main__":  # one engine process of the 8-engine run
-    socket_path, engine_id, rounds, backend = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    print(json.dumps(engine_loop(socket_path, engine_id, rounds, backend)))
+    socket_path, engine_id, rounds, backend, barrier = sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:6]
+    print(json.dumps(engine_loop(socket_path, engine_id, rounds, backend, barrier)))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import socket
 import threading
@@ -80,6 +81,7 @@ class Connection:
                  handshake: Callable[[Connection], None],
                  on_command: Callable[[p.Msg], None],
                  on_tick: Callable[[float], None] | None = None,
+                 on_pages: Callable[[fdchannel.FdChannel], None] | None = None,
                  tick_interval: float = 0.01, name: str = "kvelastic-io") -> None:
         self.socket_path = socket_path
         self.engine_id = engine_id
@@ -88,6 +90,12 @@ class Connection:
         self._handshake = handshake
         self._on_command = on_command
         self._on_tick = on_tick
+        # A worker's: reads a batch of page descriptors off the lifeline as soon
+        # as it is readable. Left there, it keeps the lifeline readable and the
+        # poll below returns at once, again and again, until the command that
+        # names the pages arrives: a spinning thread that starves the one ZMQ
+        # needs to deliver that command (milliseconds on a busy machine).
+        self._on_pages = on_pages
         self._tick_interval = tick_interval
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._dealer: zmq.Socket[bytes] | None = None
@@ -348,7 +356,9 @@ class Connection:
             poller.register(lifeline.fileno(), zmq.POLLIN)
             while not self._stop.is_set():
                 now = time.monotonic()
-                wait = 0 if self._read_ahead else (max(0, int((next_tick - now) * 1000)) if self._on_tick else 100)
+                # Rounded up: a wait rounded down to 0 ms would spin through the tick's last millisecond.
+                wait = 0 if self._read_ahead else \
+                    (max(0, math.ceil((next_tick - now) * 1000)) if self._on_tick else 100)
                 events = dict(poller.poll(wait))
                 if self._wake in events:
                     try:
@@ -358,7 +368,7 @@ class Connection:
                 self._flush_outbox()
                 if self._dealer in events or self._read_ahead:
                     self._receive()
-                if lifeline.fileno() in events and self._lifeline_closed():
+                if lifeline.fileno() in events and not self._read_pages(lifeline):
                     log.warning("engine %s: lost the daemon; serving from held memory, reconnecting",
                                 self.engine_id)
                     self.reconnects += 1
@@ -391,6 +401,25 @@ class Connection:
                 log.warning("engine %s: undecodable message from the daemon: %s", self.engine_id, exc)
                 continue
             self._deliver(msg)
+
+    def _read_pages(self, lifeline: fdchannel.FdChannel) -> bool:
+        """The lifeline was readable: page descriptors (read now, if a worker's)
+        or EOF. False when the daemon is gone."""
+        try:
+            waiting = lifeline.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True     # already read (a MapSlab delivered in this pass took its batch)
+        except OSError:
+            return False
+        if not waiting:
+            return False
+        if self._on_pages is not None:
+            try:
+                self._on_pages(lifeline)
+            except (OSError, fdchannel.FdChannelError) as exc:
+                log.warning("engine %s rank %d: unreadable page descriptors: %s", self.engine_id, self.rank, exc)
+                return False
+        return True
 
     def _lifeline_closed(self) -> bool:
         """Readable may mean page descriptors waiting (a worker's channel) or EOF."""

@@ -15,6 +15,7 @@ with one scratch page of the worker's own for its duration.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from kvelastic import protocol as p
 from kvelastic.client.connection import Connection, DaemonUnavailable, expect
 from kvelastic.errors import KvelasticError
+from kvelastic.vmm import fdchannel
 from kvelastic.vmm.base import Arena, Backend
 
 log = logging.getLogger("kvelastic.client")
@@ -51,8 +53,13 @@ class WorkerClient:
         self._scratch: set[int] = set()       # offsets the warm-up's scratch page backs
         self._warming = False
         self.warm_up_slots = 0                # slots the last warm-up backed (operators' logs, tests)
+        # Page batches read off the lifeline before their MapSlab arrived, in
+        # the order sent (the daemon sends a slab's pages, then its MapSlab),
+        # each with the lifeline it came on: a batch of a lost connection is closed, never mapped.
+        self._batches: collections.deque[tuple[fdchannel.FdChannel, dict[int, int]]] = collections.deque()
         self.conn = Connection(socket_path, engine_id, rank, handshake=self._register,
-                               on_command=self._on_command, on_tick=self._tick, tick_interval=0.05,
+                               on_command=self._on_command, on_tick=self._tick, on_pages=self._read_pages,
+                               tick_interval=0.05,
                                name=f"kvelastic-worker-{engine_id}-{rank}")
         self.conn.token = token    # the engine's secret: descriptors come only to a channel that shows it
 
@@ -62,6 +69,9 @@ class WorkerClient:
 
     def close(self) -> None:
         self.conn.close()
+        while self._batches:                  # read ahead, never mapped
+            for fd in self._batches.popleft()[1].values():
+                os.close(fd)
         if self.arena is not None:
             self.arena.close()
 
@@ -173,11 +183,26 @@ class WorkerClient:
             self._busy_at = now
             self.conn.send(p.Busy(engine_id=self.engine_id, rank=self.rank, slabs=waiting))
 
+    def _read_pages(self, lifeline: fdchannel.FdChannel) -> None:
+        """I/O thread: the lifeline is readable and not closed: a batch of pages."""
+        self._batches.append((lifeline, dict(lifeline.recv())))
+
+    def _next_batch(self, lifeline: fdchannel.FdChannel) -> dict[int, int]:
+        """The pages of the MapSlab at hand: the oldest batch read ahead on
+        this lifeline, else the one waiting on it (sent just before the message)."""
+        while self._batches:
+            came_on, fds = self._batches.popleft()
+            if came_on is lifeline:
+                return fds
+            for fd in fds.values():     # a lost connection's: its MapSlab never comes
+                os.close(fd)
+        return dict(lifeline.recv())
+
     def _map(self, msg: p.MapSlab) -> None:
         lifeline = self.conn.lifeline
         if lifeline is None:    # commands arrive only while connected (on the I/O thread)
             raise DaemonUnavailable(f"MapSlab {msg.slab} without a page channel to read its pages from")
-        fds = dict(lifeline.recv())      # sent just before this message
+        fds = self._next_batch(lifeline)
         error = ""
         done: list[int] = []
         with self._mu:

@@ -22,8 +22,8 @@ class IndexerClient:
         self.model = model
         self.timeout = timeout
 
-    def _post(self, path: str, body: dict[str, Any], ok: int) -> Any:
-        req = urllib.request.Request(self.base + path, json.dumps(body).encode(),
+    def _post(self, path: str, body: dict[str, Any] | None, ok: int) -> Any:
+        req = urllib.request.Request(self.base + path, None if body is None else json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
@@ -42,6 +42,18 @@ class IndexerClient:
         if replay_endpoint:
             body["replay_endpoint"] = replay_endpoint
         self._post("/register", body, 201)
+
+    def unregister(self, instance_id: int) -> None:
+        self._post("/unregister", {"instance_id": instance_id, "model_name": self.model}, 200)
+
+    def workers(self) -> set[int]:
+        """The engines registered for this model."""
+        try:
+            with urllib.request.urlopen(self.base + "/workers", timeout=self.timeout) as resp:
+                listed = json.loads(resp.read())
+            return {int(w["instance_id"]) for w in listed if w.get("model_name") == self.model}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise IndexerError(f"/workers: {exc}") from None
 
     def scores(self, token_ids: list[int]) -> dict[int, int]:
         """Matched tokens per engine (data-parallel rank 0), engines with a match only."""

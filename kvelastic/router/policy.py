@@ -1,10 +1,13 @@
 """Which engine serves a request: the decision, apart from any I/O.
 
 ``Picker.choose`` takes the indexer's overlap scores (matched tokens per
-engine) and the requests each engine has in flight, and returns the engine.
-KV policy: the longest match wins; ties go to the least loaded engine, then
-round-robin among the rest, so a prompt nobody holds spreads over the engines
-like round-robin. Round-robin policy ignores the scores (the baseline).
+engine), the prompt's length and each engine's *load*: the prompt tokens it
+still has to compute for the requests in flight there. KV policy: the least
+work to wait for, ``prompt - matched + load``, the way KV-aware routers
+weigh a cache hit against a queue (a long match on a swamped engine can lose
+to a short one on an idle engine). With no load anywhere that is the longest
+match. Ties go round-robin, so a prompt nobody holds spreads over the
+engines. Round-robin policy ignores everything (the baseline).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class Choice:
 
 class Picker:
     """Invariant: ``choose`` returns one of ``engines`` and, under the KV
-    policy, one whose score equals the best score."""
+    policy, one whose ``prompt - matched + load`` is the least."""
 
     def __init__(self, engines: Sequence[int], policy: Policy) -> None:
         if not engines:
@@ -49,11 +52,11 @@ class Picker:
                 return engine
         raise AssertionError("no candidate among the engines")
 
-    def choose(self, scores: Mapping[int, int], in_flight: Mapping[int, int]) -> Choice:
+    def choose(self, scores: Mapping[int, int], load: Mapping[int, int], prompt_tokens: int = 0) -> Choice:
         best = max((scores.get(e, 0) for e in self.engines), default=0)
         if self.policy is Policy.ROUND_ROBIN:
             return Choice(self._round_robin(self.engines), 0, best)
-        top = [e for e in self.engines if scores.get(e, 0) == best]
-        least = min(in_flight.get(e, 0) for e in top)
-        engine = self._round_robin([e for e in top if in_flight.get(e, 0) == least])
-        return Choice(engine, best, best)
+        cost = {e: max(0, prompt_tokens - scores.get(e, 0)) + load.get(e, 0) for e in self.engines}
+        least = min(cost.values())
+        engine = self._round_robin([e for e in self.engines if cost[e] == least])
+        return Choice(engine, scores.get(engine, 0), best)

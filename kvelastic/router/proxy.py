@@ -16,6 +16,7 @@ import json
 import logging
 import threading
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -55,7 +56,7 @@ def parse_engine(text: str) -> Engine:
 
 
 class RouterState:
-    """What the handlers share: the picker, in-flight counts, clients, metrics."""
+    """What the handlers share: the picker, each engine's load, clients, metrics."""
 
     def __init__(self, engines: list[Engine], indexer: IndexerClient, policy: Policy, model: str) -> None:
         self.engines = {e.id: e for e in engines}
@@ -65,6 +66,8 @@ class RouterState:
         self.metrics = RouterMetrics([str(e.id) for e in engines])
         self.lock = threading.Lock()
         self.in_flight = {e.id: 0 for e in engines}
+        # Prompt tokens each engine still computes for its requests in flight (the picker's load).
+        self.load = {e.id: 0 for e in engines}
 
     def tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids, or None if they cannot be had."""
@@ -92,7 +95,8 @@ class RouterState:
             log.warning("router: cannot tokenize on engine %d: %s; routing without scores", engine.id, exc)
             return None
 
-    def choose(self, tokens: list[int] | None) -> Choice:
+    def choose(self, tokens: list[int] | None) -> tuple[Choice, int]:
+        """The engine for a request, and the load it adds there (give it back to ``done``)."""
         scores: dict[int, int] = {}
         if tokens and self.picker.policy is Policy.KV:
             try:
@@ -100,18 +104,22 @@ class RouterState:
             except IndexerError as exc:
                 self.metrics.errors.labels("indexer").inc()
                 log.warning("router: indexer: %s; routing without scores", exc)
+        prompt = len(tokens or ())
         with self.lock:
-            choice = self.picker.choose(scores, self.in_flight)
+            choice = self.picker.choose(scores, self.load, prompt)
+            added = max(1, prompt - choice.matched_tokens)
             self.in_flight[choice.engine] += 1
+            self.load[choice.engine] += added
         engine = str(choice.engine)
         self.metrics.requests.labels(engine).inc()
-        self.metrics.prompt_tokens.labels(engine).inc(len(tokens or ()))
+        self.metrics.prompt_tokens.labels(engine).inc(prompt)
         self.metrics.matched_tokens.labels(engine).inc(choice.matched_tokens)
-        return choice
+        return choice, added
 
-    def done(self, engine: int) -> None:
+    def done(self, engine: int, added: int) -> None:
         with self.lock:
             self.in_flight[engine] -= 1
+            self.load[engine] -= added
 
 
 def _post_json(url: str, body: dict[str, Any], timeout: float) -> Any:
@@ -149,7 +157,7 @@ class RouterHandler(BaseHTTPRequestHandler):
         state = self.server.state
         if self.path == "/health":
             self._reply(200, json.dumps({"engines": sorted(state.engines), "policy": state.picker.policy.value,
-                                         "in_flight": state.in_flight}).encode())
+                                         "in_flight": state.in_flight, "load_tokens": state.load}).encode())
         elif self.path == "/metrics":
             self._reply(200, generate_latest(state.metrics.registry), CONTENT_TYPE_LATEST)
         else:
@@ -172,13 +180,21 @@ class RouterHandler(BaseHTTPRequestHandler):
             state.metrics.errors.labels("bad_request").inc()
             self._error(400, f"bad request: {exc}")
             return
-        choice = state.choose(state.tokens(self.path, body))
-        try:
-            self._forward(state.engines[choice.engine], raw, choice)
-        finally:
-            state.done(choice.engine)
+        choice, added = state.choose(state.tokens(self.path, body))
+        finished = False
 
-    def _forward(self, engine: Engine, raw: bytes, choice: Choice) -> None:
+        def finish() -> None:   # before the reply's last byte: a client's next request sees the load gone
+            nonlocal finished
+            if not finished:
+                finished = True
+                state.done(choice.engine, added)
+
+        try:
+            self._forward(state.engines[choice.engine], raw, choice, finish)
+        finally:
+            finish()
+
+    def _forward(self, engine: Engine, raw: bytes, choice: Choice, finish: Callable[[], None]) -> None:
         parts = urllib.parse.urlsplit(engine.url)
         conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=ENGINE_TIMEOUT)
         try:
@@ -200,6 +216,7 @@ class RouterHandler(BaseHTTPRequestHandler):
             while chunk := resp.read1(65536):
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 self.wfile.flush()
+            finish()
             self.wfile.write(b"0\r\n\r\n")
         finally:
             conn.close()
@@ -224,6 +241,77 @@ def register_engines(engines: list[Engine], indexer: IndexerClient, block_size: 
     return count
 
 
+class Registrations:
+    """Keeps every engine registered with the indexer as engines and the
+    indexer come and go. Dynamo's indexer (1.6.1) does not resubscribe to an
+    engine that restarted on the same endpoint (it keeps the last life's
+    blocks and hears nothing new), nor subscribes to an endpoint nobody has
+    bound yet, and an indexer that restarted has no engines. So: an engine
+    whose ``/health`` failed twice in a row (it went down: a restart takes
+    far longer) and answers again, or one the indexer does not list, is
+    registered anew. The new subscription replays the engine's new life from
+    its start at the engine's next batch. ``run`` is a thread of its own."""
+
+    def __init__(self, engines: list[Engine], indexer: IndexerClient, block_size: int, metrics: RouterMetrics,
+                 interval: float = 1.0) -> None:
+        self.engines = [e for e in engines if e.events]
+        self.indexer, self.block_size, self.metrics, self.interval = indexer, block_size, metrics, interval
+        self.down: set[int] = set()
+        self.failures: dict[int, int] = {}     # consecutive failed health checks
+        self._stop = threading.Event()
+
+    def check(self) -> None:
+        try:
+            listed = self.indexer.workers()
+        except IndexerError as exc:
+            self.metrics.errors.labels("indexer").inc()
+            log.warning("router: indexer: %s", exc)
+            return
+        for engine in self.engines:
+            if not _healthy(engine.url):
+                self.failures[engine.id] = self.failures.get(engine.id, 0) + 1
+                if self.failures[engine.id] == 2:
+                    log.warning("router: engine %d (%s) does not answer", engine.id, engine.url)
+                    self.down.add(engine.id)
+                continue
+            self.failures[engine.id] = 0
+            if engine.id in self.down or engine.id not in listed:
+                try:
+                    if engine.id in listed:
+                        self.indexer.unregister(engine.id)
+                    self.indexer.register(engine.id, engine.events or "", engine.replay, self.block_size)
+                except IndexerError as exc:
+                    self.metrics.errors.labels("indexer").inc()
+                    log.warning("router: cannot register engine %d again: %s", engine.id, exc)
+                    continue
+                self.down.discard(engine.id)
+                self.metrics.registrations.labels(str(engine.id)).inc()
+                log.info("router: engine %d registered with the indexer again (%s)", engine.id,
+                         "it restarted" if engine.id in listed else "the indexer did not list it")
+
+    def run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.check()
+            except Exception:   # the watch must outlive any one failure
+                log.exception("router: checking the engines' registrations failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _healthy(url: str) -> bool:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=2.0)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
 def serve(listen: str, engines: list[Engine], indexer_url: str, model: str, block_size: int,
           policy: Policy) -> RouterServer:
     """Register the engines, bind, and return the server (the caller runs ``serve_forever``)."""
@@ -231,6 +319,10 @@ def serve(listen: str, engines: list[Engine], indexer_url: str, model: str, bloc
     indexer = IndexerClient(indexer_url, model)
     if policy is Policy.KV:
         register_engines(engines, indexer, block_size)
-    server = RouterServer((host or "127.0.0.1", int(port)), RouterState(engines, indexer, policy, model))
+    state = RouterState(engines, indexer, policy, model)
+    server = RouterServer((host or "127.0.0.1", int(port)), state)
+    if policy is Policy.KV:
+        watch = Registrations(engines, indexer, block_size, state.metrics)
+        threading.Thread(target=watch.run, name="kvelastic-router-registrations", daemon=True).start()
     log.info("router: %s policy over %d engine(s) on %s:%d", policy.value, len(engines), *server.server_address[:2])
     return server

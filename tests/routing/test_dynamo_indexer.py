@@ -19,6 +19,7 @@ request; and after the next step it still agrees.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -30,7 +31,8 @@ import time
 import pytest
 
 from kvelastic_vllm.bench.dynamo_indexer import DynamoIndexer, available
-from kvelastic_vllm.bench.kv_events import Subscriber, dump_hashes, ext_hash, wait_for
+from kvelastic_vllm.bench.kv_events import CacheModel, Subscriber, dump_hashes, ext_hash, wait_for
+from kvelastic_vllm.bench.kv_events import replay as replay_batches
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -183,18 +185,25 @@ def test_dynamo_indexer_stays_exact_through_a_kill_and_warm_restart_and_a_daemon
     """kvelastic's moves stock vLLM never makes, each followed by the three
     views agreeing (the indexer's /dump, the daemon's journal, vLLM's events):
 
+    The engine is registered with the indexer by ``kvelastic router``, as an
+    operator runs it: Dynamo's indexer (1.6.1) does not resubscribe to an
+    engine restarted on the same endpoint, so the router registers it again
+    once it answers again; the indexer replays the new life from its start
+    at the engine's next batch.
+
     1. ``kill -9`` of the engine and a new ``vllm serve`` of the same id and
        endpoints: the daemon kept the engine's valid cache; the new engine
-       clears its old life's blocks in the indexer and announces the blocks it
-       adopts (token ids and parents from their labels), so the indexer
-       predicts the hit the restarted engine then gives, before any request
-       recomputed them.
+       clears its old life's blocks and announces the blocks it adopts (token
+       ids and parents from their labels; a replay from 0 shows them), so
+       after its first request the indexer holds them and predicts the hit
+       the restarted engine gives on them, which no request recomputed.
     2. ``kill -9`` of the daemon and a new one on the same socket: the engine
        keeps its cache and re-sends its index; nothing changes for the indexer.
     """
     why = available()
     if why:
         pytest.skip(f"Dynamo's indexer cannot run here: {why}")
+    from kvelastic_vllm.bench.route import router
     from kvelastic_vllm.bench.vllm_serve import VllmServer
     from tests.daemon_proc import DaemonProcess
 
@@ -206,6 +215,7 @@ def test_dynamo_indexer_stays_exact_through_a_kill_and_warm_restart_and_a_daemon
     daemon = DaemonProcess(tmp, memory="32MiB").start()
     env["KVELASTIC_SOCKET"] = daemon.socket
     indexer = server = vllm_events = node_events = None
+    routing = contextlib.ExitStack()
     rng = random.Random(11)
 
     def tokens(n: int) -> list[int]:
@@ -223,6 +233,11 @@ def test_dynamo_indexer_stays_exact_through_a_kill_and_warm_restart_and_a_daemon
         return f"daemon {len(t)}, indexer {len(d)}, vLLM events {len(v)}; indexer-daemon {len(d - t)}, " \
                f"daemon-indexer {len(t - d)}"
 
+    def registered_again(base: str) -> float:
+        from kvelastic_vllm.bench.vllm_serve import counter, http_get
+
+        return counter(http_get(base + "/metrics"), "kvelastic_router_registrations_total")
+
     def settle(what: str) -> None:
         try:
             wait_for(agree, 60, what)
@@ -234,7 +249,8 @@ def test_dynamo_indexer_stays_exact_through_a_kill_and_warm_restart_and_a_daemon
         node_events = Subscriber(f"ipc://{daemon.socket}.kv-events", topic=b"kv@e1@")
         server = VllmServer(tiny_model, tmp / "vllm.log", flags=flags, env=env).start()
         vllm_events = Subscriber(endpoint)
-        indexer.register(INSTANCE, endpoint, MODEL, BLOCK, replay)
+        routing_base = routing.enter_context(
+            router(tmp, indexer.loopback_url(), [f"{INSTANCE}={server.base},{endpoint},{replay}"]))
         prompts = [tokens(3 * BLOCK + 10) for _ in range(4)]
         for prompt in prompts:
             server.complete(prompt, max_tokens=4)  # type: ignore[arg-type]
@@ -244,11 +260,22 @@ def test_dynamo_indexer_stays_exact_through_a_kill_and_warm_restart_and_a_daemon
         # 1. kill -9 and a warm restart of the same engine.
         server.kill()
         wait_for(lambda: daemon.status()["orphans"], 30, "the daemon keeping e1's cache")
-        server = VllmServer(tiny_model, tmp / "vllm-2.log", flags=flags, env=env).start()
-        settle("the restarted engine's adopted blocks indexed")
-        assert truth() == before, explain()     # every block kept, adopted and announced
+        port = server.port
+        server = VllmServer(tiny_model, tmp / "vllm-2.log", flags=flags, env=env)
+        server.port, server.base = port, f"http://127.0.0.1:{port}"    # where the router knows it
+        server.start()
+        wait_for(lambda: registered_again(routing_base) >= 1, 30, "the router registering the engine again")
+        assert truth() == before, explain()     # every block kept and adopted
+        # What a router that missed it all gets on replay: the new life from its start,
+        # numbered above the old one's, clearing the old life, then the adopted blocks.
+        batches = replay_batches(replay, 0)
+        assert batches and batches[0][0] > 10**15           # wall-clock microseconds, not 0
+        model = CacheModel()
+        for _, payload in batches:
+            model.apply(payload)
+        assert model.counts["AllBlocksCleared"] == 1 and model.hashes() == before
         server.complete(tokens(2 * BLOCK + 5), max_tokens=2)  # type: ignore[arg-type]
-        settle("the restarted engine's first request indexed (its batches are not taken for old ones)")
+        settle("the restarted engine's adopted blocks and first request indexed")
         assert len(truth()) == len(before) + 2, explain()
         before = truth()
         probe = prompts[1][:3 * BLOCK] + tokens(20)
@@ -265,12 +292,15 @@ def test_dynamo_indexer_stays_exact_through_a_kill_and_warm_restart_and_a_daemon
         node_events.close()
         node_events = None
         daemon.start()
-        node_events = Subscriber(f"ipc://{daemon.socket}.kv-events", topic=b"kv@e1@")
+        # Replayed from the start: the engine may re-send its index before this subscriber connects.
+        node_events = Subscriber(f"ipc://{daemon.socket}.kv-events", topic=b"kv@e1@",
+                                 replay_endpoint=f"ipc://{daemon.socket}.kv-events-replay")
         settle("the engine's index re-sent to the new daemon")
         assert truth() == before, explain()
         server.complete(tokens(2 * BLOCK + 5), max_tokens=2)  # type: ignore[arg-type]
         settle("a request after the daemon restart indexed")
     finally:
+        routing.close()
         for sub in (vllm_events, node_events):
             if sub is not None:
                 sub.close()

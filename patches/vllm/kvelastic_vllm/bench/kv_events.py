@@ -73,9 +73,12 @@ class CacheModel:
 
 
 class Subscriber:
-    """A SUB socket read by a thread of its own into a ``CacheModel``."""
+    """A SUB socket read by a thread of its own into a ``CacheModel``. With
+    ``replay_endpoint``, it first asks for every batch published before it
+    connected (as a router that joins late does), then skips live batches it
+    already has."""
 
-    def __init__(self, endpoint: str, topic: bytes = b"") -> None:
+    def __init__(self, endpoint: str, topic: bytes = b"", replay_endpoint: str | None = None) -> None:
         self.model = CacheModel()
         self.lock = threading.Lock()
         self.topic = topic
@@ -84,19 +87,29 @@ class Subscriber:
         self._sock.setsockopt(zmq.SUBSCRIBE, topic)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
+        self._replay_endpoint = replay_endpoint
         self.last_seq = -1
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        if self._replay_endpoint:
+            for seq, topic, payload in replay(self._replay_endpoint, 0, with_topics=True):
+                if topic.startswith(self.topic):
+                    with self.lock:
+                        self.last_seq = seq
+                        self.model.apply(payload)
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
             if poller.poll(50):
                 topic, seq, payload = self._sock.recv_multipart()
+                number = int.from_bytes(seq, "big")
                 with self.lock:
-                    self.last_seq = int.from_bytes(seq, "big")
+                    if number <= self.last_seq:   # replayed already
+                        continue
+                    self.last_seq = number
                     self.model.apply(payload)
 
     def hashes(self) -> set[int]:
@@ -144,3 +157,27 @@ def wait_for(cond: Callable[[], object], timeout: float, what: str, interval: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+def replay(endpoint: str, start: int, timeout: float = 10.0, with_topics: bool = False) -> list:
+    """Ask a publisher's replay socket for every batch from ``start`` on, as
+    a router does after a gap: (seq, payload), or (seq, topic, payload),
+    until the empty end marker."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        out: list = []
+        while True:
+            frames = sock.recv_multipart()
+            topic, seq, payload = frames[-3], frames[-2], frames[-1]
+            if not payload:
+                return out
+            number = int.from_bytes(seq, "big")
+            out.append((number, topic, payload) if with_topics else (number, payload))
+    finally:
+        sock.close(0)
+        ctx.term()

@@ -153,24 +153,30 @@ class Cluster:
                 r.read()
 
     # ------------------------------------------------------------ router
-    @contextlib.contextmanager
-    def router(self, policy: str) -> Iterator[str]:
-        port = vllm_serve.free_port()
+    def router(self, policy: str) -> contextlib.AbstractContextManager[str]:
         engines = [f"{i}={s.base},{self.events[i][0]},{self.events[i][1]}" for i, s in self.engines.items()]
-        cmd = [sys.executable, "-m", "kvelastic", "router", "--listen", f"127.0.0.1:{port}",
-               "--indexer", self.indexer_url, "--model", MODEL, "--block-size", str(BLOCK), "--policy", policy,
-               *[a for e in engines for a in ("--engine", e)]]
-        with open(self.folder / f"router-{policy}.log", "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            wait_for(lambda: _healthy(base) or proc.poll() is not None, 30, "the router's /health")
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvelastic router exited:\n{(self.folder / f'router-{policy}.log').read_text()}")
-            yield base
-        finally:
-            proc.terminate()
-            proc.wait(10)
+        return router(self.folder, self.indexer_url, engines, policy)
+
+
+@contextlib.contextmanager
+def router(folder: pathlib.Path, indexer_url: str, engines: list[str], policy: str = "kv") -> Iterator[str]:
+    """A ``kvelastic router`` process (``--engine`` values as given); yields its base URL."""
+    port = vllm_serve.free_port()
+    cmd = [sys.executable, "-m", "kvelastic", "router", "--listen", f"127.0.0.1:{port}",
+           "--indexer", indexer_url, "--model", MODEL, "--block-size", str(BLOCK), "--policy", policy,
+           *[a for e in engines for a in ("--engine", e)]]
+    log_path = folder / f"router-{policy}.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _healthy(base) or proc.poll() is not None, 30, "the router's /health")
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvelastic router exited:\n{log_path.read_text()}")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def _healthy(base: str) -> bool:
