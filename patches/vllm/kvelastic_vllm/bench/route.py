@@ -55,8 +55,9 @@ TARGETS = {"hit_rate_vs_oracle_min": 0.9, "ttft_p99_ratio_max": 0.5}
 class Cluster:
     """Two daemons, four engines, their event subscribers and the indexer."""
 
-    def __init__(self, folder: pathlib.Path, model: pathlib.Path, per_node: int = ENGINES_PER_NODE) -> None:
-        self.folder, self.model, self.per_node = folder, model, per_node
+    def __init__(self, folder: pathlib.Path, model: pathlib.Path, per_node: int = ENGINES_PER_NODE,
+                 shared_secret: bool = True) -> None:
+        self.folder, self.model, self.per_node, self.shared_secret = folder, model, per_node, shared_secret
         self.engines: dict[int, vllm_serve.VllmServer] = {}   # instance id -> server
         self.names: dict[int, str] = {}                       # instance id -> kvelastic engine id
         self.events: dict[int, tuple[str, str]] = {}          # instance id -> (endpoint, replay)
@@ -72,10 +73,16 @@ class Cluster:
             stack.callback(self.indexer.stop)
             self.indexer_url = self.indexer.loopback_url()
             instance = 0
+            first_secret: pathlib.Path | None = None
             for node in NODES:
                 nf = self.folder / node
                 nf.mkdir()
+                if first_secret is not None and self.shared_secret:
+                    # Every node hashes a prefix alike (docs/kv-events.md): the first node's
+                    # hash secret, copied before this daemon starts, as an operator would.
+                    shutil.copy2(first_secret, nf / first_secret.name)
                 sock, _, _ = stack.enter_context(daemon(nf, NODE_MEMORY))
+                first_secret = first_secret or pathlib.Path(sock + ".hash-secret")
                 for j in range(self.per_node):
                     instance += 1
                     name = f"{node}{j + 1}"
