@@ -12,6 +12,10 @@
     workload, replayed through a fresh ``BlockPool`` and through an
     ``ElasticBlockPool`` whose slabs are already granted (the journal shipped
     after the timed window; a second figure ships it meanwhile). Target: 1.5x.
+(c) Scheduler step: vLLM's ``Scheduler`` at a batch of 256 running requests,
+    no model, stock and with kvelastic (same blocks, same schedule step after
+    step): ``schedule()`` and ``update_from_output()`` per step, median and
+    p90, several rounds in alternation (``vllm_sched``). Target: 1.05x.
 """
 
 from __future__ import annotations
@@ -206,6 +210,7 @@ def serving(model: pathlib.Path, tmp: pathlib.Path, socket_path: str,
 
 
 def run(quick: bool = False) -> dict[str, Any]:
+    from kvelastic_vllm.bench import vllm_sched
     from kvelastic_vllm.bench.tinymodel import build_tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp_dir:
@@ -213,8 +218,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         model = build_tiny_llama(pathlib.Path(tempfile.gettempdir()) / "kvelastic-tiny-llama")
         with running_daemon(tmp_dir, "64MiB") as sock:     # stock vLLM preallocates 64 MiB
             hot = hot_path(quick, sock, num_blocks=32 * 64)  # 32 pages of 64 blocks
+            sched = vllm_sched.scheduler_step(quick, sock, model)
             served = serving(model, tmp, sock, quick)
-    out: dict[str, Any] = {"benchmark": "vllm", "model": "tiny random Llama (2 layers, fp32, block 32)", **hot}
+    out: dict[str, Any] = {"benchmark": "vllm", "model": "tiny random Llama (2 layers, fp32, block 32)", **hot,
+                           **sched}
     for dataset, _ in DATASETS:
         stock, mine = served[(dataset, "stock")], served[(dataset, "kvelastic")]
         for key in ("throughput_tok_s", "ttft_mean_ms", "ttft_p99_ms", "hit_rate"):

@@ -1,0 +1,208 @@
+"""``kvelastic bench vllm`` (c): the scheduler step, stock vLLM against vLLM with kvelastic.
+
+vLLM's v1 ``Scheduler`` is built directly (no model, no device): once over a
+stock ``BlockPool``, once inside ``vllm_pool.elastic`` (the plugin's
+scheduler-side patches: ``ElasticBlockPool`` on an engine registered with a
+real daemon, every slab granted before timing, the journal shipped by the
+client's I/O thread meanwhile, as in production). Both get the same number
+of blocks and the same seeded request stream: requests, most sharing one of
+a few prefixes, arrive so that a queue stays waiting behind a full batch of
+``BATCH`` running requests; each step is ``schedule()``, then a fabricated
+``ModelRunnerOutput`` (one sampled token per request whose prompt is done)
+through ``update_from_output()``; requests decode, finish (``max_tokens``),
+and new ones take their place. Both calls are timed per step (as called: with
+kvelastic that includes the step's lock, journal numbering and ``seal_step``),
+after a warm-up that fills the batch; the cache fills and evicts during the
+timed steps. The two sides run in alternation, several rounds; each round's
+median and p90 per step are taken, and the figures are the medians over rounds,
+with the per-round kvelastic/stock ratio of medians (its median, lowest and
+highest: the spread). Both sides must schedule the same tokens step after step
+(``sched_step_same_schedule``): the comparison is fair. Target: ratio <= 1.05.
+"""
+
+from __future__ import annotations
+
+import gc
+import pathlib
+import random
+import statistics
+import tempfile
+import time
+from typing import Any
+
+BS = 16
+BATCH = 256                 # running requests (vLLM's max_num_seqs)
+QUEUE = 16                  # requests kept waiting behind the batch
+MAX_BATCHED_TOKENS = 2048   # vLLM's chunked-prefill token budget of a step
+SLABS = 32                  # the bench's daemon: 64 MiB of 2 MiB pages
+BLOCKS_PER_SLAB = 128
+NUM_BLOCKS = SLABS * BLOCKS_PER_SLAB
+WARM_UP = 40                # steps before timing: the batch fills
+STEPS, QUICK_STEPS = 400, 60
+
+
+def workload(n: int, seed: int = 0) -> list[tuple[str, list[int], int]]:
+    """``n`` requests (id, prompt, max_tokens): three in four start with one of
+    16 shared prefixes (2 to 16 blocks), then 8 to 160 tokens of their own."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(30000) for _ in range(rng.randint(2, 16) * BS)] for _ in range(16)]
+    out = []
+    for i in range(n):
+        prefix = rng.choice(prefixes) if rng.random() < 0.75 else []
+        prompt = prefix + [rng.randrange(30000) for _ in range(rng.randint(8, 160))]
+        out.append((f"r{i}", prompt, rng.randint(16, 160)))
+    return out
+
+
+def vllm_config(model: pathlib.Path):
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=1024,
+                                 skip_tokenizer_init=True),
+        scheduler_config=SchedulerConfig(max_num_seqs=BATCH, max_num_batched_tokens=MAX_BATCHED_TOKENS,
+                                         max_model_len=1024, is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True))
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    return config
+
+
+def scheduler(config):
+    """vLLM's Scheduler over NUM_BLOCKS blocks (ElasticBlockPool inside ``elastic``)."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from kvelastic_vllm.bench.vllm_pool import kv_config
+
+    init_none_hash(sha256)
+    return Scheduler(vllm_config=config, kv_cache_config=kv_config(NUM_BLOCKS, BS),
+                     structured_output_manager=StructuredOutputManager(config), block_size=BS, log_stats=True)
+
+
+def drive(sched, stream: list[tuple[str, list[int], int]], warm_up: int, steps: int) -> dict[str, list]:
+    """Run ``warm_up + steps`` steps; per timed step: seconds in ``schedule()``
+    and in ``update_from_output()``, running requests; per step: the schedule
+    (tokens scheduled, requests scheduled, a digest of tokens per request)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from kvelastic_vllm.bench.vllm_pool import request
+
+    pending = iter(stream)
+    sched_s: list[float] = []
+    update_s: list[float] = []
+    running: list[int] = []
+    schedule: list[tuple[int, int, int]] = []
+    clock = time.perf_counter
+    for i in range(warm_up + steps):
+        while sched.get_num_unfinished_requests() < BATCH + QUEUE:
+            spec = next(pending, None)
+            if spec is None:
+                raise RuntimeError(f"bench vllm: the request stream ran out at step {i}")
+            rid, prompt, max_tokens = spec
+            sched.add_request(request(rid, prompt, BS, max_tokens))
+        t0 = clock()
+        out = sched.schedule()
+        t1 = clock()
+        req_ids = list(out.num_scheduled_tokens)
+        requests = sched.requests
+        sampled = [[7] if requests[rid].num_computed_tokens >= requests[rid].num_tokens else [] for rid in req_ids]
+        result = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: j for j, rid in enumerate(req_ids)},
+                                   sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                                   pooler_output=[])
+        t2 = clock()
+        sched.update_from_output(out, result)
+        t3 = clock()
+        # What was scheduled: tokens, requests, and which request got how many.
+        schedule.append((out.total_num_scheduled_tokens, len(req_ids),
+                         hash(tuple(sorted(out.num_scheduled_tokens.items())))))
+        if i >= warm_up:
+            sched_s.append(t1 - t0)
+            update_s.append(t3 - t2)
+            running.append(len(req_ids))
+    return {"schedule": sched_s, "update": update_s, "running": running, "plan": schedule}
+
+
+def _p90(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=10)[-1]
+
+
+def measure(quick: bool, socket_path: str, model: pathlib.Path | None = None,
+            rounds: int | None = None) -> dict[str, list[dict[str, list]]]:
+    """``drive`` results per side ("stock", "kvelastic"), one per round."""
+    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+    from kvelastic_vllm.bench.vllm_pool import PAGE, elastic
+    from kvelastic_vllm.engine import reserve_watermark
+
+    if model is None:
+        model = build_tiny_llama(pathlib.Path(tempfile.gettempdir()) / "kvelastic-tiny-llama")
+    warm_up, steps = WARM_UP, (QUICK_STEPS if quick else STEPS)
+    rounds = rounds or (2 if quick else 5)
+    stream = workload(BATCH + QUEUE + 8 * (warm_up + steps))   # ~3 finish per step
+    config = vllm_config(model)
+    runs: dict[str, list[dict[str, list]]] = {"stock": [], "kvelastic": []}
+
+    def stock() -> None:
+        sched = scheduler(config)
+        gc.collect()
+        runs["stock"].append(drive(sched, stream, warm_up, steps))
+
+    def mine(round_: int) -> None:
+        low = reserve_watermark(MAX_BATCHED_TOKENS, BS, BLOCKS_PER_SLAB)
+        with elastic(socket_path, blocks_per_slab=BLOCKS_PER_SLAB, engine_id=f"bench-sched-{round_}",
+                     low_watermark=low, max_bytes=SLABS * PAGE) as link:
+            sched = scheduler(config)
+            # Every slab granted before timing, or the steps would time the daemon's grants.
+            if not link.client.ensure(NUM_BLOCKS - 1, timeout=30):
+                raise RuntimeError(f"bench vllm: the daemon did not grant {NUM_BLOCKS} blocks in 30 s")
+            core = sched.kv_cache_manager.block_pool.core
+            if core.num_blocks != NUM_BLOCKS:
+                raise RuntimeError(f"bench vllm: the elastic pool holds {core.num_blocks} blocks, the stock one "
+                                   f"{NUM_BLOCKS}: their schedules would differ")
+            if core.num_cached:   # an earlier round's cache, handed on: it would hit where stock misses
+                raise RuntimeError(f"bench vllm: the elastic pool adopted {core.num_cached} cached blocks; "
+                                   "run the daemon with KVELASTIC_ORPHAN_CACHE_TTL=0")
+            gc.collect()
+            runs["kvelastic"].append(drive(sched, stream, warm_up, steps))
+
+    for round_ in range(rounds):   # who goes first alternates
+        if round_ % 2 == 0:
+            stock()
+            mine(round_)
+        else:
+            mine(round_)
+            stock()
+    return runs
+
+
+def summarize(runs: dict[str, list[dict[str, list]]]) -> dict[str, Any]:
+    plans = [r["plan"] for side in runs.values() for r in side]
+    first = runs["stock"][0]
+    warm_up = len(first["plan"]) - len(first["schedule"])
+    differ = [i for plan in plans for i, (a, b) in enumerate(zip(plan, plans[0])) if a != b]
+    tokens = [plan[0] for plan in first["plan"][warm_up:]]
+    out: dict[str, Any] = {"sched_step_batch": int(statistics.median(first["running"])),
+                           "sched_step_steps": len(first["schedule"]), "sched_step_rounds": len(runs["stock"]),
+                           "sched_step_tokens_per_step": round(statistics.mean(tokens), 1),
+                           "sched_step_same_schedule": not differ}
+    if differ:   # not a fair comparison: where the schedules part
+        out["sched_step_first_difference"] = min(differ)
+    for call, key in (("schedule", "sched_step"), ("update", "sched_update")):
+        med = {side: [statistics.median(r[call]) for r in rs] for side, rs in runs.items()}
+        p90 = {side: [_p90(r[call]) for r in rs] for side, rs in runs.items()}
+        for side in runs:
+            out[f"{key}_{side}_us"] = round(statistics.median(med[side]) * 1e6, 1)
+            out[f"{key}_{side}_p90_us"] = round(statistics.median(p90[side]) * 1e6, 1)
+        ratios = [m / s for s, m in zip(med["stock"], med["kvelastic"])]
+        out[f"{key}_ratio"] = round(statistics.median(ratios), 3)
+        out[f"{key}_ratio_per_round"] = [round(min(ratios), 3), round(max(ratios), 3)]
+        p90_ratios = [m / s for s, m in zip(p90["stock"], p90["kvelastic"])]
+        out[f"{key}_p90_ratio"] = round(statistics.median(p90_ratios), 3)
+    return out
+
+
+def scheduler_step(quick: bool, socket_path: str, model: pathlib.Path | None = None,
+                   rounds: int | None = None) -> dict[str, Any]:
+    """The scheduler-step figures (``sched_step_*``, ``sched_update_*``); see the module docstring."""
+    return summarize(measure(quick, socket_path, model, rounds))

@@ -1,0 +1,39 @@
+"""``kvelastic bench vllm``: the scheduler-step figure (``bench/vllm_sched.py``)
+in its quick mode: vLLM's Scheduler at a batch of 256, stock and with kvelastic
+(a real daemon), the same schedule on both sides step after step."""
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvelastic_vllm.bench import vllm_sched
+
+pytestmark = pytest.mark.vllm
+
+
+def test_scheduler_step_is_timed_on_the_same_schedule_at_a_batch_of_256(daemon_factory):
+    # As the bench's daemon: a departed engine's cache is not kept (each round starts cold).
+    daemon = daemon_factory(KVELASTIC_ORPHAN_CACHE_TTL="0")
+    runs = vllm_sched.measure(quick=True, socket_path=daemon.socket)
+    assert [len(runs[side]) for side in ("stock", "kvelastic")] == [2, 2]
+    stock = runs["stock"][0]
+    # A fair comparison: every run scheduled the same requests for the same
+    # tokens at every step (warm-up included), stock and kvelastic alike.
+    for run in runs["stock"] + runs["kvelastic"]:
+        assert run["plan"] == stock["plan"]
+        assert len(run["schedule"]) == len(run["update"]) == vllm_sched.QUICK_STEPS
+        assert all(t > 0 for t in run["schedule"] + run["update"])
+    assert all(n == vllm_sched.BATCH for n in stock["running"])   # a full batch at every timed step
+    timed = stock["plan"][vllm_sched.WARM_UP:]
+    assert all(tokens >= vllm_sched.BATCH for tokens, _, _ in timed)     # a decode each, and prefills
+    assert any(tokens > vllm_sched.BATCH for tokens, _, _ in timed)      # requests finish, new ones start
+
+    out = vllm_sched.summarize(runs)
+    assert out["sched_step_batch"] == 256 and out["sched_step_same_schedule"] is True
+    assert out["sched_step_steps"] == vllm_sched.QUICK_STEPS and out["sched_step_rounds"] == 2
+    for key in ("sched_step", "sched_update"):
+        for side in ("stock", "kvelastic"):
+            assert 0 < out[f"{key}_{side}_us"] <= out[f"{key}_{side}_p90_us"]
+        low, high = out[f"{key}_ratio_per_round"]
+        assert 0 < low <= out[f"{key}_ratio"] <= high
+        assert out[f"{key}_p90_ratio"] > 0
