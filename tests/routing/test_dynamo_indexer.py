@@ -309,3 +309,143 @@ def test_dynamo_indexer_stays_exact_through_a_kill_and_warm_restart_and_a_daemon
         if indexer is not None:
             indexer.stop()
         daemon.stop()
+
+
+def test_dynamo_indexer_stays_exact_through_a_hand_off_and_an_invalidation(short_tmp, tiny_model):
+    """Two replicas of the model on one daemon whose memory holds two slabs.
+
+    1. Hand-off: ``e1`` fills both slabs with cache and idles; ``e2`` starts,
+       and the slab it needs is ``e1``'s second one, whose cached blocks come
+       along (same namespace). ``e1`` publishes their removal on its I/O
+       thread's tick, ``e2`` their storage (token ids and parents from the
+       blocks' labels) as it starts, before any router can subscribe: the
+       indexer, registered once ``e2`` answers, replays them at ``e2``'s first
+       batch. It then moves them from one worker to the other, and its
+       prediction for ``e2`` is the hit ``e2`` reports on KV it never computed.
+    2. ``kvelastic invalidate e2``: ``e2`` clears its index and publishes
+       ``AllBlocksCleared``; the indexer forgets ``e2``'s blocks, keeps
+       ``e1``'s, and ``e2`` hits nothing.
+    """
+    why = available()
+    if why:
+        pytest.skip(f"Dynamo's indexer cannot run here: {why}")
+    from kvelastic import protocol as p
+    from kvelastic_vllm.bench.vllm_serve import VllmServer
+    from tests.daemon_proc import DaemonProcess
+
+    tmp = short_tmp
+    rng = random.Random(13)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, 500) for _ in range(n)]
+
+    daemon = DaemonProcess(tmp, memory="8MiB", KVELASTIC_IDLE_GRACE="1s").start()  # two slabs of 128 blocks
+    indexer = None
+    servers: dict[int, VllmServer] = {}
+    subs: list[Subscriber] = []
+    node: dict[int, Subscriber] = {}
+    events: dict[int, Subscriber] = {}
+
+    def start(instance: int) -> VllmServer:
+        endpoint, replay = f"ipc://{tmp}/ev{instance}.sock", f"ipc://{tmp}/ev{instance}-replay.sock"
+        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+               "replay_endpoint": replay, "topic": "kv"}
+        node[instance] = Subscriber(f"ipc://{daemon.socket}.kv-events", topic=f"kv@e{instance}@".encode())
+        subs.append(node[instance])
+        server = VllmServer(tiny_model, tmp / f"vllm-{instance}.log", flags=["--kv-events-config", json.dumps(cfg)],
+                            env={"KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": daemon.socket,
+                                 "KVELASTIC_ENGINE_ID": f"e{instance}", "KVELASTIC_METRICS_PORT": "0"})
+        servers[instance] = server.start()
+        events[instance] = Subscriber(endpoint, replay_endpoint=replay)   # from the engine's start
+        subs.append(events[instance])
+        indexer.register(instance, endpoint, MODEL, BLOCK, replay)
+        return server
+
+    def truth(instance: int) -> set[int]:
+        return {ext_hash(h) for h in node[instance].model.blocks}
+
+    def views(instance: int) -> tuple[set[int], set[int], set[int]]:
+        return truth(instance), dump_hashes(indexer.dump(), MODEL, instance), events[instance].hashes()
+
+    def hittable(instance: int) -> set[int]:
+        """The engine's cached blocks vLLM could hit: parents as e1 first stored them."""
+        model = events[1].snapshot()
+        return model.reachable(truth(instance))
+
+    def agree(*instances: int) -> bool:
+        """The indexer holds what the engine announced: every block it could
+        hit and no block it does not cache (a handed-on block whose parent
+        stayed behind is announced when the engine computes the parent again)."""
+        return all(d == v and hittable(i) <= d <= t for i, (t, d, v) in zip(instances, map(views, instances)))
+
+    def settle(what: str, *instances: int) -> None:
+        try:
+            wait_for(lambda: agree(*instances), 60, what)
+        except AssertionError as exc:
+            told = {i: tuple(len(s) for s in views(i)) for i in instances}
+            raise AssertionError(f"{exc}: (daemon, indexer, vLLM events) per engine {told}") from None
+
+    def hit(server: VllmServer, prompt: list[int]) -> float:
+        _, before = server.prefix_cache()
+        server.complete(prompt, max_tokens=1)  # type: ignore[arg-type]
+        return server.prefix_cache()[1] - before
+
+    try:
+        indexer = DynamoIndexer(tmp / "indexer.log").start()
+        e1 = start(1)
+        # Fill e1's first slab (it also holds vLLM's null block, so it never moves) and spill into the second.
+        fillers = [tokens(30 * BLOCK) for _ in range(6)]
+        for prompt in fillers:
+            e1.complete(prompt, max_tokens=1)  # type: ignore[arg-type]
+        wait_for(lambda: len(truth(1)) > 128, 60, "e1's cache in both slabs")
+        settle("e1's blocks indexed", 1)
+        before = truth(1)
+
+        # 1. e2's demand takes e1's second slab with its cache.
+        e2 = start(2)
+        wait_for(lambda: truth(2) & before, 60, "e1's cached blocks handed on to e2 (daemon stream)")
+        moved = truth(2) & before
+        assert not (moved & truth(1)) and truth(1) | moved == before, "a handed-on block stays on one engine"
+        e2.complete(tokens(2 * BLOCK + 5), max_tokens=1)  # type: ignore[arg-type]
+        settle("the hand-off indexed: out of e1, into e2", 1, 2)
+        assert len(truth(2) - moved) == 2
+        assert views(1)[1] == truth(1)
+        waiting = truth(2) - views(2)[1]
+        print(f"{len(moved)} blocks handed on; {len(waiting)} wait for a parent that stayed with e1")
+        # A filler whose first block went to e2: the indexer credits e2, and e2 hits on it.
+        probe = next(f for f in fillers if indexer.query(MODEL, f).get(2, 0) >= BLOCK) + tokens(5)
+        predicted = indexer.query(MODEL, probe)[2]
+        assert hit(e2, probe) == predicted
+        settle("e2's probe indexed", 1, 2)
+        # e2 computes the head of a chain whose tail it adopted: the tail is announced, and hit.
+        chain = events[1].snapshot().chain
+
+        def blocks_of(prompt: list[int]) -> list[int]:
+            out, parent = [], None
+            for i in range(len(prompt) // BLOCK):
+                parent = chain[(parent, tuple(prompt[i * BLOCK:(i + 1) * BLOCK]))]
+                out.append(parent)
+            return out
+
+        split = next(f for f in fillers if set(blocks_of(f)) & waiting)
+        assert hit(e2, split + tokens(5)) < len(split)          # the head is computed again
+        settle("the adopted tail announced after its head", 1, 2)
+        assert views(2)[1] == truth(2) >= set(blocks_of(split))
+        assert hit(e2, split + tokens(5)) == len(split)
+
+        # 2. The operator invalidates e2's cache; e1's stays.
+        kept = truth(1)
+        assert daemon.request(p.Invalidate(target="e2")).engines == 1
+        wait_for(lambda: not truth(2) and agree(1, 2), 60, "e2's cache invalidated, indexed while e2 idles")
+        assert truth(1) == kept and events[2].snapshot().counts["AllBlocksCleared"] >= 1
+        assert 2 not in indexer.query(MODEL, probe)
+        assert hit(e2, probe) == 0
+        settle("e2's first request after the invalidation indexed", 1, 2)
+    finally:
+        for sub in subs:
+            sub.close()
+        for server in servers.values():
+            server.stop()
+        if indexer is not None:
+            indexer.stop()
+        daemon.stop()

@@ -40,7 +40,6 @@ from vllm.distributed.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
     KVCacheEvent,
     KVEventBatch,
 )
@@ -57,6 +56,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from kvelastic.errors import OutOfBlocks
+from kvelastic_vllm.announce import Announcer
 from kvelastic_vllm.state import state
 
 log = logging.getLogger("kvelastic.vllm")
@@ -98,7 +98,7 @@ class ElasticBlockPool(BlockPool):
         self.publisher: Any = None   # the scheduler's KV event publisher (``engine.wrap_scheduler_init``)
         self._reuse_watchers: dict = {}
         self._group_suffix: dict[int, bytes] = {}   # group id -> its key suffix (get_cached_block)
-        self._unannounced: list[tuple[Hashable, bytes]] = []   # adopted (key, label), not yet in the queue
+        self.announcer = Announcer(medium)   # adopted blocks, announced once reachable (``announce.py``)
         self.link = state().engine()
         self.core = self.link.pool
         self.client = self.link.client
@@ -318,49 +318,27 @@ class ElasticBlockPool(BlockPool):
 
     # ------------------------------------------------- core pool callbacks
     def _adopted(self, entries: list[tuple[Hashable, bytes]]) -> None:
-        # Announced when the queue is next taken or a key leaves: a grant adopts
-        # slab by slab, and a block's parent may come in a later slab.
-        self._unannounced += entries
+        # Announced when the queue is next taken or a key leaves, once reachable:
+        # a grant adopts slab by slab, and a block's parent may come in a later slab.
+        for key, label in entries:
+            self.announcer.adopted(maybe_convert_block_hash(get_block_hash(cast(BlockHashWithGroupId, key))), label)
 
     def _announce_adopted(self) -> None:
-        """Queue a ``BlockStored`` per adopted labelled block, every parent
-        before its children (a router files a block under its parent). With
-        the lock held."""
-        if not self._unannounced:
-            return
-        pending, self._unannounced = self._unannounced, []
-        events: dict[Any, Any] = {}   # vLLM's published hash (int, or bytes without int hashes) -> event
-        for key, label in pending:
-            try:
-                event = msgspec.msgpack.decode(label, type=BlockStored)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                log.warning("kvelastic: an adopted block's label does not decode; not announced")
-                continue
-            own = maybe_convert_block_hash(get_block_hash(cast(BlockHashWithGroupId, key)))
-            if event.block_hashes != [own]:   # a label names its own key, or it is not this block's
-                log.warning("kvelastic: an adopted block's label names another block; not announced")
-                continue
-            events[own] = msgspec.structs.replace(event, medium=self.medium)
-        done: set[Any] = set()
-        for start in events:
-            chain = []
-            h: Any = start
-            while h in events and h not in done:   # up to the first ancestor already queued (or not adopted)
-                chain.append(h)
-                done.add(h)
-                h = events[h].parent_block_hash
-            self.kv_event_queue.extend(events[x] for x in reversed(chain))
+        """Queue a ``BlockStored`` per adopted block that became reachable. With the lock held."""
+        self.announcer.flush(self.kv_event_queue)
 
     def _key_removed(self, key: Hashable) -> None:
         self._announce_adopted()   # a block announced after its removal would live on in routers
         # The core pool is generic in its keys; this one's are what cache_full_blocks stored.
         hashed = cast(BlockHashWithGroupId, key)
-        self.kv_event_queue.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(get_block_hash(hashed))],
-                                                medium=self.medium, group_idx=get_group_id(hashed)))
+        published, group = maybe_convert_block_hash(get_block_hash(hashed)), get_group_id(hashed)
+        if self.announcer.withdraw((published, group)):
+            return   # adopted, never announced: no router knows it
+        self.kv_event_queue.append(BlockRemoved(block_hashes=[published], medium=self.medium, group_idx=group))
 
     def _cleared(self) -> None:
         if self.enable_kv_cache_events:
-            self._unannounced.clear()
+            self.announcer.clear()
             self.kv_event_queue.append(AllBlocksCleared())
 
     # ------------------------------------------- features kvelastic leaves out

@@ -24,11 +24,13 @@ def _field(ev, name: str, pos: int):
 class CacheModel:
     """The cached blocks a stream describes: hash -> token ids (None if the event had none).
     ``chain`` remembers every block ever stored by (parent hash, token ids), so
-    that a prompt's blocks can be named by hash (``held_prefix``)."""
+    that a prompt's blocks can be named by hash (``held_prefix``); ``parents``
+    each such block's parent (None: a chain's first block)."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, tuple[int, ...] | None] = {}
         self.chain: dict[tuple[int | None, tuple[int, ...]], int] = {}
+        self.parents: dict[int, int | None] = {}
         self.counts = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
         self.batches = 0
 
@@ -49,6 +51,7 @@ class CacheModel:
                     self.blocks[ext_hash(h)] = chunk if len(chunk) == size else None
                     if len(chunk) == size:
                         self.chain[(parent, chunk)] = ext_hash(h)
+                    self.parents[ext_hash(h)] = parent
                     parent = ext_hash(h)
             elif kind == "BlockRemoved":
                 for h in _field(ev, "block_hashes", 1):
@@ -58,6 +61,18 @@ class CacheModel:
 
     def hashes(self) -> set[int]:
         return set(self.blocks)
+
+    def reachable(self, held: set[int]) -> set[int]:
+        """The blocks of ``held`` whose every ancestor is in ``held`` too: those
+        vLLM's prefix lookup can hit (parents as this stream has seen them)."""
+        out: set[int] = set()
+        for h in held:
+            x: int | None = h
+            while x is not None and x in held and x in self.parents:
+                x = self.parents[x]
+            if x is None:
+                out.add(h)
+        return out
 
     def held_prefix(self, tokens: list[int], block_size: int, held: set[int]) -> int:
         """How many tokens of a prompt's leading whole blocks are in ``held``
@@ -125,6 +140,7 @@ class Subscriber:
             m = CacheModel()
             m.blocks = dict(self.model.blocks)
             m.chain = dict(self.model.chain)
+            m.parents = dict(self.model.parents)
             m.counts = dict(self.model.counts)
             m.batches = self.model.batches
             return m
