@@ -14,7 +14,9 @@ Then the daemon reclaims the engine's cached slabs for another engine while
 the engine is idle. vLLM publishes its event queue only when the scheduler
 finishes a step; the plugin publishes what a reclaim queued on its I/O
 thread's tick, so the indexer drops the reclaimed blocks with no further
-request; and after the next step it still agrees.
+request; and after the next step it still agrees. Last, a router that asks
+for a gap older than vLLM's replay buffer gets the newest batches, as from
+stock vLLM, and nothing changes for the engine or the daemon.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BLOCK = 32          # vllm_serve.SERVE_FLAGS' --block-size
 MODEL = "tiny"      # its --served-model-name
 INSTANCE = 1
+BUFFER = 8          # vLLM's replay buffer (batches) in the first test: a late router's gap outgrows it
 
 
 @pytest.fixture
@@ -71,7 +74,7 @@ def test_dynamo_indexer_tracks_an_engine_through_kvelastic(short_tmp, tiny_model
     tmp = short_tmp
     endpoint, replay = f"ipc://{tmp}/ev.sock", f"ipc://{tmp}/ev-replay.sock"
     events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
-                  "replay_endpoint": replay, "topic": "kv"}
+                  "replay_endpoint": replay, "topic": "kv", "buffer_steps": BUFFER}
     daemon = DaemonProcess(tmp, memory="32MiB").start()
     indexer = server = hog = vllm_events = node_events = None
     try:
@@ -167,6 +170,15 @@ def test_dynamo_indexer_tracks_an_engine_through_kvelastic(short_tmp, tiny_model
         server.complete(probe, max_tokens=1)  # type: ignore[arg-type]
         _, hits_after = server.prefix_cache()
         assert hits_after - hits_before == predicted, explain()
+
+        # A router asking for a gap older than the buffer gets what vLLM's own
+        # publisher keeps: the newest batches, in order; the engine and the daemon go on.
+        wait_for(agree, 30, "the probe indexed")
+        seqs = [seq for seq, _ in replay_batches(replay, 0)]
+        assert seqs == list(range(vllm_events.last_seq - BUFFER + 1, vllm_events.last_seq + 1))
+        server.complete(tokens(2 * BLOCK + 5), max_tokens=1)  # type: ignore[arg-type]
+        wait_for(agree, 30, "a request after the stale replay indexed")
+        assert daemon.status()["engines"]
         print(f"test took {time.monotonic() - t_start:.1f} s")
     finally:
         for sub in (vllm_events, node_events):
