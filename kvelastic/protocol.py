@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import enum
 import socket
-from collections.abc import Callable, Sequence
-from typing import Annotated
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 import msgspec
 
@@ -244,7 +244,7 @@ class LabelBlock(msgspec.Struct, tag="label", array_like=True, frozen=True):
 
 JournalOp = StoreKey | RemoveKey | AddSlab | RemoveSlab | ClearKeys | StepBegun | StepDone | LabelBlock
 # Each class takes the op's fields after the code, in order.
-_WIRE_OP: dict[int, Callable[..., JournalOp]] = {
+_WIRE_OP: dict[str, Any] = {   # code -> its JournalOp class
     STORE: StoreKey, REMOVE: RemoveKey, ADD_SLAB: AddSlab, REMOVE_SLAB: RemoveSlab, CLEAR: ClearKeys,
     STEP: StepBegun, DONE: StepDone, LABEL: LabelBlock}
 
@@ -254,6 +254,11 @@ def journal_ops(ops: Sequence[Op]) -> list[JournalOp]:
     return [_WIRE_OP[op[0]](*op[1:]) for op in ops]
 
 
+# The core pool's op codes are these wire ops' tags: an op tuple with a bytes
+# key encodes to the very bytes of its wire op (``JournalFrame``).
+assert all(cls.__struct_config__.tag == code for code, cls in _WIRE_OP.items())
+
+
 class Journal(Msg):
     engine_id: Name
     ops: Annotated[list[JournalOp], msgspec.Meta(max_length=20_000)]   # the client sends larger journals in parts
@@ -261,6 +266,18 @@ class Journal(Msg):
     stats: Stats = {}            # cumulative pool counters (lookups, hits, evictions_*)
     # Answer with Ok once applied: the engine is about to run a step that may
     # rewrite blocks whose keys this journal drops (see ``EngineClient.seal_step``).
+    sync: bool = False
+
+
+class JournalFrame(Msg, tag="Journal"):
+    """A ``Journal`` as an engine sends it, the same bytes on the wire: its
+    ops are the core pool's tuples as they stand (keys already bytes), which
+    encode as the tagged arrays ``Journal`` decodes, so shipping a journal
+    builds no object per op. Send-only: the daemon decodes a ``Journal``."""
+    engine_id: str
+    ops: list[tuple[Any, ...]]
+    occupancy: dict[int, tuple[int, int, int]]
+    stats: dict[str, int] = {}
     sync: bool = False
 
 

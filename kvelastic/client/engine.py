@@ -474,13 +474,15 @@ class EngineClient:
                 self._removal_unacked = False
             return
         counters = self.pool.stats.counters()
-        ops = p.journal_ops(batch.ops if self.bytes_keys else [
-            (op[0], wire_key(op[1]), op[2]) if op[0] in (STORE, REMOVE) else op for op in batch.ops])
+        # The core's op tuples are their wire form once keys are bytes (vLLM's
+        # are): shipped as they stand, no object per op (``p.JournalFrame``).
+        ops = batch.ops if self.bytes_keys else [
+            (op[0], wire_key(op[1]), op[2]) if op[0] in (STORE, REMOVE) else op for op in batch.ops]
         for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):
-            chunk = ops[start:start + JOURNAL_MAX_OPS]
+            chunk = ops if len(ops) <= JOURNAL_MAX_OPS else ops[start:start + JOURNAL_MAX_OPS]
             last = start + JOURNAL_MAX_OPS >= len(ops)
-            msg = p.Journal(engine_id=self.engine_id, ops=chunk, occupancy=batch.occupancy if last else {},
-                            stats=counters if last else {}, sync=sync and last)
+            msg = p.JournalFrame(engine_id=self.engine_id, ops=chunk, occupancy=batch.occupancy if last else {},
+                                 stats=counters if last else {}, sync=sync and last)
             if msg.sync:   # one connection, applied in order: this Ok covers every journal before it
                 expect(self.conn.call(msg, SYNC_TIMEOUT), p.Ok)
                 self._removal_unacked = False

@@ -34,23 +34,27 @@ import dataclasses
 from collections.abc import Callable, Hashable
 from typing import Final, Literal
 
-# Op codes: small ints keep the ops msgpack-compact.
-ADD_SLAB: Final = 0      # (ADD_SLAB, slab_id)
-REMOVE_SLAB: Final = 1   # (REMOVE_SLAB, slab_id)
-STORE: Final = 2         # (STORE, key, block_id)
-REMOVE: Final = 3        # (REMOVE, key, block_id)
-CLEAR: Final = 4         # (CLEAR,)  every key dropped (invalidate / reset)
-STEP: Final = 5          # (STEP, n)  keys stored from here on belong to step n
-DONE: Final = 6          # (DONE, n)  steps up to n finished: their blocks' KV is written
-LABEL: Final = 7         # (LABEL, block_id, label)  the block's label (after its STORE): opaque bytes
+# Op codes: the wire's own tags (``protocol.py``'s journal ops are tagged
+# arrays, ``["store", key, block]``), so that an op tuple with a bytes key is
+# already its wire form and a journal is encoded as it stands, with no object
+# per op (the client ships it while the scheduler works). Short strings are
+# interned: ``op[0] == STORE`` is an identity check.
+ADD_SLAB: Final = "add_slab"         # (ADD_SLAB, slab_id)
+REMOVE_SLAB: Final = "remove_slab"   # (REMOVE_SLAB, slab_id)
+STORE: Final = "store"               # (STORE, key, block_id)
+REMOVE: Final = "remove"             # (REMOVE, key, block_id)
+CLEAR: Final = "clear"               # (CLEAR,)  every key dropped (invalidate / reset)
+STEP: Final = "step"                 # (STEP, n)  keys stored from here on belong to step n
+DONE: Final = "done"                 # (DONE, n)  steps up to n finished: their blocks' KV is written
+LABEL: Final = "label"               # (LABEL, block_id, label)  the block's label (after its STORE): opaque bytes
 
 # One op: a plain tuple whose code says its shape (for the type checker too:
 # ``op[0] == STORE`` narrows an ``Op`` to a ``KeyOp``).
-SlabOp = tuple[Literal[0, 1], int]            # ADD_SLAB, REMOVE_SLAB
-KeyOp = tuple[Literal[2, 3], Hashable, int]   # STORE, REMOVE
-ClearOp = tuple[Literal[4]]                   # CLEAR
-StepOp = tuple[Literal[5, 6], int]            # STEP, DONE
-LabelOp = tuple[Literal[7], int, bytes]       # LABEL
+SlabOp = tuple[Literal["add_slab", "remove_slab"], int]   # ADD_SLAB, REMOVE_SLAB
+KeyOp = tuple[Literal["store", "remove"], Hashable, int]  # STORE, REMOVE
+ClearOp = tuple[Literal["clear"]]                         # CLEAR
+StepOp = tuple[Literal["step", "done"], int]              # STEP, DONE
+LabelOp = tuple[Literal["label"], int, bytes]             # LABEL
 Op = SlabOp | KeyOp | ClearOp | StepOp | LabelOp
 
 Occupancy = tuple[int, int, int]  # (live, cached, free) blocks
@@ -67,12 +71,21 @@ class JournalBatch:
 
 
 class Journal:
-    __slots__ = ("ops", "dirty", "removed", "begun", "done", "_marked", "_done_sent")
+    __slots__ = ("ops", "dirty", "removed", "stored", "begun", "done", "_marked", "_done_sent")
 
     def __init__(self) -> None:
-        self.ops: list[Op] = []
+        # Ops of this batch; None where a STORE was cancelled (``stored``).
+        self.ops: list[Op | None] = []
         self.dirty: set[int] = set()
         self.removed = False         # set by whoever appends REMOVE or CLEAR
+        # block -> the index in ``ops`` of its STORE, for keys stored in this
+        # batch. A key dropped in the batch that stored it never reaches the
+        # daemon: its STORE becomes None and no REMOVE is appended (the
+        # block had no key before its STORE, so the mirror ends the same; a
+        # block that lived that briefly is no news to a router either). The
+        # pool appends STORE ops with their place here, and looks its REMOVE
+        # ops up; CLEAR forgets them (a REMOVE after it follows a new STORE).
+        self.stored: dict[int, int] = {}
         self.begun = 0               # the last step begun
         self.done = 0                # every step up to this one finished
         self._marked = 0             # the last STEP op written
@@ -121,10 +134,12 @@ class Journal:
             occ = occupancy_of(slab_id)
             if occ is not None:
                 occupancy[slab_id] = occ
-        batch = JournalBatch(self.ops, occupancy, self.removed)
+        # Without the cancelled STOREs (an op tuple is never empty: only None goes).
+        batch = JournalBatch(list(filter(None, self.ops)), occupancy, self.removed)
         self.ops = []
         self.dirty = set()
         self.removed = False
+        self.stored = {}
         return batch
 
 
@@ -148,36 +163,50 @@ class Mirror:
         self._in_slab: dict[int, dict[int, None]] = {}
 
     def apply(self, batch: JournalBatch) -> None:
+        # The daemon applies every engine's journal: its two common ops first,
+        # with the mirror's maps bound once (one op costs what its dict work does).
+        index, key_of, label_of, stored_in = self.index, self.key_of, self.label_of, self.stored_in
+        bps, in_slab = self.blocks_per_slab, self._in_slab
         for op in batch.ops:
             if op[0] == STORE:
-                if op[2] in self.key_of:
-                    self._unindex(self.key_of[op[2]], op[2])
-                self.index.setdefault(op[1], set()).add(op[2])
-                self.key_of[op[2]] = op[1]
-                self.label_of.pop(op[2], None)
-                self.stored_in[op[2]] = self.step
-                if self.blocks_per_slab:
-                    self._in_slab.setdefault(op[2] // self.blocks_per_slab, {})[op[2]] = None
+                block = op[2]
+                if block in key_of:
+                    self._unindex(key_of[block], block)
+                holders = index.get(op[1])
+                if holders is None:
+                    index[op[1]] = {block}
+                else:
+                    holders.add(block)
+                key_of[block] = op[1]
+                if label_of:
+                    label_of.pop(block, None)
+                stored_in[block] = self.step
+                if bps:
+                    slab = in_slab.get(block // bps)
+                    if slab is None:
+                        in_slab[block // bps] = {block: None}
+                    else:
+                        slab[block] = None
+            elif op[0] == REMOVE:
+                if key_of.get(op[2]) == op[1]:
+                    self._unindex(op[1], op[2])
             elif op[0] == LABEL:
-                if op[1] in self.key_of:
-                    self.label_of[op[1]] = op[2]
+                if op[1] in key_of:
+                    label_of[op[1]] = op[2]
             elif op[0] == STEP:
                 self.step = max(self.step, op[1])
             elif op[0] == DONE:
                 self.done = max(self.done, op[1])
-            elif op[0] == REMOVE:
-                if self.key_of.get(op[2]) == op[1]:
-                    self._unindex(op[1], op[2])
             elif op[0] == ADD_SLAB:
                 self.slabs[op[1]] = (0, 0, 0)
             elif op[0] == REMOVE_SLAB:
                 self.slabs.pop(op[1], None)
             elif op[0] == CLEAR:
-                self.index.clear()
-                self.key_of.clear()
-                self.label_of.clear()
-                self.stored_in.clear()
-                self._in_slab.clear()
+                index.clear()
+                key_of.clear()
+                label_of.clear()
+                stored_in.clear()
+                in_slab.clear()
             else:
                 raise ValueError(f"unknown journal op {op!r}")
         for slab_id, occ in batch.occupancy.items():

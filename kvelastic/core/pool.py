@@ -217,6 +217,7 @@ class SlabPool:
         for blk, key, label in reversed(take):      # the oldest ends up first in the LRU
             blk._block_hash = key
             self._index.insert(key, blk)
+            self.journal.stored[blk.block_id] = len(self.journal.ops)
             self.journal.ops.append((STORE, key, blk.block_id))
             if label:
                 self._labels[blk.block_id] = label
@@ -267,113 +268,196 @@ class SlabPool:
     def allocate(self, n: int) -> list[BlockRecord]:
         """``n`` blocks with ref_cnt 1: free blocks by best fit, then LRU
         evictions. Raises ``OutOfBlocks`` (nothing taken) if fewer exist."""
+        num_free, lru = self.num_free, self._lru
         if n < 0:
             raise PoolError(f"cannot allocate a negative number of blocks ({n})")
-        if n > self.num_free + len(self._lru):
-            raise OutOfBlocks(
-                f"asked for {n} blocks, {self.num_free} free + {len(self._lru)} evictable held")
-        out: list[BlockRecord] = []
+        if n > num_free + len(lru):
+            raise OutOfBlocks(f"asked for {n} blocks, {num_free} free + {len(lru)} evictable held")
         dirty = self.journal.dirty
         self.stats.block_ops += 1
-        while len(out) < n and self.num_free:
-            slab = self._fullest_with_free()
-            free = slab.free
-            old = len(free)
-            take = min(n - len(out), old)
-            if take == 1:               # a decode step: the common case
-                blk = free.pop()
-                blk.ref_cnt = 1
-                out.append(blk)
-            else:
-                chunk = free[old - take:]
-                del free[old - take:]
+        if n == 1 and num_free:         # a decode step, the common case: one block from the fullest slab
+            buckets, i = self._by_free, self._min_hint
+            while not buckets[i]:
+                i += 1
+            slab = next(iter(buckets[i].values()))
+            blk = slab.free.pop()
+            blk.ref_cnt = 1
+            slab.live += 1
+            self.num_free = num_free - 1
+            self.num_live += 1
+            # _rebucket, inline: from bucket i to i - 1, which becomes the lowest non-empty one.
+            del buckets[i][slab.slab_id]
+            buckets[i - 1][slab.slab_id] = slab
+            self._min_hint = i - 1 if i > 1 else i
+            dirty.add(slab.slab_id)
+            return [blk]
+        out: list[BlockRecord] = []
+        want, num_free = n, self.num_free
+        if want and num_free:
+            # Best fit: slab after slab from the lowest non-empty bucket i
+            # (none below _min_hint), each taken slab moving to bucket
+            # i - take (_rebucket, inline; 0 when emptied: the scan goes on from i).
+            buckets, i = self._by_free, self._min_hint
+            while want and num_free:
+                while not buckets[i]:
+                    i += 1
+                bucket = buckets[i]
+                slab = next(iter(bucket.values()))
+                free = slab.free                # len(free) == i
+                take = want if want < i else i
+                chunk = free[i - take:]
+                del free[i - take:]
                 for blk in chunk:
                     blk.ref_cnt = 1
                 out += chunk
-            slab.live += take
-            self.num_free -= take
-            self.num_live += take
-            self._rebucket(slab, old)
-            dirty.add(slab.slab_id)
-        if len(out) < n:
-            reused = n - len(out)
-            popitem, drop, cached_at = self._lru.popitem, self._drop_key, self._cached_at
-            for _ in range(reused):
-                block_id, blk = popitem(last=False)
-                if cached_at:
-                    del cached_at[block_id]
-                slab = blk.slab
-                drop(blk)
-                blk.ref_cnt = 1
-                slab.cached -= 1
-                slab.live += 1
+                want -= take
+                num_free -= take
+                slab.live += take
+                del bucket[slab.slab_id]
+                buckets[i - take][slab.slab_id] = slab
                 dirty.add(slab.slab_id)
-                out.append(blk)
-            self.num_live += reused
-            self.stats.evictions["lru"] += reused
+            self._min_hint = i - take if take < i else i
+            self.num_live += n - want
+            self.num_free = num_free
+        if want:
+            self._reuse_cached(want, out)
         return out
 
+    def _reuse_cached(self, reused: int, out: list[BlockRecord]) -> None:
+        """``allocate``'s second half: the ``reused`` least recently used
+        cached blocks lose their keys and join ``out``, live (``_drop_key``
+        inline: one call less per evicted block)."""
+        popitem, cached_at, dirty = self._lru.popitem, self._cached_at, self.journal.dirty
+        adopted, labels, index_remove = self._adopted, self._labels, self._index.remove
+        # HashIndex's own map: a key held by one block is a bare entry there
+        # (index.py), removed here without a call; a shared key goes through it.
+        entries = self._index._map
+        journal = self.journal
+        ops, stored, on_removed = journal.ops, journal.stored, self.on_key_removed
+        for _ in range(reused):
+            block_id, blk = popitem(last=False)
+            if cached_at:
+                del cached_at[block_id]
+            slab = blk.slab
+            key = blk._block_hash
+            if adopted:
+                adopted.discard(block_id)
+            if labels:
+                labels.pop(block_id, None)
+            if entries[key] is blk:
+                del entries[key]
+            else:
+                index_remove(key, blk)
+            at = stored.pop(block_id, None)
+            if at is None:
+                ops.append((REMOVE, key, block_id))
+            else:       # stored in this batch: cancelled instead (Journal.stored)
+                ops[at] = None
+            blk._block_hash = blk._block_hash_num_tokens = None
+            if on_removed is not None:
+                on_removed(key)
+            blk.ref_cnt = 1
+            slab.cached -= 1
+            slab.live += 1
+            dirty.add(slab.slab_id)
+            out.append(blk)
+        journal.removed = True
+        self.num_live += reused
+        self.stats.evictions["lru"] += reused
+
     def touch(self, blocks: Sequence[BlockRecord]) -> None:
-        """A cache hit: each block gains a reference; a cached block turns live."""
-        for blk in blocks:
-            slab = getattr(blk, "slab", None)
-            if slab is None or slab.owner is not self:
-                raise UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds")
-            if blk.ref_cnt == 0 and blk._block_hash is None:
-                raise BlockNotCached(f"block {blk.block_id} is free, not cached: it cannot be touched")
+        """A cache hit: each block gains a reference; a cached block turns live.
+        One pass takes the references (a bad block gives them back: nothing
+        else changed yet), a second moves the revived cached blocks out of the LRU."""
+        revived: list[BlockRecord] = []
+        done = 0
+        try:
+            for blk in blocks:
+                if blk.slab.owner is not self:
+                    raise AttributeError
+                ref = blk.ref_cnt
+                if not ref:
+                    if blk._block_hash is None:
+                        self._untouch(blocks, done)
+                        raise BlockNotCached(f"block {blk.block_id} is free, not cached: it cannot be touched")
+                    revived.append(blk)
+                blk.ref_cnt = ref + 1
+                done += 1
+        except AttributeError:   # no slab (None, or not a record of this pool), or a slab not held
+            self._untouch(blocks, done)
+            raise UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds") from None
         self.stats.block_ops += 1
+        if not revived:
+            return
         lru, dirty, cached_at, adopted = self._lru, self.journal.dirty, self._cached_at, self._adopted
-        for blk in blocks:
-            if blk.ref_cnt == 0:
-                del lru[blk.block_id]
-                if cached_at:
-                    del cached_at[blk.block_id]
-                if adopted and blk.block_id in adopted:   # a hit on KV another engine computed
-                    adopted.discard(blk.block_id)
-                    self.stats.adopted_hits += 1
-                slab = blk.slab
-                slab.cached -= 1
-                slab.live += 1
-                self.num_live += 1
-                dirty.add(slab.slab_id)
-            blk.ref_cnt += 1
+        for blk in revived:
+            del lru[blk.block_id]
+            if cached_at:
+                del cached_at[blk.block_id]
+            if adopted and blk.block_id in adopted:   # a hit on KV another engine computed
+                adopted.discard(blk.block_id)
+                self.stats.adopted_hits += 1
+            slab = blk.slab
+            slab.cached -= 1
+            slab.live += 1
+            dirty.add(slab.slab_id)
+        self.num_live += len(revived)
+
+    @staticmethod
+    def _untouch(blocks: Sequence[BlockRecord], done: int) -> None:
+        for i in range(done):
+            blocks[i].ref_cnt -= 1
 
     def free(self, blocks: Iterable[BlockRecord]) -> None:
         """Drop one reference per block, in eviction order (first evicted
         first). A block reaching 0 becomes cached if it has a key, else free."""
+        if type(blocks) is not list:
+            blocks = list(blocks)       # vLLM passes an iterator; a bad block's undo walks back
         dirty, lru = self.journal.dirty, self._lru
-        done: list[BlockRecord] = []
-        released = 0
-        ttl = self.ttl
+        cached_at = self._cached_at if self.ttl else None
         now = self._clock()
+        done = released = 0
         last = None
-        grown: dict[Slab, int] = {}     # slab -> its free count before: rebucketed once at the end
-        for blk in blocks:
-            slab = getattr(blk, "slab", None)
-            if slab is None or slab.owner is not self or blk.ref_cnt <= 0:
-                self._undo_free(done, blk)
-            blk.ref_cnt -= 1
-            done.append(blk)
-            if blk.ref_cnt:
-                continue
-            released += 1
-            slab.live -= 1
-            if blk._block_hash is None:
-                if slab not in grown:
-                    grown[slab] = len(slab.free)
-                slab.free.append(blk)
-            else:
-                slab.cached += 1
-                lru[blk.block_id] = blk
-                if ttl:
-                    self._cached_at[blk.block_id] = now
-            if slab is not last:  # a request's blocks mostly share slabs (best fit)
-                dirty.add(slab.slab_id)
-                last = slab
+        grown: dict[Slab, int] = {}     # slab -> its free count before: rebucketed once at the end if it grew
+        try:
+            for blk in blocks:
+                slab = blk.slab
+                ref = blk.ref_cnt
+                if ref <= 0 or slab.owner is not self:
+                    raise AttributeError
+                blk.ref_cnt = ref = ref - 1
+                done += 1
+                if ref:
+                    continue
+                released += 1
+                if slab is not last:  # a request's blocks mostly share slabs (best fit)
+                    last = slab
+                    dirty.add(slab.slab_id)
+                    if slab not in grown:
+                        grown[slab] = len(slab.free)
+                slab.live -= 1
+                if blk._block_hash is None:
+                    slab.free.append(blk)
+                else:
+                    slab.cached += 1
+                    lru[blk.block_id] = blk
+                    if cached_at is not None:
+                        cached_at[blk.block_id] = now
+        except AttributeError:   # a bad block: no slab, a slab not held, or not live
+            self._undo_free(blocks[:done], blocks[done])
         self.stats.block_ops += 1
-        for slab, old in grown.items():
-            self.num_free += len(slab.free) - old
-            self._rebucket(slab, old)
+        if grown:   # _rebucket, inline: each slab that gained free blocks, once
+            by_free, hint = self._by_free, self._min_hint
+            for slab, old in grown.items():
+                new = len(slab.free)
+                if new == old:
+                    continue
+                self.num_free += new - old
+                del by_free[old][slab.slab_id]
+                by_free[new][slab.slab_id] = slab
+                if new < hint:
+                    hint = new
+            self._min_hint = hint
         self.num_live -= released
         if self.ttl or self.max_cached_blocks is not None:
             self._enforce_limits(now)
@@ -407,14 +491,16 @@ class SlabPool:
             raise PoolError(f"cache: {len(blocks)} blocks, {len(keys)} keys"
                             + ("" if num_tokens is None else f", {len(num_tokens)} prefix lengths")
                             + ("" if labels is None else f", {len(labels)} labels"))
-        for blk in blocks:
-            slab = getattr(blk, "slab", None)
-            if slab is None or slab.owner is not self:
-                raise UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds")
-            if blk.ref_cnt <= 0:
-                raise BlockNotLive(f"block {blk.block_id} is not allocated: only live blocks are cached")
+        try:
+            for blk in blocks:
+                if blk.slab.owner is not self:
+                    raise AttributeError
+                if blk.ref_cnt <= 0:
+                    raise BlockNotLive(f"block {blk.block_id} is not allocated: only live blocks are cached")
+        except AttributeError:   # no slab (None, or not a record of this pool), or a slab not held
+            raise UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds") from None
         self.journal.mark_store()
-        ops = self.journal.ops
+        ops, stored = self.journal.ops, self.journal.stored
         for i, blk in enumerate(blocks):
             key = keys[i]
             if blk._block_hash == key:
@@ -425,6 +511,7 @@ class SlabPool:
             if num_tokens is not None:
                 blk._block_hash_num_tokens = num_tokens[i]
             self._index.insert(key, blk)
+            stored[blk.block_id] = len(ops)
             ops.append((STORE, key, blk.block_id))
             if labels is not None and labels[i]:
                 self._labels[blk.block_id] = labels[i]
@@ -523,6 +610,7 @@ class SlabPool:
         self._adopted.clear()
         self._labels.clear()
         self.journal.ops.append((CLEAR,))
+        self.journal.stored.clear()     # a REMOVE from now on follows a STORE after the CLEAR
         self.journal.removed = True
         self.stats.evictions["invalidate"] += dropped
         if self.on_cleared is not None:
@@ -543,13 +631,6 @@ class SlabPool:
             if slab is None or slab.owner is not self:
                 raise UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds")
 
-    def _fullest_with_free(self) -> Slab:
-        buckets, i = self._by_free, self._min_hint
-        while not buckets[i]:
-            i += 1
-        self._min_hint = i
-        return next(iter(buckets[i].values()))
-
     def _rebucket(self, slab: Slab, old_free: int) -> None:
         new_free = len(slab.free)
         if new_free != old_free:
@@ -565,7 +646,11 @@ class SlabPool:
             self._labels.pop(blk.block_id, None)
         self._index.remove(key, blk)
         journal = self.journal
-        journal.ops.append((REMOVE, key, blk.block_id))
+        at = journal.stored.pop(blk.block_id, None)
+        if at is None:
+            journal.ops.append((REMOVE, key, blk.block_id))
+        else:           # stored in this batch: cancelled instead (Journal.stored)
+            journal.ops[at] = None
         journal.removed = True
         blk._block_hash = blk._block_hash_num_tokens = None
         if self.on_key_removed is not None:

@@ -170,7 +170,7 @@ class ElasticBlockPool(BlockPool):
                 if self.enable_caching:
                     collector.on_block_evicted(block)
                 collector.on_block_allocated(block)
-        if self.core.num_free < self.client.low_watermark:
+        if self.core.num_free < self.client.reserve.low_watermark:   # the property, without its call
             self.client.wake()
         return blocks
 
@@ -196,14 +196,15 @@ class ElasticBlockPool(BlockPool):
         cached = []
         get = self.core.get_cached_block
         for group_id in kv_cache_group_ids:
-            # make_block_hash_with_group_id, with the 4-byte group suffix cached
-            suffix = self._group_suffix.get(group_id) or self._group_suffix.setdefault(
-                group_id, make_block_hash_with_group_id(BlockHash(b""), group_id))
-            block = get(block_hash + suffix)
+            block = get(block_hash + (self._group_suffix.get(group_id) or self._suffix(group_id)))
             if block is None:
                 return None
             cached.append(block)
         return cached
+
+    def _suffix(self, group_id: int) -> bytes:
+        """The group's key suffix: ``make_block_hash_with_group_id(hash, g) == hash + suffix``."""
+        return self._group_suffix.setdefault(group_id, make_block_hash_with_group_id(BlockHash(b""), group_id))
 
     def cache_full_blocks(self, request: Any, blocks: list[KVCacheBlock], num_cached_blocks: int,
                           num_full_blocks: int, block_size: int, kv_cache_group_id: int,
@@ -212,13 +213,14 @@ class ElasticBlockPool(BlockPool):
             return
         hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
         events = self.enable_kv_cache_events
+        # make_block_hash_with_group_id, with the group's 4-byte suffix cached
+        suffix = self._group_suffix.get(kv_cache_group_id) or self._suffix(kv_cache_group_id)
         to_cache, keys, prefix_lengths, stored = [], [], [], []
         for i, block in enumerate(blocks[num_cached_blocks:num_full_blocks]):
             if block.is_null or (block_mask is not None and not block_mask[i]):
                 continue
-            block_hash = hashes[num_cached_blocks + i]
             to_cache.append(block)
-            keys.append(make_block_hash_with_group_id(block_hash, kv_cache_group_id))
+            keys.append(hashes[num_cached_blocks + i] + suffix)
             prefix_lengths.append((num_cached_blocks + i + 1) * block_size)
             stored.append(i)
         labels = None

@@ -142,7 +142,9 @@ def hot_path(quick: bool, socket_path: str, num_blocks: int) -> dict[str, Any]:
         gc.collect()
         stock_s.append(replay(BlockPool(num_blocks, True, BS), trace))
         for shipping in (False, True):
-            with elastic(socket_path, blocks_per_slab=64, engine_id=f"bench-hot-path-{round_}-{shipping}") as link:
+            # Keys as the plugin registers them (vLLM's bytes, group suffix): shipped as they stand.
+            with elastic(socket_path, blocks_per_slab=64, engine_id=f"bench-hot-path-{round_}-{shipping}",
+                         key_group_suffix=True) as link:
                 pool = ElasticBlockPool(link.num_blocks, True, BS)
                 # Every slab granted before timing, or the replay would time the daemon.
                 if not link.client.ensure(num_blocks - 1, timeout=30):
