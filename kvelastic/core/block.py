@@ -51,12 +51,14 @@ class Block:
 class Slab:
     """The blocks of one granted slab and their live/cached/free counts.
 
-    Invariant: ``live + cached + len(free) == len(blocks)``; ``free`` holds
-    exactly the blocks with ``ref_cnt == 0`` and no key (a LIFO stack, so a
-    freed block is reused first while it is still warm in the cache).
+    Invariant: ``live + cached + len(free) == len(blocks)``, with ``live``
+    derived from the other two (so the pool's hot path keeps two counts, not
+    three); ``free`` holds exactly the blocks with ``ref_cnt == 0`` and no
+    key (a LIFO stack, so a freed block is reused first while it is still
+    warm in the cache), ``cached`` counts those with ``ref_cnt == 0`` and a key.
     """
 
-    __slots__ = ("slab_id", "blocks", "free", "live", "cached", "owner")
+    __slots__ = ("slab_id", "blocks", "free", "cached", "owner")
 
     def __init__(self, slab_id: int, blocks: list[BlockRecord], owner: object | None) -> None:
         self.slab_id = slab_id
@@ -67,8 +69,13 @@ class Slab:
         for blk in blocks:
             blk.slab = self
         self.free: list[BlockRecord] = blocks[::-1]  # pop() hands out the lowest id first
-        self.live = 0
         self.cached = 0
 
+    @property
+    def live(self) -> int:
+        """Blocks with ``ref_cnt > 0``."""
+        return len(self.blocks) - self.cached - len(self.free)
+
     def occupancy(self) -> tuple[int, int, int]:
-        return (self.live, self.cached, len(self.free))
+        free = len(self.free)
+        return (len(self.blocks) - self.cached - free, self.cached, free)

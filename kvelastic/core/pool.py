@@ -282,7 +282,6 @@ class SlabPool:
             slab = next(iter(buckets[i].values()))
             blk = slab.free.pop()
             blk.ref_cnt = 1
-            slab.live += 1
             self.num_free = num_free - 1
             self.num_live += 1
             # _rebucket, inline: from bucket i to i - 1, which becomes the lowest non-empty one.
@@ -312,7 +311,6 @@ class SlabPool:
                 out += chunk
                 want -= take
                 num_free -= take
-                slab.live += take
                 del bucket[slab.slab_id]
                 buckets[i - take][slab.slab_id] = slab
                 dirty.add(slab.slab_id)
@@ -358,7 +356,6 @@ class SlabPool:
                 on_removed(key)
             blk.ref_cnt = 1
             slab.cached -= 1
-            slab.live += 1
             dirty.add(slab.slab_id)
             out.append(blk)
         journal.removed = True
@@ -399,7 +396,6 @@ class SlabPool:
                 self.stats.adopted_hits += 1
             slab = blk.slab
             slab.cached -= 1
-            slab.live += 1
             dirty.add(slab.slab_id)
         self.num_live += len(revived)
 
@@ -435,7 +431,6 @@ class SlabPool:
                     dirty.add(slab.slab_id)
                     if slab not in grown:
                         grown[slab] = len(slab.free)
-                slab.live -= 1
                 if blk._block_hash is None:
                     slab.free.append(blk)
                 else:
@@ -467,7 +462,6 @@ class SlabPool:
         for blk in reversed(done):
             if not blk.ref_cnt:
                 slab = blk.slab
-                slab.live += 1
                 if blk._block_hash is None:
                     slab.free.pop()          # stack order: it is on top again
                 else:
