@@ -111,6 +111,11 @@ class Connection:
         # closed (or reused) descriptor.
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_lock = threading.Lock()
+        # True from a wake until the I/O thread next runs its loop: further
+        # wakes meanwhile are free (a scheduler may ask hundreds of times a
+        # step). Cleared by the I/O thread before it looks at the outbox, and
+        # set by a waker after it queued its work: nothing queued is missed.
+        self._wake_pending = False
         self._next_req = 0
         self._req_lock = threading.Lock()
         self._stop = threading.Event()
@@ -176,8 +181,11 @@ class Connection:
 
     def wake(self) -> None:
         """Run the I/O thread's loop (and its periodic work) now."""
+        if self._wake_pending:
+            return
         with self._wake_lock:
             if self._wake >= 0:
+                self._wake_pending = True
                 os.eventfd_write(self._wake, 1)
 
     def close(self) -> None:
@@ -361,6 +369,7 @@ class Connection:
                     (max(0, math.ceil((next_tick - now) * 1000)) if self._on_tick else 100)
                 events = dict(poller.poll(wait))
                 if self._wake in events:
+                    self._wake_pending = False
                     try:
                         os.eventfd_read(self._wake)
                     except BlockingIOError:

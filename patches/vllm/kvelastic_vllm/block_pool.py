@@ -141,17 +141,23 @@ class ElasticBlockPool(BlockPool):
         self._need = num_blocks + self.margin
 
     def get_num_free_blocks(self) -> int:
+        # Asked once per request per step (hundreds of times at a large batch):
+        # attributes read directly, the rarer paths behind cheap tests.
         core, client = self.core, self.client
         need, self._need = self._need, 0
-        client.apply_grants()  # a slab that arrived mid-step is usable in this step
-        if need > core.num_free and client.can_grow():
-            now = time.monotonic()
-            if now - self._refused_at > REFUSAL_BACKOFF and \
-                    not client.ensure(need, timeout=DEMAND_TIMEOUT, keep_cache=True):
-                self._refused_at = now
-        elif core.num_free < client.low_watermark:
-            client.wake()  # the I/O thread tops the reserve up
-        return core.num_free + core.num_cached
+        if client._grants:
+            client.apply_grants()  # a slab that arrived mid-step is usable in this step
+        free = core.num_free
+        if need > free:
+            if client.can_grow():
+                now = time.monotonic()
+                if now - self._refused_at > REFUSAL_BACKOFF and \
+                        not client.ensure(need, timeout=DEMAND_TIMEOUT, keep_cache=True):
+                    self._refused_at = now
+                free = core.num_free
+        elif free < client.reserve.low_watermark and client.can_grow():
+            client.wake()  # the I/O thread tops the reserve up (an engine at its cap has none to top up)
+        return free + len(core._lru)
 
     def get_usage(self) -> float:
         # The share of the engine's virtual range (the device budget) in live use.
@@ -170,7 +176,7 @@ class ElasticBlockPool(BlockPool):
                 if self.enable_caching:
                     collector.on_block_evicted(block)
                 collector.on_block_allocated(block)
-        if self.core.num_free < self.client.reserve.low_watermark:   # the property, without its call
+        if self.core.num_free < self.client.reserve.low_watermark and self.client.can_grow():
             self.client.wake()
         return blocks
 

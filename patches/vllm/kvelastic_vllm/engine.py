@@ -285,12 +285,13 @@ def wrap_scheduler_init(original):
 def wrap_get_num_blocks_to_allocate(original):
     """The coordinator computes a request's need just before vLLM asks the
     block pool whether it fits: the pool hears the number first (demand)."""
+    from kvelastic_vllm.block_pool import ElasticBlockPool
 
     def get_num_blocks_to_allocate(self, *args, **kwargs):
         need = original(self, *args, **kwargs)
-        expect = getattr(self.block_pool, "expect", None)
-        if expect is not None:
-            expect(need)
+        pool = self.block_pool
+        if type(pool) is ElasticBlockPool:
+            pool._need = need + pool.margin     # ``expect``, inlined: once per request per step
         return need
 
     return get_num_blocks_to_allocate
@@ -299,10 +300,11 @@ def wrap_get_num_blocks_to_allocate(original):
 def wrap_allocate_slots(original):
     """vLLM compares a need with free blocks minus its watermark and the
     blocks it reserves for in-flight prefills: the demand includes both."""
+    from kvelastic_vllm.block_pool import ElasticBlockPool
 
     def allocate_slots(self, request, *args, **kwargs):
         pool = self.block_pool
-        if not hasattr(pool, "expect"):
+        if type(pool) is not ElasticBlockPool:
             return original(self, request, *args, **kwargs)
         pool.margin = getattr(self, "watermark_blocks", 0) + kwargs.get("reserved_blocks", 0)
         try:
