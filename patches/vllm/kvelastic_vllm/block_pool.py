@@ -103,6 +103,12 @@ class ElasticBlockPool(BlockPool):
         self.core = self.link.pool
         self.client = self.link.client
         self.lock = self.client.lock
+        # True while the scheduler thread runs a step (``schedule``,
+        # ``update_from_output``: ``engine.py``) with ``lock`` held: the calls
+        # it makes then skip the lock (a re-entry costs as much as a third of
+        # stock vLLM's whole call). Only that thread calls the pool (vLLM's
+        # EngineCore loop); a call outside a step (an abort) takes the lock.
+        self.in_step = False
         if num_gpu_blocks != self.link.num_blocks:
             raise RuntimeError(f"kvelastic: vLLM built a pool of {num_gpu_blocks} blocks, "
                                f"the engine registered {self.link.num_blocks}")
@@ -134,6 +140,7 @@ class ElasticBlockPool(BlockPool):
         self._refused_at = 0.0
         self._need = 0      # set by ``expect`` for the next capacity check only
         self.margin = 0     # vLLM's watermark and reserved blocks for the call in progress
+        self.link.block_pool = self   # the step wrappers set ``in_step`` (engine.py)
 
     # ------------------------------------------------------------ capacity
     def expect(self, num_blocks: int) -> None:
@@ -166,8 +173,11 @@ class ElasticBlockPool(BlockPool):
     # -------------------------------------------------------------- blocks
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         try:
-            with self.lock:
+            if self.in_step:
                 blocks = self.core.allocate(num_blocks)
+            else:
+                with self.lock:
+                    blocks = self.core.allocate(num_blocks)
         except OutOfBlocks as exc:  # vLLM's contract: ValueError
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool: {exc}") from None
         collector = self.metrics_collector
@@ -181,8 +191,11 @@ class ElasticBlockPool(BlockPool):
         return blocks
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        with self.lock:
+        if self.in_step:
             self.core.touch(blocks)
+        else:
+            with self.lock:
+                self.core.touch(blocks)
         if self.metrics_collector:
             for block in blocks:
                 self.metrics_collector.on_block_accessed(block)
@@ -191,8 +204,11 @@ class ElasticBlockPool(BlockPool):
         # The null block rides along safely (its refcount is pinned high). Blocks
         # of another pool (HiSparse's deferred frees) are refused as unknown:
         # kvelastic serves attention-only models, which never have any.
-        with self.lock:
+        if self.in_step:
             self.core.free(ordered_blocks)
+        else:
+            with self.lock:
+                self.core.free(ordered_blocks)
         # Sliding-window groups free the null block they put in place of
         # blocks out of the window, again and again: pinned high once more.
         self.null_block.ref_cnt = NULL_PINNED
@@ -234,8 +250,11 @@ class ElasticBlockPool(BlockPool):
             extra_keys = self._extra_keys(request, num_cached_blocks, num_full_blocks, block_size, stored)
             labels = [self._label(request, hashes, num_cached_blocks + i, block_size, kv_cache_group_id, extra)
                       for i, extra in zip(stored, extra_keys)]
-        with self.lock:
+        if self.in_step:
             self.core.cache(to_cache, keys, num_tokens=prefix_lengths, labels=labels)
+        else:
+            with self.lock:
+                self.core.cache(to_cache, keys, num_tokens=prefix_lengths, labels=labels)
         if events and stored:
             self._emit_stored(request, hashes, num_cached_blocks, num_full_blocks, block_size,
                               kv_cache_group_id, stored, extra_keys)

@@ -226,9 +226,16 @@ def wrap_schedule(original):
         link = plugin.link
         if link is None:
             return original(self, *args, **kwargs)
+        pool = link.block_pool
         with link.client.lock:
             step = link.pool.begin_step()
-            out = original(self, *args, **kwargs)
+            if pool is not None:
+                pool.in_step = True
+            try:
+                out = original(self, *args, **kwargs)
+            finally:
+                if pool is not None:
+                    pool.in_step = False
         out.kvelastic_step = step
         link.client.seal_step()
         link.client.poll()
@@ -252,10 +259,17 @@ def wrap_update_from_output(original):
         # Held throughout: vLLM takes the pool's events and publishes them in
         # here, and the I/O thread publishes what a reclaim queued between
         # steps (``ElasticBlockPool._publish_queued``): one order for both.
+        pool = link.block_pool
         with link.client.lock:
             if step:
                 link.pool.end_step(step)
-            return original(self, scheduler_output, *args, **kwargs)
+            if pool is None:
+                return original(self, scheduler_output, *args, **kwargs)
+            pool.in_step = True
+            try:
+                return original(self, scheduler_output, *args, **kwargs)
+            finally:
+                pool.in_step = False
 
     return update_from_output
 

@@ -4,6 +4,7 @@ records ``engine.py`` makes at registration and ``state.py`` holds, below both."
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from kvelastic.client.engine import EngineClient
 from kvelastic.core.pool import SlabPool
@@ -25,3 +26,4 @@ class EngineLink:
     geometry: Geometry
     num_blocks: int
     low_watermark: int       # applied once ElasticBlockPool owns the block records
+    block_pool: Any = None   # the ElasticBlockPool serving this engine, once built
