@@ -99,8 +99,10 @@ Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]       # engine
 ShownName = Annotated[str, msgspec.Meta(min_length=1, max_length=160)]
 Key = Annotated[bytes, msgspec.Meta(max_length=256)]                    # a prefix-cache key
 # A key's label (core/journal.py): opaque to the daemon, at most 4 KiB (a
-# block's token ids and parent hash, as the vLLM adapter packs them).
-Label = Annotated[bytes, msgspec.Meta(max_length=4096)]
+# block's token ids and parent hash, as the vLLM adapter packs them; a larger
+# one is not sent: its block goes unlabelled).
+MAX_LABEL_BYTES = 4096
+Label = Annotated[bytes, msgspec.Meta(max_length=MAX_LABEL_BYTES)]
 Stats = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], int], msgspec.Meta(max_length=64)]
 # An engine's registration secret: given to it over its own connection, and
 # shown by its workers (RegisterWorker, the page channel's Hello) and by its

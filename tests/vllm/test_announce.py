@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from kvelastic_vllm.announce import Announcer  # noqa: E402
+from kvelastic_vllm.announce import Announcer
 
 
 def label(h: int, parent: int | None) -> bytes:
@@ -55,8 +55,9 @@ def test_a_chain_tail_waits_for_its_head_and_a_withdrawn_block_is_never_announce
     ann.flush(queue)
     assert [e.block_hashes[0] for e in queue] == [21, 22] and all(e.medium == "CPU" for e in queue)
     assert ann.withdraw((13, 0)) and not ann.withdraw((21, 0))       # 13 waited: its removal is not published
+    # The engine computes the head again.
     queue.append(BlockStored(block_hashes=[11], parent_block_hash=None, token_ids=[1] * 4, block_size=4,
-                             lora_id=None, medium="CPU", lora_name=None, group_idx=0))  # the engine computes the head again
+                             lora_id=None, medium="CPU", lora_name=None, group_idx=0))
     ann.flush(queue)
     assert [e.block_hashes[0] for e in queue] == [21, 22, 11, 12]
     ann.adopted(31, label(31, None))

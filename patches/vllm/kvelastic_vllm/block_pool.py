@@ -56,6 +56,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from kvelastic.errors import OutOfBlocks
+from kvelastic.protocol import MAX_LABEL_BYTES
 from kvelastic_vllm.announce import Announcer
 from kvelastic_vllm.state import state
 
@@ -66,7 +67,6 @@ NULL_PINNED = 1 << 40
 # so a full device costs one round trip per back-off, not one per request.
 DEMAND_TIMEOUT = 2.0
 REFUSAL_BACKOFF = 0.2
-MAX_LABEL = 8192     # protocol.Label's bound: a larger block goes unlabelled (adopters cannot announce it)
 
 
 class ElasticBlock(KVCacheBlock):
@@ -286,7 +286,7 @@ class ElasticBlockPool(BlockPool):
             start_token_idx=j * block_size, end_token_idx=(j + 1) * block_size, block_size=block_size,
             kv_cache_group_id=group_id, extra_keys_list=[extra_keys], **self._lookahead(request, [j], block_size))
         label = msgspec.msgpack.encode(event)
-        return label if len(label) <= MAX_LABEL else b""
+        return label if len(label) <= MAX_LABEL_BYTES else b""   # unlabelled: adopters cannot announce it
 
     def _emit_stored(self, request, hashes, first, last, block_size, group_id, stored, extra_keys) -> None:
         """The range's event, as stock vLLM builds it."""
