@@ -149,11 +149,10 @@ class ElasticBlockPool(BlockPool):
 
     def get_num_free_blocks(self) -> int:
         # Asked once per request per step (hundreds of times at a large batch):
-        # attributes read directly, the rarer paths behind cheap tests.
+        # the rarer paths behind cheap tests.
         core, client = self.core, self.client
         need, self._need = self._need, 0
-        if client._grants:
-            client.apply_grants()  # a slab that arrived mid-step is usable in this step
+        client.apply_grants()  # a slab that arrived mid-step is usable in this step
         free = core.num_free
         if need > free:
             if client.can_grow():
@@ -164,7 +163,7 @@ class ElasticBlockPool(BlockPool):
                 free = core.num_free
         elif free < client.reserve.low_watermark and client.can_grow():
             client.wake()  # the I/O thread tops the reserve up (an engine at its cap has none to top up)
-        return free + len(core._lru)
+        return free + core.num_cached
 
     def get_usage(self) -> float:
         # The share of the engine's virtual range (the device budget) in live use.

@@ -9,10 +9,12 @@ whole virtual capacity. Memory arrives underneath, slab by slab.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kvelastic.client.engine import EngineClient
@@ -211,6 +213,22 @@ def wrap_collective_rpc(original):
     return collective_rpc
 
 
+@contextlib.contextmanager
+def _step(link: EngineLink) -> Iterator[None]:
+    """A scheduler step's hold on the pool: the client's lock, and the block
+    pool told so (``ElasticBlockPool.in_step``: its calls skip the lock)."""
+    pool = link.block_pool
+    with link.client.lock:
+        if pool is None:
+            yield
+            return
+        pool.in_step = True
+        try:
+            yield
+        finally:
+            pool.in_step = False
+
+
 def wrap_schedule(original):
     """One scheduling step is atomic for the pool: a reclaim cannot take a slab
     between the lookup of a cached block and the touch that makes it live.
@@ -226,16 +244,9 @@ def wrap_schedule(original):
         link = plugin.link
         if link is None:
             return original(self, *args, **kwargs)
-        pool = link.block_pool
-        with link.client.lock:
+        with _step(link):
             step = link.pool.begin_step()
-            if pool is not None:
-                pool.in_step = True
-            try:
-                out = original(self, *args, **kwargs)
-            finally:
-                if pool is not None:
-                    pool.in_step = False
+            out = original(self, *args, **kwargs)
         out.kvelastic_step = step
         link.client.seal_step()
         link.client.poll()
@@ -259,17 +270,10 @@ def wrap_update_from_output(original):
         # Held throughout: vLLM takes the pool's events and publishes them in
         # here, and the I/O thread publishes what a reclaim queued between
         # steps (``ElasticBlockPool._publish_queued``): one order for both.
-        pool = link.block_pool
-        with link.client.lock:
+        with _step(link):
             if step:
                 link.pool.end_step(step)
-            if pool is None:
-                return original(self, scheduler_output, *args, **kwargs)
-            pool.in_step = True
-            try:
-                return original(self, scheduler_output, *args, **kwargs)
-            finally:
-                pool.in_step = False
+            return original(self, scheduler_output, *args, **kwargs)
 
     return update_from_output
 
@@ -305,7 +309,7 @@ def wrap_get_num_blocks_to_allocate(original):
         need = original(self, *args, **kwargs)
         pool = self.block_pool
         if type(pool) is ElasticBlockPool:
-            pool._need = need + pool.margin     # ``expect``, inlined: once per request per step
+            pool.expect(need)
         return need
 
     return get_num_blocks_to_allocate
