@@ -134,6 +134,7 @@ class EngineClient:
         self._now = 0.0
         self._closing = False
         self._last_flush = 0.0
+        self._polled_at = 0.0              # the scheduler's last poll (it ships the journal while it polls)
         self.journal_interval = JOURNAL_INTERVAL
         self.conn = Connection(socket_path, engine_id, -1, handshake=self._register,
                                on_command=self._on_command, on_tick=self._tick,
@@ -300,7 +301,7 @@ class EngineClient:
         with self.lock:
             self.apply_grants()
             self._run_deferred()
-            now = time.monotonic()
+            now = self._polled_at = time.monotonic()
             if now - self._last_flush >= self.journal_interval and (self.pool.journal.ops or self.pool.journal.dirty):
                 self._last_flush = now
                 self._flush_journal()
@@ -333,6 +334,13 @@ class EngineClient:
     def wake(self) -> None:
         """Tell the I/O thread to look at the watermarks now (cheap)."""
         self.conn.wake()
+
+    def top_up(self) -> None:
+        """The pool is below its reserve: wake the I/O thread to refill it,
+        unless a refill is in flight or was just refused (then a wake would
+        only cost the scheduler's CPU a thread switch, step after step)."""
+        if not self._grow_in_flight and time.monotonic() >= self.refused_until:
+            self.conn.wake()
 
     # --------------------------------------------------------- I/O thread
     def _run_or_defer(self, work: Callable[[], None]) -> None:
@@ -440,7 +448,10 @@ class EngineClient:
             returned = self._shrink(now)
             # The journal goes first: the daemon judges a grow (is this engine
             # idle?) on the activity the journal carries.
-            if returned or want or now - self._last_flush >= self.journal_interval:
+            # A scheduler that polls ships the journal itself, between its
+            # steps: from here it would run mid-step on the GIL it shares.
+            scheduler_ships = now - self._polled_at < self.journal_interval
+            if returned or want or (now - self._last_flush >= self.journal_interval and not scheduler_ships):
                 self._last_flush = now
                 self._flush_journal()
             if returned:

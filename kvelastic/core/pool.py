@@ -86,6 +86,9 @@ class SlabPool:
         # Cached blocks in eviction order (block_id -> block), and with a TTL
         # the time each became cached.
         self._lru: OrderedDict[int, BlockRecord] = OrderedDict()
+        # count_cached(): num_cached as a bound builtin, no property frame (the
+        # vLLM adapter asks once per request per step). ``_lru`` is never rebound.
+        self.count_cached: Callable[[], int] = self._lru.__len__
         self._cached_at: dict[int, float] = {}
         self._index = HashIndex()
         # get_cached_block(key): any block holding ``key`` (not touched), or

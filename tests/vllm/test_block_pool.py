@@ -58,8 +58,8 @@ def test_touch_revives_cached_blocks(daemon):
 
 def in_use(pool) -> int:
     """Held blocks that are not allocatable (the pool may grow meanwhile)."""
-    with pool.lock:
-        return pool.core.num_blocks - pool.get_num_free_blocks()
+    with pool.lock:   # not get_num_free_blocks: a capacity check may grow the pool first
+        return pool.core.num_blocks - pool.core.num_available
 
 
 def test_lru_eviction_takes_the_tail_of_a_chain_first(daemon):

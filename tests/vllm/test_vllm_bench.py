@@ -12,9 +12,11 @@ pytestmark = pytest.mark.vllm
 
 
 def test_scheduler_step_is_timed_on_the_same_schedule_at_a_batch_of_256(daemon_factory):
+    # Under pressure (the engine may grow, the daemon has no memory left for
+    # it): the plugin's demand path runs, and must change nothing vLLM decides.
     # As the bench's daemon: a departed engine's cache is not kept (each round starts cold).
-    daemon = daemon_factory(KVELASTIC_ORPHAN_CACHE_TTL="0")
-    runs = vllm_sched.measure(quick=True, socket_path=daemon.socket)
+    daemon = daemon_factory(memory=vllm_sched.PRESSURE_DAEMON_MEMORY, KVELASTIC_ORPHAN_CACHE_TTL="0")
+    runs = vllm_sched.measure(quick=True, socket_path=daemon.socket, pressure=True)
     assert [len(runs[side]) for side in ("stock", "kvelastic")] == [2, 2]
     stock = runs["stock"][0]
     # A fair comparison: every run scheduled the same requests for the same
@@ -30,6 +32,8 @@ def test_scheduler_step_is_timed_on_the_same_schedule_at_a_batch_of_256(daemon_f
 
     out = vllm_sched.summarize(runs)
     assert out["sched_step_batch"] == 256 and out["sched_step_same_schedule"] is True
+    heard, asked, refused = out["sched_step_demands"]
+    assert heard >= 2 * vllm_sched.QUICK_STEPS and asked >= refused   # admissions' needs were heard
     assert out["sched_step_steps"] == vllm_sched.QUICK_STEPS and out["sched_step_rounds"] == 2
     for key in ("sched_step", "sched_update"):
         for side in ("stock", "kvelastic"):

@@ -122,18 +122,19 @@ def scheduler_patches() -> list[tuple[object, str, object]]:
     import vllm.v1.core.kv_cache_manager as manager
     import vllm.v1.core.sched.scheduler as scheduler
 
-    from kvelastic_vllm import engine
+    from kvelastic_vllm import demand, engine
     from kvelastic_vllm.block_pool import ElasticBlockPool
 
-    mgr, coord, sched = manager.KVCacheManager, coordinator.KVCacheCoordinator, scheduler.Scheduler
+    mgr, sched = manager.KVCacheManager, scheduler.Scheduler
+    # With a KV connector vLLM may look a waiting request up here instead.
+    lookups = [name for name in ("get_computed_blocks", "get_computed_blocks_for_connector") if hasattr(mgr, name)]
     return [
         (coordinator, "BlockPool", ElasticBlockPool),
         (sched, "__init__", engine.wrap_scheduler_init(sched.__init__)),
         (sched, "schedule", engine.wrap_schedule(sched.schedule)),
         (sched, "update_from_output", engine.wrap_update_from_output(sched.update_from_output)),
-        (mgr, "allocate_slots", engine.wrap_allocate_slots(mgr.allocate_slots)),
+        *[(mgr, name, demand.wrap_get_computed_blocks(getattr(mgr, name))) for name in lookups],
         (mgr, "record_prefix_cache_stats", engine.wrap_record_prefix_cache_stats(mgr.record_prefix_cache_stats)),
-        (coord, "get_num_blocks_to_allocate", engine.wrap_get_num_blocks_to_allocate(coord.get_num_blocks_to_allocate)),
     ]
 
 

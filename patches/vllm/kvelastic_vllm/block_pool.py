@@ -138,32 +138,76 @@ class ElasticBlockPool(BlockPool):
         null.ref_cnt = NULL_PINNED
         self.null_block = null
         self._refused_at = 0.0
-        self._need = 0      # set by ``expect`` for the next capacity check only
+        self._need: int | None = None   # set by ``expect`` for the next capacity check only
         self.margin = 0     # vLLM's watermark and reserved blocks for the call in progress
+        self.hearing: Any = None   # the KVCacheManager whose needs the pool hears (``demand.py``)
+        # The most blocks one running request's capacity check can need: a
+        # step's tokens and a block straddled, per cache group (set with the
+        # scheduler's figures in ``engine.wrap_scheduler_init``).
+        self.call_blocks = self.link.low_watermark
+        self.may_grow = False
+        self.short_below = 0
+        # Capacity checks whose need was heard; grows they asked for, and the refused.
+        self.heard = self.demands = self.refused_demands = 0
+        self.refresh()
         self.link.block_pool = self   # the step wrappers set ``in_step`` (engine.py)
 
     # ------------------------------------------------------------ capacity
+    def refresh(self) -> None:
+        """At each step's start (``engine._step``): whether the pool may grow
+        in this step (below its cap, and no demand refused by the daemon in
+        the last ``REFUSAL_BACKOFF``), and below how many free blocks it is
+        short: its reserve, while the I/O thread may refill it (no refill
+        refused lately), else ``call_blocks``, below which a running request's
+        check may fail. Slabs leave only between steps: this holds for the
+        step. Above it every check costs one comparison: an engine under
+        memory pressure pays nothing per request."""
+        client = self.client
+        now = time.monotonic()
+        self.may_grow = client.can_grow() and now - self._refused_at > REFUSAL_BACKOFF
+        if not self.may_grow:
+            self.short_below = 0
+        elif now >= client.refused_until:
+            self.short_below = max(client.reserve.low_watermark, self.call_blocks)
+        else:
+            self.short_below = self.call_blocks
+
     def expect(self, num_blocks: int) -> None:
-        """vLLM is about to ask whether ``num_blocks`` (plus ``margin``) fit."""
+        """vLLM is about to ask whether ``num_blocks`` (plus ``margin``) fit (``demand.hear``)."""
         self._need = num_blocks + self.margin
+        self.heard += 1
 
     def get_num_free_blocks(self) -> int:
         # Asked once per request per step (hundreds of times at a large batch):
-        # the rarer paths behind cheap tests.
+        # one comparison, unless the pool is short or an admission's need was heard.
+        core = self.core
+        free = core.num_free
+        if self._need is not None or free < self.short_below:
+            free = self._demand(free)
+        return free + core.count_cached()
+
+    def _demand(self, free: int) -> int:
+        """Free blocks for the capacity check in progress, grown first where
+        the daemon can: by the need heard (an admission), else by the most a
+        running request's call can need (``call_blocks``)."""
         core, client = self.core, self.client
-        need, self._need = self._need, 0
+        need, self._need = self.call_blocks if self._need is None else self._need, None
         client.apply_grants()  # a slab that arrived mid-step is usable in this step
         free = core.num_free
         if need > free:
             if client.can_grow():
                 now = time.monotonic()
-                if now - self._refused_at > REFUSAL_BACKOFF and \
-                        not client.ensure(need, timeout=DEMAND_TIMEOUT, keep_cache=True):
-                    self._refused_at = now
+                if now - self._refused_at > REFUSAL_BACKOFF:
+                    self.demands += 1
+                    if not client.ensure(need, timeout=DEMAND_TIMEOUT, keep_cache=True):
+                        self.refused_demands += 1
+                        self._refused_at = now
+                        self.may_grow, self.short_below = False, 0   # until a step after the back-off
                 free = core.num_free
         elif free < client.reserve.low_watermark and client.can_grow():
-            client.wake()  # the I/O thread tops the reserve up (an engine at its cap has none to top up)
-        return free + core.num_cached
+            client.top_up()  # the I/O thread refills the reserve (an engine at its cap has none to refill)
+            self.short_below = min(self.short_below, self.call_blocks)   # said once a step is enough
+        return free
 
     def get_usage(self) -> float:
         # The share of the engine's virtual range (the device budget) in live use.
@@ -185,8 +229,8 @@ class ElasticBlockPool(BlockPool):
                 if self.enable_caching:
                     collector.on_block_evicted(block)
                 collector.on_block_allocated(block)
-        if self.core.num_free < self.client.reserve.low_watermark and self.client.can_grow():
-            self.client.wake()
+        if self.core.num_free < self.short_below:
+            self.client.top_up()
         return blocks
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:

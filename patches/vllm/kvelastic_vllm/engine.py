@@ -19,6 +19,7 @@ from typing import Any
 
 from kvelastic.client.engine import EngineClient
 from kvelastic.core.pool import SlabPool
+from kvelastic_vllm import demand
 from kvelastic_vllm.identity import namespace_of
 from kvelastic_vllm.link import EngineLink, Geometry
 from kvelastic_vllm.state import PluginState, state
@@ -222,6 +223,7 @@ def _step(link: EngineLink) -> Iterator[None]:
         if pool is None:
             yield
             return
+        pool.refresh()
         pool.in_step = True
         try:
             yield
@@ -246,7 +248,11 @@ def wrap_schedule(original):
             return original(self, *args, **kwargs)
         with _step(link):
             step = link.pool.begin_step()
-            out = original(self, *args, **kwargs)
+            try:
+                out = original(self, *args, **kwargs)
+            finally:
+                if link.block_pool is not None and link.block_pool.hearing is not None:
+                    demand.stop_hearing(link.block_pool)
         out.kvelastic_step = step
         link.client.seal_step()
         link.client.poll()
@@ -278,6 +284,16 @@ def wrap_update_from_output(original):
     return update_from_output
 
 
+def call_blocks(scheduler: Any) -> int:
+    """The most free blocks one running request's capacity check can need
+    (``ElasticBlockPool.call_blocks``): a step's token budget plus lookahead
+    (speculative) tokens, and the partial block they start in, in every
+    cache group."""
+    tokens = scheduler.max_num_scheduled_tokens + (getattr(scheduler, "num_lookahead_tokens", 0) or 0)
+    return sum(-(-tokens // group.kv_cache_spec.block_size) + 1
+               for group in scheduler.kv_cache_config.kv_cache_groups)
+
+
 def wrap_scheduler_init(original):
     """The elastic block pool publishes through the scheduler's KV event publisher too.
 
@@ -291,6 +307,8 @@ def wrap_scheduler_init(original):
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         pool = getattr(getattr(self, "kv_cache_manager", None), "block_pool", None)
+        if hasattr(pool, "call_blocks"):
+            pool.call_blocks = call_blocks(self)
         if hasattr(pool, "publisher"):
             publisher = getattr(self, "kv_event_publisher", None)
             pool.publisher = publisher
@@ -298,39 +316,6 @@ def wrap_scheduler_init(original):
                 publisher._seq_gen = itertools.count(time.time_ns() // 1000)
 
     return __init__
-
-
-def wrap_get_num_blocks_to_allocate(original):
-    """The coordinator computes a request's need just before vLLM asks the
-    block pool whether it fits: the pool hears the number first (demand)."""
-    from kvelastic_vllm.block_pool import ElasticBlockPool
-
-    def get_num_blocks_to_allocate(self, *args, **kwargs):
-        need = original(self, *args, **kwargs)
-        pool = self.block_pool
-        if type(pool) is ElasticBlockPool:
-            pool.expect(need)
-        return need
-
-    return get_num_blocks_to_allocate
-
-
-def wrap_allocate_slots(original):
-    """vLLM compares a need with free blocks minus its watermark and the
-    blocks it reserves for in-flight prefills: the demand includes both."""
-    from kvelastic_vllm.block_pool import ElasticBlockPool
-
-    def allocate_slots(self, request, *args, **kwargs):
-        pool = self.block_pool
-        if type(pool) is not ElasticBlockPool:
-            return original(self, request, *args, **kwargs)
-        pool.margin = getattr(self, "watermark_blocks", 0) + kwargs.get("reserved_blocks", 0)
-        try:
-            return original(self, request, *args, **kwargs)
-        finally:
-            pool.margin = 0
-
-    return allocate_slots
 
 
 def wrap_record_prefix_cache_stats(original):

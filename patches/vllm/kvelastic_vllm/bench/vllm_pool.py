@@ -32,7 +32,8 @@ def manager(num_blocks: int, block_size: int = 16, groups: int = 1, events: bool
 
 
 @contextlib.contextmanager
-def elastic(socket_path: str, blocks_per_slab: int = 8, engine_id: str = "test-engine", **client_kw):
+def elastic(socket_path: str, blocks_per_slab: int = 8, engine_id: str = "test-engine", namespace: str = "test",
+            **client_kw):
     """Inside: KVCacheManagers and Schedulers built here run with the plugin's
     scheduler-side patches (ElasticBlockPool, ...) on a registered engine."""
     from kvelastic_vllm import engine, install_scheduler_patches, restore
@@ -40,7 +41,7 @@ def elastic(socket_path: str, blocks_per_slab: int = 8, engine_id: str = "test-e
 
     pool = SlabPool(blocks_per_slab)
     low = client_kw.pop("low_watermark", 0)
-    client = EngineClient(pool, socket_path=socket_path, engine_id=engine_id, namespace="test",
+    client = EngineClient(pool, socket_path=socket_path, engine_id=engine_id, namespace=namespace,
                           page_size=PAGE, pages_per_worker=1, num_workers=0,
                           block_bytes=PAGE // blocks_per_slab, low_watermark=0, **client_kw).start()
     plugin = state()

@@ -18,16 +18,28 @@ median and p90 per step are taken, and the figures are the medians over rounds,
 with the per-round kvelastic/stock ratio of medians (its median, lowest and
 highest: the spread). Both sides must schedule the same tokens step after step
 (``sched_step_same_schedule``): the comparison is fair. Target: ratio <= 1.05.
+
+Two settings. Alone (``sched_step_*``): the kvelastic engine holds every
+slab it may (its cap), so vLLM's capacity checks can never need a grow.
+Under pressure (``sched_step_pressure_*``, a daemon of its own): the engine
+may grow to twice what it holds, another engine holds the rest of the
+daemon's memory as its guaranteed minimum, so the plugin hears admissions'
+needs and asks the daemon, which refuses (``demand.py``), while its pool
+holds as many blocks as stock's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import pathlib
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 BS = 16
@@ -37,8 +49,9 @@ MAX_BATCHED_TOKENS = 2048   # vLLM's chunked-prefill token budget of a step
 SLABS = 32                  # the bench's daemon: 64 MiB of 2 MiB pages
 BLOCKS_PER_SLAB = 128
 NUM_BLOCKS = SLABS * BLOCKS_PER_SLAB
+PRESSURE_DAEMON_MEMORY = "128MiB"   # under pressure: SLABS for each engine
 WARM_UP = 40                # steps before timing: the batch fills
-STEPS, QUICK_STEPS = 400, 60
+STEPS, QUICK_STEPS = 200, 60
 
 
 def workload(n: int, seed: int = 0) -> list[tuple[str, list[int], int]]:
@@ -54,7 +67,7 @@ def workload(n: int, seed: int = 0) -> list[tuple[str, list[int], int]]:
     return out
 
 
-def vllm_config(model: pathlib.Path):
+def vllm_config(model: pathlib.Path, num_blocks: int = NUM_BLOCKS):
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     config = VllmConfig(
@@ -63,12 +76,12 @@ def vllm_config(model: pathlib.Path):
         scheduler_config=SchedulerConfig(max_num_seqs=BATCH, max_num_batched_tokens=MAX_BATCHED_TOKENS,
                                          max_model_len=1024, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True))
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    config.cache_config.num_gpu_blocks = num_blocks
     return config
 
 
 def scheduler(config):
-    """vLLM's Scheduler over NUM_BLOCKS blocks (ElasticBlockPool inside ``elastic``)."""
+    """vLLM's Scheduler over the config's blocks (ElasticBlockPool inside ``elastic``)."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -77,7 +90,7 @@ def scheduler(config):
     from kvelastic_vllm.bench.vllm_pool import kv_config
 
     init_none_hash(sha256)
-    return Scheduler(vllm_config=config, kv_cache_config=kv_config(NUM_BLOCKS, BS),
+    return Scheduler(vllm_config=config, kv_cache_config=kv_config(config.cache_config.num_gpu_blocks, BS),
                      structured_output_manager=StructuredOutputManager(config), block_size=BS, log_stats=True)
 
 
@@ -129,8 +142,9 @@ def _p90(xs: list[float]) -> float:
 
 
 def measure(quick: bool, socket_path: str, model: pathlib.Path | None = None,
-            rounds: int | None = None) -> dict[str, list[dict[str, list]]]:
-    """``drive`` results per side ("stock", "kvelastic"), one per round."""
+            rounds: int | None = None, pressure: bool = False) -> dict[str, list[dict[str, list]]]:
+    """``drive`` results per side ("stock", "kvelastic"), one per round;
+    ``pressure``: on a daemon of PRESSURE_DAEMON_MEMORY (module docstring)."""
     from kvelastic_vllm.bench.tinymodel import build_tiny_llama
     from kvelastic_vllm.bench.vllm_pool import PAGE, elastic
     from kvelastic_vllm.engine import reserve_watermark
@@ -138,9 +152,10 @@ def measure(quick: bool, socket_path: str, model: pathlib.Path | None = None,
     if model is None:
         model = build_tiny_llama(pathlib.Path(tempfile.gettempdir()) / "kvelastic-tiny-llama")
     warm_up, steps = WARM_UP, (QUICK_STEPS if quick else STEPS)
-    rounds = rounds or (2 if quick else 5)
+    rounds = rounds or (2 if quick else 10)
     stream = workload(BATCH + QUEUE + 8 * (warm_up + steps))   # ~3 finish per step
     config = vllm_config(model)
+    cap_slabs = 2 * SLABS if pressure else SLABS
     runs: dict[str, list[dict[str, list]]] = {"stock": [], "kvelastic": []}
 
     def stock() -> None:
@@ -150,13 +165,18 @@ def measure(quick: bool, socket_path: str, model: pathlib.Path | None = None,
 
     def mine(round_: int) -> None:
         low = reserve_watermark(MAX_BATCHED_TOKENS, BS, BLOCKS_PER_SLAB)
+        # A namespace per round: a slab reclaimed from a previous round's engine
+        # not yet gone would bring its cache along (hits stock never has).
         with elastic(socket_path, blocks_per_slab=BLOCKS_PER_SLAB, engine_id=f"bench-sched-{round_}",
-                     low_watermark=low, max_bytes=SLABS * PAGE) as link:
-            sched = scheduler(config)
+                     namespace=f"bench-sched-{round_}",
+                     low_watermark=low, max_bytes=cap_slabs * PAGE, key_group_suffix=True) as link:
+            sched = scheduler(vllm_config(model, cap_slabs * BLOCKS_PER_SLAB))
             # Every slab granted before timing, or the steps would time the daemon's grants.
             if not link.client.ensure(NUM_BLOCKS - 1, timeout=30):
                 raise RuntimeError(f"bench vllm: the daemon did not grant {NUM_BLOCKS} blocks in 30 s")
             core = sched.kv_cache_manager.block_pool.core
+            if pressure and not link.client.can_grow():
+                raise RuntimeError("bench vllm: under pressure the engine must be below its cap")
             if core.num_blocks != NUM_BLOCKS:
                 raise RuntimeError(f"bench vllm: the elastic pool holds {core.num_blocks} blocks, the stock one "
                                    f"{NUM_BLOCKS}: their schedules would differ")
@@ -165,15 +185,54 @@ def measure(quick: bool, socket_path: str, model: pathlib.Path | None = None,
                                    "run the daemon with KVELASTIC_ORPHAN_CACHE_TTL=0")
             gc.collect()
             runs["kvelastic"].append(drive(sched, stream, warm_up, steps))
+            pool = sched.kv_cache_manager.block_pool
+            runs["kvelastic"][-1]["demands"] = [pool.heard, pool.demands, pool.refused_demands]
 
-    for round_ in range(rounds):   # who goes first alternates
-        if round_ % 2 == 0:
-            stock()
-            mine(round_)
-        else:
-            mine(round_)
-            stock()
+    with _other_engine(socket_path) if pressure else contextlib.nullcontext():   # with both sides
+        for round_ in range(rounds):   # who goes first alternates
+            if round_ % 2 == 0:
+                stock()
+                mine(round_)
+            else:
+                mine(round_)
+                stock()
     return runs
+
+
+@contextlib.contextmanager
+def _other_engine(socket_path: str) -> Iterator[None]:
+    """Another engine, in a process of its own as in production (in this one
+    its I/O thread would take the scheduler's GIL), holding SLABS slabs of the
+    daemon as its guaranteed minimum."""
+    proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import hold; hold({socket_path!r})"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if line.strip() != "held":
+            raise RuntimeError(f"bench vllm: the other engine did not take its {SLABS} slabs ({line.strip()!r})")
+        yield
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()   # it unregisters and exits
+        proc.wait(30)
+
+
+def hold(socket_path: str) -> None:
+    """The other engine: register, take SLABS slabs, say so, hold them until stdin closes."""
+    from kvelastic.client.engine import EngineClient
+    from kvelastic.core.pool import SlabPool
+    from kvelastic_vllm.bench.vllm_pool import PAGE
+
+    client = EngineClient(SlabPool(BLOCKS_PER_SLAB), socket_path=socket_path, engine_id="bench-sched-other",
+                          namespace="other", page_size=PAGE, pages_per_worker=1, num_workers=0,
+                          block_bytes=PAGE // BLOCKS_PER_SLAB, min_bytes=SLABS * PAGE,
+                          max_bytes=SLABS * PAGE).start()
+    try:
+        print("held" if client.ensure(NUM_BLOCKS, timeout=30) else "refused", flush=True)
+        sys.stdin.read()
+    finally:
+        client.close()
 
 
 def summarize(runs: dict[str, list[dict[str, list]]]) -> dict[str, Any]:
@@ -186,6 +245,9 @@ def summarize(runs: dict[str, list[dict[str, list]]]) -> dict[str, Any]:
                            "sched_step_steps": len(first["schedule"]), "sched_step_rounds": len(runs["stock"]),
                            "sched_step_tokens_per_step": round(statistics.mean(tokens), 1),
                            "sched_step_same_schedule": not differ}
+    demands = [r["demands"] for r in runs["kvelastic"]]
+    # capacity checks heard, grows they asked for, grows refused
+    out["sched_step_demands"] = [sum(d[i] for d in demands) for i in range(3)]
     if differ:   # not a fair comparison: where the schedules part
         out["sched_step_first_difference"] = min(differ)
     for call, key in (("schedule", "sched_step"), ("update", "sched_update")):
@@ -204,5 +266,18 @@ def summarize(runs: dict[str, list[dict[str, list]]]) -> dict[str, Any]:
 
 def scheduler_step(quick: bool, socket_path: str, model: pathlib.Path | None = None,
                    rounds: int | None = None) -> dict[str, Any]:
-    """The scheduler-step figures (``sched_step_*``, ``sched_update_*``); see the module docstring."""
-    return summarize(measure(quick, socket_path, model, rounds))
+    """The scheduler-step figures (``sched_step_*``, ``sched_update_*``, and
+    ``sched_step_pressure_*``); see the module docstring."""
+    from kvelastic.bench.daemon import running_daemon
+
+    out = summarize(measure(quick, socket_path, model, rounds))
+    with tempfile.TemporaryDirectory() as folder, running_daemon(folder, PRESSURE_DAEMON_MEMORY) as pressed:
+        under = summarize(measure(quick, pressed, model, rounds, pressure=True))
+    out.update({f"sched_step_pressure_{key[len('sched_step_'):]}": value for key, value in under.items()
+                if key.startswith("sched_step_") and key[len("sched_step_"):] in PRESSURE_FIELDS})
+    return out
+
+
+# The figures kept of the run under pressure (as ``sched_step_pressure_<field>``).
+PRESSURE_FIELDS = ("same_schedule", "demands", "stock_us", "kvelastic_us", "ratio", "ratio_per_round",
+                   "p90_ratio")

@@ -1,0 +1,73 @@
+"""Demand: vLLM's capacity checks, heard by the elastic block pool only where they can need a grow.
+
+``KVCacheManager.allocate_slots`` asks the coordinator for a request's need
+and compares it, with vLLM's watermark and reserved blocks, against
+``block_pool.get_num_free_blocks()``: once per request per step. The pool
+must answer a promise ``get_new_blocks`` keeps at once, so before it answers
+it asks the daemon for whatever free blocks the call is missing (a *demand*
+grow). It can only do so if it knows the need.
+
+A running request needs at most one step's tokens of blocks per call
+(``ElasticBlockPool.call_blocks``), which the reserve normally holds; the
+pool serves those calls on one comparison, and grows to ``call_blocks`` first
+when it is short of them. Only an admission may need more (a whole prompt).
+vLLM looks each waiting request up in the prefix cache just before it asks
+for its slots (``get_computed_blocks``), and the waiting requests come after
+the running ones in a step: so that lookup puts two hooks on this manager
+alone, which hand each need and margin to the pool for the rest of the step
+(``hear``), and the end of ``schedule()`` takes them off (``stop_hearing``).
+Hooks on every call would cost a fifth of vLLM's own ``schedule()`` at a
+batch of 256 (``kvelastic bench vllm``: 1.27x stock with them, see
+docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+from types import MethodType
+from typing import Any
+
+
+def hear(manager: Any, pool: Any) -> None:
+    """Until ``stop_hearing``: ``manager``'s capacity checks tell ``pool`` the need and margin first."""
+    coordinator = manager.coordinator
+    allocate_slots = type(manager).allocate_slots
+    get_num_blocks_to_allocate = type(coordinator).get_num_blocks_to_allocate
+
+    def allocate_slots_heard(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        # vLLM compares the need plus its watermark and reserved blocks with the free blocks.
+        pool.margin = self.watermark_blocks + kwargs.get("reserved_blocks", 0)
+        try:
+            return allocate_slots(self, request, *args, **kwargs)
+        finally:
+            pool.margin = 0
+
+    def get_num_blocks_to_allocate_heard(self: Any, *args: Any, **kwargs: Any) -> int:
+        need: int = get_num_blocks_to_allocate(self, *args, **kwargs)
+        pool.expect(need)
+        return need
+
+    # Instance attributes: this manager alone, and the class stays stock's.
+    manager.allocate_slots = MethodType(allocate_slots_heard, manager)
+    coordinator.get_num_blocks_to_allocate = MethodType(get_num_blocks_to_allocate_heard, coordinator)
+    pool.hearing = manager
+
+
+def stop_hearing(pool: Any) -> None:
+    manager, pool.hearing = pool.hearing, None
+    if manager is not None:
+        del manager.allocate_slots
+        del manager.coordinator.get_num_blocks_to_allocate
+
+
+def wrap_get_computed_blocks(original):
+    """The scheduler looks a waiting request up before it asks for the
+    request's slots: from here to the end of the step the pool hears each
+    need (an engine at its cap, or just refused by the daemon, does not grow: no hooks)."""
+    from kvelastic_vllm.block_pool import ElasticBlockPool
+
+    def get_computed_blocks(self, *args, **kwargs):
+        pool = self.block_pool
+        if type(pool) is ElasticBlockPool and pool.hearing is None and pool.may_grow:
+            hear(self, pool)
+        return original(self, *args, **kwargs)
+
+    return get_computed_blocks
