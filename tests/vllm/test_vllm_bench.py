@@ -32,6 +32,8 @@ def test_scheduler_step_is_timed_on_the_same_schedule_at_a_batch_of_256(daemon_f
 
     out = vllm_sched.summarize(runs)
     assert out["sched_step_batch"] == 256 and out["sched_step_same_schedule"] is True
+    # A running request's most in one check, from the scheduler's own budget: 2048 tokens and a straddle.
+    assert {run["call_blocks"] for run in runs["kvelastic"]} == {vllm_sched.MAX_BATCHED_TOKENS // vllm_sched.BS + 1}
     heard, asked, refused = out["sched_step_demands"]
     assert heard >= 2 * vllm_sched.QUICK_STEPS and asked >= refused   # admissions' needs were heard
     assert out["sched_step_steps"] == vllm_sched.QUICK_STEPS and out["sched_step_rounds"] == 2

@@ -284,14 +284,18 @@ def wrap_update_from_output(original):
     return update_from_output
 
 
-def call_blocks(scheduler: Any) -> int:
+def call_blocks(scheduler: Any) -> int | None:
     """The most free blocks one running request's capacity check can need
     (``ElasticBlockPool.call_blocks``): a step's token budget plus lookahead
     (speculative) tokens, and the partial block they start in, in every
-    cache group."""
-    tokens = scheduler.max_num_scheduled_tokens + (getattr(scheduler, "num_lookahead_tokens", 0) or 0)
-    return sum(-(-tokens // group.kv_cache_spec.block_size) + 1
-               for group in scheduler.kv_cache_config.kv_cache_groups)
+    cache group. None if this vLLM's scheduler does not say (the pool keeps
+    its reserve watermark, which covers a step's tokens and a slab)."""
+    budget = getattr(scheduler, "max_num_scheduled_tokens", None)
+    config = getattr(scheduler, "kv_cache_config", None)
+    if not isinstance(budget, int) or config is None:
+        return None
+    tokens = budget + (getattr(scheduler, "num_lookahead_tokens", 0) or 0)
+    return sum(-(-tokens // group.kv_cache_spec.block_size) + 1 for group in config.kv_cache_groups)
 
 
 def wrap_scheduler_init(original):
@@ -308,7 +312,7 @@ def wrap_scheduler_init(original):
         original(self, *args, **kwargs)
         pool = getattr(getattr(self, "kv_cache_manager", None), "block_pool", None)
         if hasattr(pool, "call_blocks"):
-            pool.call_blocks = call_blocks(self)
+            pool.call_blocks = call_blocks(self) or pool.call_blocks
         if hasattr(pool, "publisher"):
             publisher = getattr(self, "kv_event_publisher", None)
             pool.publisher = publisher

@@ -187,6 +187,7 @@ def measure(quick: bool, socket_path: str, model: pathlib.Path | None = None,
             runs["kvelastic"].append(drive(sched, stream, warm_up, steps))
             pool = sched.kv_cache_manager.block_pool
             runs["kvelastic"][-1]["demands"] = [pool.heard, pool.demands, pool.refused_demands]
+            runs["kvelastic"][-1]["call_blocks"] = pool.call_blocks
 
     with _other_engine(socket_path) if pressure else contextlib.nullcontext():   # with both sides
         for round_ in range(rounds):   # who goes first alternates
@@ -219,7 +220,8 @@ def _other_engine(socket_path: str) -> Iterator[None]:
 
 
 def hold(socket_path: str) -> None:
-    """The other engine: register, take SLABS slabs, say so, hold them until stdin closes."""
+    """The other engine: register, take SLABS slabs and use every block, say
+    so, hold them until stdin closes."""
     from kvelastic.client.engine import EngineClient
     from kvelastic.core.pool import SlabPool
     from kvelastic_vllm.bench.vllm_pool import PAGE
@@ -229,7 +231,11 @@ def hold(socket_path: str) -> None:
                           block_bytes=PAGE // BLOCKS_PER_SLAB, min_bytes=SLABS * PAGE,
                           max_bytes=SLABS * PAGE).start()
     try:
-        print("held" if client.ensure(NUM_BLOCKS, timeout=30) else "refused", flush=True)
+        held = client.ensure(NUM_BLOCKS, timeout=30)
+        if held:   # in use: an idle engine's empty slabs would go back to the daemon
+            with client.lock:
+                client.pool.allocate(client.pool.num_free)
+        print("held" if held else "refused", flush=True)
         sys.stdin.read()
     finally:
         client.close()
