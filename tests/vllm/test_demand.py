@@ -66,7 +66,9 @@ def test_a_refused_demand_stops_asking_and_hearing_for_the_back_off(daemon_facto
                          page_size=PAGE, pages_per_worker=1, num_workers=0, block_bytes=PAGE // 8,
                          min_bytes=3 * PAGE, max_bytes=3 * PAGE).start()
     try:
-        assert other.ensure(3 * 8, timeout=30)       # 3 slabs, guaranteed: only one is left
+        assert other.ensure(3 * 8, timeout=30)       # 3 slabs: only one is left
+        with other.lock:                              # in use: an idle engine's empty slabs would go back
+            other.pool.allocate(other.pool.num_free)
         with elastic(daemon.socket, low_watermark=0) as link:
             mgr = manager(num_blocks=state().engine().num_blocks, block_size=BS)
             pool = mgr.block_pool

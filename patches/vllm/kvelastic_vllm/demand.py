@@ -52,6 +52,7 @@ def hear(manager: Any, pool: Any) -> None:
 
 
 def stop_hearing(pool: Any) -> None:
+    """Take the hooks ``hear`` put on, if any (the end of a step)."""
     manager, pool.hearing = pool.hearing, None
     if manager is not None:
         del manager.allocate_slots

@@ -217,7 +217,8 @@ def wrap_collective_rpc(original):
 @contextlib.contextmanager
 def _step(link: EngineLink) -> Iterator[None]:
     """A scheduler step's hold on the pool: the client's lock, and the block
-    pool told so (``ElasticBlockPool.in_step``: its calls skip the lock)."""
+    pool told so (``ElasticBlockPool.in_step``: its calls skip the lock). The
+    demand hooks an admission put on (``demand.py``) end with it."""
     pool = link.block_pool
     with link.client.lock:
         if pool is None:
@@ -229,6 +230,7 @@ def _step(link: EngineLink) -> Iterator[None]:
             yield
         finally:
             pool.in_step = False
+            demand.stop_hearing(pool)
 
 
 def wrap_schedule(original):
@@ -248,11 +250,7 @@ def wrap_schedule(original):
             return original(self, *args, **kwargs)
         with _step(link):
             step = link.pool.begin_step()
-            try:
-                out = original(self, *args, **kwargs)
-            finally:
-                if link.block_pool is not None and link.block_pool.hearing is not None:
-                    demand.stop_hearing(link.block_pool)
+            out = original(self, *args, **kwargs)
         out.kvelastic_step = step
         link.client.seal_step()
         link.client.poll()

@@ -23,7 +23,7 @@ Two settings. Alone (``sched_step_*``): the kvelastic engine holds every
 slab it may (its cap), so vLLM's capacity checks can never need a grow.
 Under pressure (``sched_step_pressure_*``, a daemon of its own): the engine
 may grow to twice what it holds, another engine holds the rest of the
-daemon's memory as its guaranteed minimum, so the plugin hears admissions'
+daemon's memory with every block in use, so the plugin hears admissions'
 needs and asks the daemon, which refuses (``demand.py``), while its pool
 holds as many blocks as stock's.
 """
@@ -204,7 +204,7 @@ def measure(quick: bool, socket_path: str, model: pathlib.Path | None = None,
 def _other_engine(socket_path: str) -> Iterator[None]:
     """Another engine, in a process of its own as in production (in this one
     its I/O thread would take the scheduler's GIL), holding SLABS slabs of the
-    daemon as its guaranteed minimum."""
+    daemon with every block in use."""
     proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import hold; hold({socket_path!r})"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -216,7 +216,11 @@ def _other_engine(socket_path: str) -> Iterator[None]:
     finally:
         if proc.stdin is not None:
             proc.stdin.close()   # it unregisters and exits
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def hold(socket_path: str) -> None:
