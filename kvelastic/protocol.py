@@ -10,9 +10,11 @@ workers) with request ids of its own; clients answer with ``ReclaimDone``,
 they are answered only with an ``Error``.
 
 Page descriptors never travel here: they go over the AF_UNIX channel of
-``kvelastic.vmm.fdchannel``, sent before the ``MapSlab`` that names them. A
-client opens that channel with a ``Hello`` (who it is); the daemon sends
-nothing else on it, and its closing tells the daemon the peer is gone.
+``kvelastic.vmm.fdchannel``, each batch with the ``MapSlab`` that names them
+(encoded as here). A client opens that channel with a ``Hello`` (who it is);
+a worker sends its ``Mapped`` and ``Unmapped`` back on it (``<u32 size>``
+then the message; ZMQ still takes them too), an engine nothing; its closing
+tells the daemon the peer is gone.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from kvelastic.core.journal import (
     StepOp,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2   # 2: MapSlab rides with its pages, acks on the page channel
 MAX_MESSAGE_BYTES = 1 << 20
 
 # Timing both sides rely on (seconds). The daemon's deadlines are configurable

@@ -183,8 +183,9 @@ class RawWorker:
     def on_channel(self) -> None:
         assert self.channel is not None
         try:
-            pairs = fdchannel.recv_pages(self.channel)
-        except (FdChannelError, OSError):
+            pairs, command = fdchannel.recv_batch(self.channel)
+            msg = p.decode(command)
+        except (FdChannelError, OSError, msgspec.DecodeError):
             self.s.tally.add("channels", "closed_by_daemon")
             _close(self.channel)
             self.channel = None
@@ -195,6 +196,8 @@ class RawWorker:
                 self.kept.append(fd_)
             else:
                 os.close(fd_)
+        if isinstance(msg, p.MapSlab) and self.s.unsolicited(msg):   # it rides with its pages
+            self.ack(self.plan.maps, p.Mapped, msg.slab, msg.req_id)
 
     def close(self) -> None:
         """Its process is gone: every socket closed at once."""

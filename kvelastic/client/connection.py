@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from kvelastic.vmm import fdchannel
 log = logging.getLogger("kvelastic.client")
 
 BACKOFF_MIN, BACKOFF_MAX = 0.05, 2.0
+ACK_SEND_TIMEOUT = 2   # seconds
 NO_SOCKET_GRACE = 3.0
 # A registration refused for one of these will be refused again: fail at start.
 FATAL_REASONS = ("version", "geometry", "engine_exists", "limit", "unknown_device", "bad_rank", "bad_token",
@@ -90,11 +92,8 @@ class Connection:
         self._handshake = handshake
         self._on_command = on_command
         self._on_tick = on_tick
-        # A worker's: reads a batch of page descriptors off the lifeline as soon
-        # as it is readable. Left there, it keeps the lifeline readable and the
-        # poll below returns at once, again and again, until the command that
-        # names the pages arrives: a spinning thread that starves the one ZMQ
-        # needs to deliver that command (milliseconds on a busy machine).
+        # A worker's: reads a batch of page descriptors, with the MapSlab that
+        # names them, off the lifeline as soon as it is readable.
         self._on_pages = on_pages
         self._tick_interval = tick_interval
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -111,6 +110,7 @@ class Connection:
         # closed (or reused) descriptor.
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_lock = threading.Lock()
+        self._tell_lock = threading.Lock()   # acks on the lifeline come from the I/O thread and a step's end
         # True from a wake until the I/O thread next runs its loop: further
         # wakes meanwhile are free (a scheduler may ask hundreds of times a
         # step). Cleared by the I/O thread before it looks at the outbox, and
@@ -178,6 +178,21 @@ class Connection:
         thread; an ``Error`` reply or a lost connection arrives as an ``Error``."""
         msg.req_id = self._new_req_id()
         self._post(msg, _Pending(on_reply))
+
+    def tell(self, msg: p.Msg) -> None:
+        """A worker's ack (``Mapped``, ``Unmapped``), on its page channel: read
+        by the daemon's loop itself, with no ZMQ I/O thread on either side to
+        wake. Without a channel it goes by ``send`` (and fails like it)."""
+        lifeline = self.lifeline
+        if lifeline is not None:
+            data = p.encode(msg)
+            try:
+                with self._tell_lock:
+                    lifeline.sock.sendall(len(data).to_bytes(4, "little") + data)
+                return
+            except OSError:   # the daemon is gone: a reconnection's registration says what is mapped
+                pass
+        self.send(msg)
 
     def wake(self) -> None:
         """Run the I/O thread's loop (and its periodic work) now."""
@@ -277,6 +292,8 @@ class Connection:
             check_daemon(sock, self.socket_path)     # before the hello: it names us and shows our secret
             p.write_hello(sock, self.engine_id, self.rank, self.token)
             sock.settimeout(None)
+            # An ack (``tell``) never blocks for long on a daemon that stopped reading.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", ACK_SEND_TIMEOUT, 0))
         except UntrustedDaemon as exc:
             sock.close()
             self._fatal = exc
@@ -400,6 +417,10 @@ class Connection:
             if self._read_ahead:
                 self._deliver(self._read_ahead.popleft())
                 continue
+            # Asked, not tried: a recv on an empty socket raises, and building
+            # that exception costs more than the message (twice per grant).
+            if not dealer.get(zmq.EVENTS) & zmq.POLLIN:
+                return
             try:
                 data = dealer.recv(zmq.NOBLOCK)
             except zmq.Again:

@@ -6,7 +6,9 @@ the caller brackets each model step with ``step()``, and an unmap that
 arrives during a step is applied when the step ends; between steps it is
 applied at once. Every map and unmap is acknowledged to the daemon, which
 grants a slab only after every worker mapped it and reuses pages only after
-every worker let go of them.
+every worker let go of them. A map comes on the page channel with its pages,
+and both acks go back on that channel (``Connection.tell``): no ZMQ hop on a
+grant's path between the daemon and a worker.
 
 Before any slab arrives, a warm-up (vLLM's dummy runs and CUDA-graph
 capture) may read and write any block: ``warm_up()`` backs every empty slot
@@ -15,15 +17,16 @@ with one scratch page of the worker's own for its duration.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
 import threading
 from collections.abc import Iterator
 
+import msgspec
+
 from kvelastic import protocol as p
-from kvelastic.client.connection import Connection, DaemonUnavailable, expect
+from kvelastic.client.connection import Connection, expect
 from kvelastic.errors import KvelasticError
 from kvelastic.vmm import fdchannel
 from kvelastic.vmm.base import Arena, Backend
@@ -53,10 +56,6 @@ class WorkerClient:
         self._scratch: set[int] = set()       # offsets the warm-up's scratch page backs
         self._warming = False
         self.warm_up_slots = 0                # slots the last warm-up backed (operators' logs, tests)
-        # Page batches read off the lifeline before their MapSlab arrived, in
-        # the order sent (the daemon sends a slab's pages, then its MapSlab),
-        # each with the lifeline it came on: a batch of a lost connection is closed, never mapped.
-        self._batches: collections.deque[tuple[fdchannel.FdChannel, dict[int, int]]] = collections.deque()
         self.conn = Connection(socket_path, engine_id, rank, handshake=self._register,
                                on_command=self._on_command, on_tick=self._tick, on_pages=self._read_pages,
                                tick_interval=0.05,
@@ -69,9 +68,6 @@ class WorkerClient:
 
     def close(self) -> None:
         self.conn.close()
-        while self._batches:                  # read ahead, never mapped
-            for fd in self._batches.popleft()[1].values():
-                os.close(fd)
         if self.arena is not None:
             self.arena.close()
 
@@ -164,8 +160,8 @@ class WorkerClient:
 
     # ------------------------------------------------------- I/O thread
     def _on_command(self, msg: p.Msg) -> None:
-        if isinstance(msg, p.MapSlab):
-            self._map(msg)
+        if isinstance(msg, p.MapSlab):       # its pages come with it on the page channel, never here
+            self._map(msg, {})
         elif isinstance(msg, p.UnmapSlab):
             with self._mu:
                 if self._steps:
@@ -184,25 +180,24 @@ class WorkerClient:
             self.conn.send(p.Busy(engine_id=self.engine_id, rank=self.rank, slabs=waiting))
 
     def _read_pages(self, lifeline: fdchannel.FdChannel) -> None:
-        """I/O thread: the lifeline is readable and not closed: a batch of pages."""
-        self._batches.append((lifeline, dict(lifeline.recv())))
-
-    def _next_batch(self, lifeline: fdchannel.FdChannel) -> dict[int, int]:
-        """The pages of the MapSlab at hand: the oldest batch read ahead on
-        this lifeline, else the one waiting on it (sent just before the message)."""
-        while self._batches:
-            came_on, fds = self._batches.popleft()
-            if came_on is lifeline:
-                return fds
-            for fd in fds.values():     # a lost connection's: its MapSlab never comes
+        """I/O thread: the lifeline is readable and not closed: a batch of
+        pages with the ``MapSlab`` that names them, mapped at once."""
+        pairs, command = lifeline.recv_batch()
+        fds = dict(pairs)
+        try:
+            msg = p.decode(command)
+        except msgspec.DecodeError as exc:
+            for fd in fds.values():
                 os.close(fd)
-        return dict(lifeline.recv())
+            raise fdchannel.FdChannelError(f"pages came with an unreadable command: {exc}") from exc
+        if not isinstance(msg, p.MapSlab):
+            for fd in fds.values():
+                os.close(fd)
+            raise fdchannel.FdChannelError(f"pages came with a {type(msg).__name__}, not a MapSlab")
+        self._map(msg, fds)
 
-    def _map(self, msg: p.MapSlab) -> None:
-        lifeline = self.conn.lifeline
-        if lifeline is None:    # commands arrive only while connected (on the I/O thread)
-            raise DaemonUnavailable(f"MapSlab {msg.slab} without a page channel to read its pages from")
-        fds = self._next_batch(lifeline)
+    def _map(self, msg: p.MapSlab, fds: dict[int, int]) -> None:
+        """Map ``msg``'s pages (``fds``: page id -> descriptor, closed here) and acknowledge."""
         error = ""
         done: list[int] = []
         with self._mu:
@@ -229,7 +224,7 @@ class WorkerClient:
                 self.slabs[msg.slab] = done
         for fd in fds.values():
             os.close(fd)
-        self.conn.send(p.Mapped(req_id=msg.req_id, engine_id=self.engine_id, rank=self.rank,
+        self.conn.tell(p.Mapped(req_id=msg.req_id, engine_id=self.engine_id, rank=self.rank,
                                 slab=msg.slab, error=error))
 
     def _unmap(self, msg: p.UnmapSlab) -> None:
@@ -241,4 +236,4 @@ class WorkerClient:
                 if arena.is_mapped(offset):
                     arena.unmap(offset)
         # On the I/O thread (between steps) or the thread that ended the step.
-        self.conn.send(p.Unmapped(req_id=msg.req_id, engine_id=self.engine_id, rank=self.rank, slab=msg.slab))
+        self.conn.tell(p.Unmapped(req_id=msg.req_id, engine_id=self.engine_id, rank=self.rank, slab=msg.slab))

@@ -330,6 +330,15 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
             if slab is not None and slab.phase is Phase.UNMAPPING and m.rank in slab.waiting:
                 slab.busy_until[m.rank] = max(slab.busy_until.get(m.rank, 0.0), deadline)
 
+    def worker_identity(self, engine_id: str, rank: int, token: bytes) -> bytes | None:
+        """The control identity of worker ``rank`` of the registration (live or
+        departing) whose secret is ``token``: whom an ack on a page channel
+        that showed that secret speaks for. None: no such worker registered."""
+        for engine in (self.engines.get(engine_id), *self.departed(engine_id)):
+            if engine is not None and engine.token == token and rank in engine.workers:
+                return engine.workers[rank]
+        return None
+
     def _record_of_worker(self, identity: bytes, engine_id: str, rank: int) -> EngineRecord | None:
         """The registration (live or departing) whose worker ``rank`` registered on ``identity``."""
         for engine in (self.engines.get(engine_id), *self.departed(engine_id)):

@@ -23,8 +23,9 @@ class Send:
 
 @dataclasses.dataclass(frozen=True)
 class SendPages:
-    """Page descriptors to one worker over its page channel, then ``then``
-    (the ``MapSlab`` that names them), never one without the other. The
+    """Page descriptors to one worker over its page channel with ``then``
+    (the ``MapSlab`` that names them) in the same batch, never one without
+    the other (the loop sends ``then`` on the channel, not the socket). The
     daemon could not export them (out of descriptors): ``Allocator.pages_unsent``,
     the slab fails to map, the engine carries on. The worker's channel
     failed: ``Allocator.channel_failed``, the engine is failed."""

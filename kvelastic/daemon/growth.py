@@ -151,14 +151,20 @@ class Growth:
             owned += 1
             self._started += 1
         short = req.wanted - len(req.slabs) - len(req.mapping)
-        req.incoming = {(eid, s) for eid, s in req.incoming if self._on_its_way(eid, s)}
-        creating = any(self.pools[d].creating for d in self._devices_of(engine))
+        if req.incoming:
+            req.incoming = {(eid, s) for eid, s in req.incoming if self._on_its_way(eid, s)}
+        # Pages being created for its devices: looked up only where it decides
+        # (every pending grow is advanced on every event: this is the loop's hot path).
+        creating: bool | None = None
         # A reserve refill never takes memory from another engine (no ping-pong).
         if not expired and short > 0 and req.demand and owned < cap and not req.reclaims \
-                and not req.incoming and req.reclaim_rounds < 3 and not creating and not paced:
-            req.reclaim_rounds += 1
-            self._reclaim_for(req, engine, short)
-        waiting = paced or req.mapping or req.reclaims or (short > 0 and req.incoming) or creating
+                and not req.incoming and req.reclaim_rounds < 3 and not paced:
+            creating = self._creating(engine)
+            if not creating:
+                req.reclaim_rounds += 1
+                self._reclaim_for(req, engine, short)
+        waiting = paced or req.mapping or req.reclaims or (short > 0 and req.incoming) or \
+            (self._creating(engine) if creating is None else creating)
         if waiting and not expired:
             return False
         latency = self._now - req.started
@@ -193,13 +199,21 @@ class Growth:
 
     def _demand_pending(self, engine: EngineRecord) -> bool:
         """Another engine's demand grow on one of ``engine``'s devices is unanswered."""
-        devices = self._devices_of(engine)
+        mine: set[str] | None = None       # its devices, once another demand is pending
         for other in self.grows.values():
-            if other.demand and other.engine_id != engine.engine_id:
-                requester = self.engines.get(other.engine_id)
-                if requester is not None and devices & self._devices_of(requester):
-                    return True
+            if not other.demand or other.engine_id == engine.engine_id:
+                continue
+            requester = self.engines.get(other.engine_id)
+            if requester is None:
+                continue
+            if mine is None:
+                mine = self._devices_of(engine)
+            if mine & self._devices_of(requester):
+                return True
         return False
+
+    def _creating(self, engine: EngineRecord) -> bool:
+        return any(self.pools[d].creating for d in self._devices_of(engine))
 
     def _on_its_way(self, engine_id: str, slab_id: int) -> bool:
         """A reclaimed slab still unmapping by an engine that is not failed."""

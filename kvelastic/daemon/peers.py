@@ -1,9 +1,12 @@
 """The daemon's AF_UNIX side: page channels to workers, lifelines to engines.
 
 Every engine and worker opens one connection and greets with a ``Hello``
-saying who it is. The daemon sends page descriptors to workers on theirs and
-nothing else; peers never send after their hello, so a readable connection
-means the peer closed it: the process died, whatever its PID namespace.
+saying who it is. The daemon sends page descriptors to workers on theirs,
+each batch with the ``MapSlab`` that names them, and nothing else. A worker
+sends its acks (``Mapped``, ``Unmapped``) back on it, each framed like the
+hello (``<u32 size><msgpack>``, at most ``MAX_ACK`` bytes); an engine never
+sends after its hello. Its closing tells the daemon the process died,
+whatever its PID namespace.
 
 Nothing here blocks the loop: connections are accepted and greetings read
 without blocking, a greeting must be complete within ``HELLO_TIMEOUT``, and
@@ -28,6 +31,8 @@ from kvelastic.vmm import fdchannel
 
 log = logging.getLogger("kvelastic.daemon")
 MAX_HELLO = 4096
+MAX_ACK = 4096                # one ack frame on a worker's channel
+READ_CHUNK = 16384            # read from one channel per pass: a flood never holds the loop
 MAX_GREETING = 256            # connections still greeting; more wait in the kernel's backlog
 MIN_CHANNELS_PER_TENANT = 64  # the least a tenant may hold open, whatever the descriptor limit
 
@@ -40,6 +45,8 @@ class Peer:
     since: float = 0.0  # greeted at
     token: bytes = b""  # the secret its hello showed
     cred: Credential | None = None
+    inbox: bytearray = dataclasses.field(default_factory=bytearray)   # a worker's ack read in part
+    refused: int = 0    # acks on it the loop refused (logged once)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,12 +209,13 @@ class PeerTable:
             del self.open_by_uid[cred.uid]
 
     @staticmethod
-    def send_pages(peer: Peer, items: list[tuple[int, int]]) -> None:
-        """Descriptors to a worker, waiting at most ``SEND_PAGES_TIMEOUT`` for
-        room in its socket (sockets stay non-blocking otherwise)."""
+    def send_pages(peer: Peer, items: list[tuple[int, int]], command: bytes = b"") -> None:
+        """Descriptors to a worker, with the command that names them, waiting at
+        most ``SEND_PAGES_TIMEOUT`` for room in its socket (sockets stay
+        non-blocking otherwise)."""
         peer.channel.sock.settimeout(p.SEND_PAGES_TIMEOUT)
         try:
-            peer.channel.send(items)
+            peer.channel.send(items, command)
         finally:
             peer.channel.sock.setblocking(False)
 
@@ -219,19 +227,37 @@ class PeerTable:
                 return peer
         return None
 
-    def closed(self, fd: int) -> bool:
-        """A peer's socket polled readable: has it closed (or broken the rule
-        that nothing follows a hello)? Readiness left over from its greeting is not."""
+    def receive(self, fd: int) -> list[bytes] | None:
+        """A peer's socket polled readable: the ack frames a worker sent on it
+        (none, if readiness was left over from its greeting or a frame is not
+        complete yet), or None when it closed or broke the framing (an
+        engine's lifeline carries nothing after its hello)."""
+        peer = self.by_fd[fd]
         try:
-            data = self.by_fd[fd].channel.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            data = peer.channel.sock.recv(READ_CHUNK, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
-            return False
+            return []
         except OSError:
-            return True
-        if data:
-            log.warning("page channel of %s rank %d: unexpected data after the hello; closing it",
-                        self.by_fd[fd].engine_id, self.by_fd[fd].rank)
-        return True
+            return None
+        if not data:
+            return None
+        if peer.rank < 0:
+            log.warning("lifeline of engine %s: unexpected data after the hello; closing it", peer.engine_id)
+            return None
+        inbox = peer.inbox
+        inbox += data
+        frames: list[bytes] = []
+        while len(inbox) >= 4:
+            size = int.from_bytes(inbox[:4], "little")
+            if size > MAX_ACK:
+                log.warning("page channel of %s rank %d: a frame of %d bytes (at most %d); closing it",
+                            peer.engine_id, peer.rank, size, MAX_ACK)
+                return None
+            if len(inbox) < 4 + size:
+                break
+            frames.append(bytes(inbox[4:4 + size]))
+            del inbox[:4 + size]
+        return frames
 
     def unclaimed(self, known: set[tuple[str, bytes]], now: float) -> list[int]:
         """Channels open for ``REGISTER_TIMEOUT`` that speak for no registration

@@ -26,7 +26,7 @@ from kvelastic.daemon import effects as fx
 from kvelastic.daemon.allocator import Allocator
 from kvelastic.daemon.devices import Device
 from kvelastic.daemon.events import KVEventPublisher
-from kvelastic.daemon.peers import Access, PeerTable
+from kvelastic.daemon.peers import Access, Peer, PeerTable
 from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.tenancy import Credential, Tenancy
 from kvelastic.errors import require
@@ -150,9 +150,37 @@ class Daemon:
         self.peers.refused = self.peers.over_limit = 0
         for peer in opened:
             self._perform(self.allocator.peer_opened(peer.engine_id, peer.rank, now, peer.token))
-        for fd in [fd for fd in ready if fd in self.peers.by_fd and self.peers.closed(fd)]:
-            peer = self.peers.drop(fd)
-            self._perform(self.allocator.peer_closed(peer.engine_id, peer.rank, now, peer.token))
+        for fd in [fd for fd in ready if fd in self.peers.by_fd]:
+            peer = self.peers.by_fd[fd]
+            frames = self.peers.receive(fd)
+            if frames is None:
+                self.peers.drop(fd)
+                self._perform(self.allocator.peer_closed(peer.engine_id, peer.rank, now, peer.token))
+                continue
+            for frame in frames:
+                self._dispatch_ack(peer, frame, now)
+
+    def _dispatch_ack(self, peer: Peer, frame: bytes, now: float) -> None:
+        """A worker's ack on its page channel: handled as if it came on the
+        control socket of the worker that registered with that channel's
+        engine, rank and secret; anything else is refused and counted."""
+        try:
+            msg = p.decode(frame)
+        except _UNDECODABLE as exc:
+            msg, why = None, f"undecodable ack on a page channel: {exc}"
+        else:
+            why = "" if isinstance(msg, (p.Mapped, p.Unmapped)) else \
+                f"{type(msg).__name__} on a page channel (only Mapped and Unmapped go there)"
+        identity = self.allocator.worker_identity(peer.engine_id, peer.rank, peer.token)
+        if msg is None or why or identity is None:
+            reason = p.Reason.MALFORMED if msg is None else p.Reason.UNEXPECTED if why else p.Reason.NOT_OWNER
+            self.metrics.rejected.labels(reason.value).inc()
+            if not peer.refused:     # once per channel; every one is counted
+                log.warning("page channel of %s rank %d: %s", peer.engine_id, peer.rank,
+                            why or "an ack from a worker that is not registered")
+            peer.refused += 1
+            return
+        self._perform(self.allocator.handle(identity, msg, now, peer.cred))
 
     def _close_unclaimed(self, now: float) -> None:
         known = {(e.engine_id, e.token) for e in (*self.allocator.engines.values(),
@@ -277,15 +305,19 @@ class Daemon:
             except (OSError, VmmError) as exc:    # the daemon's fault (out of descriptors): nothing goes out
                 return self.allocator.pages_unsent(effect.engine_id, effect.rank, effect.slab,
                                                    f"cannot export page descriptors: {exc}", now)
+            # The MapSlab rides with its pages: the worker maps on one read, and
+            # neither side's ZMQ I/O thread is woken for it (a grant's latency
+            # is the wake-ups on its path, see docs/benchmarks.md).
+            command = p.encode(effect.then.msg) if effect.then is not None else b""
             try:
-                self.peers.send_pages(peer, list(zip(effect.pages, fds)))
+                self.peers.send_pages(peer, list(zip(effect.pages, fds)), command)
             except (FdChannelError, OSError) as exc:
                 log.warning("engine %s: page channel of worker %d failed: %s", effect.engine_id, effect.rank, exc)
                 return self.allocator.channel_failed(effect.engine_id, effect.rank, str(exc), now)
         finally:
             for fd in fds:
                 os.close(fd)
-        return [effect.then] if effect.then is not None else []
+        return []
 
     # -------------------------------------------------------------- status
     def status(self) -> p.StatusReport:

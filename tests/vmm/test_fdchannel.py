@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvelastic.vmm.errors import FdChannelError, PeerClosed
-from kvelastic.vmm.fdchannel import MAX_FDS, FdChannel, listen
+from kvelastic.vmm.fdchannel import MAX_COMMAND, MAX_FDS, FdChannel, listen
 
 
 def _open_fds() -> int:
@@ -63,10 +63,36 @@ def test_more_than_scm_max_fd_is_chunked() -> None:
         _close(fd for _, fd in got)
 
 
+def test_a_command_rides_with_the_last_frame() -> None:
+    """The message that names the pages comes in the same read as they do;
+    past MAX_FDS it follows the last chunk's descriptors."""
+    n = MAX_FDS + 3
+    a, b = FdChannel.pair()
+    with a, b:
+        fds = _memfds(n)
+        sender = threading.Thread(target=a.send, args=([(i, fd) for i, fd in enumerate(fds)], b"map them"))
+        sender.start()
+        got, command = b.recv_batch()
+        sender.join()
+        assert command == b"map them" and [pid for pid, _ in got] == list(range(n))
+        _close(fd for _, fd in got)
+        a.send([], b"no pages")
+        assert b.recv_batch() == ([], b"no pages")
+        # A reader that expects none refuses one, and keeps none of its descriptors.
+        before = _open_fds()
+        a.send([(7, fds[0])], b"unexpected")
+        with pytest.raises(FdChannelError, match="command"):
+            b.recv()
+        assert _open_fds() == before
+        with pytest.raises(FdChannelError, match="command"):
+            a.send([], b"x" * (MAX_COMMAND + 1))
+        _close(fds)
+
+
 def test_partial_reads_are_reassembled() -> None:
     a, b = socket.socketpair()
     fds = _memfds(2)
-    frame = struct.pack("<HHI", 0x4B56, 2, 0) + struct.pack("<QQ", 5, 6)
+    frame = struct.pack("<HHII", 0x4B56, 2, 0, 0) + struct.pack("<QQ", 5, 6)
 
     def dribble() -> None:
         socket.send_fds(a, [frame[:1]], fds)  # descriptors ride with the first byte
@@ -98,8 +124,8 @@ def test_peer_closed_mid_frame_leaks_no_descriptor() -> None:
     a, b = socket.socketpair()
     fds = _memfds(3)
     before = _open_fds()
-    frame = struct.pack("<HHI", 0x4B56, 3, 0) + struct.pack("<QQQ", 1, 2, 3)
-    socket.send_fds(a, [frame[:10]], fds)  # header + part of the ids, then the peer dies
+    frame = struct.pack("<HHII", 0x4B56, 3, 0, 0) + struct.pack("<QQQ", 1, 2, 3)
+    socket.send_fds(a, [frame[:16]], fds)  # header + part of the ids, then the peer dies
     a.close()
     with pytest.raises(PeerClosed):
         FdChannel(b).recv()
@@ -121,7 +147,7 @@ def test_send_to_a_closed_peer() -> None:
 
 def test_frame_count_mismatch_is_an_error() -> None:
     a, b = socket.socketpair()
-    a.sendall(struct.pack("<HHI", 0x4B56, 1, 0) + struct.pack("<Q", 1))  # announces 1 fd, sends none
+    a.sendall(struct.pack("<HHII", 0x4B56, 1, 0, 0) + struct.pack("<Q", 1))  # announces 1 fd, sends none
     with pytest.raises(FdChannelError, match="announced 1"):
         FdChannel(b).recv()
     a.sendall(b"garbage!" * 2)

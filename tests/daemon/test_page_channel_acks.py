@@ -1,0 +1,119 @@
+"""A worker's acks on its page channel (protocol 2): a map arrives with its
+pages and is acknowledged there, with no ZMQ hop on a grant's path. What
+else arrives on a page channel is bad input: refused, counted, and the books
+stay as they were; a frame that breaks the framing closes that channel only."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvelastic import protocol as p
+from kvelastic.client.engine import EngineClient
+from kvelastic.client.worker import WorkerClient
+from kvelastic.core.pool import SlabPool
+from kvelastic.daemon.devices import Device
+from kvelastic.daemon.peers import MAX_ACK
+from kvelastic.daemon.server import Daemon
+from kvelastic.vmm import get_backend
+from tests.daemon.hostile import open_lifeline
+from tests.daemon_proc import wait_for
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def served(tmp_path):
+    daemon = Daemon([Device("0", get_backend("host"), 16 * MiB)], str(tmp_path / "k.sock"))
+    stop = threading.Event()
+    thread = threading.Thread(target=daemon.serve, args=(stop.is_set,), daemon=True)
+    thread.start()
+    pool = SlabPool(4)
+    engine = EngineClient(pool, socket_path=daemon.socket_path, engine_id="e", namespace="n", page_size=2 * MiB,
+                          pages_per_worker=1, num_workers=1, block_bytes=MiB // 2, low_watermark=0,
+                          shrink_grace=60).start()
+    worker = WorkerClient(get_backend("host"), socket_path=daemon.socket_path, engine_id="e", rank=0,
+                          token=engine.token).start()
+    yield daemon, engine, worker
+    engine.close()
+    worker.close()
+    stop.set()
+    thread.join(5)
+    daemon.close()
+
+
+def rejected(daemon: Daemon, reason: str) -> float:
+    return daemon.metrics.registry.get_sample_value("kvelastic_rejected_messages_total", {"reason": reason}) or 0.0
+
+
+def books(daemon: Daemon) -> dict:
+    """Every engine's slabs and their phases, and each device's free pages."""
+    alloc = daemon.allocator
+    return {"engines": {e.engine_id: ({i: s.phase for i, s in e.slabs.items()}, e.failed)
+                        for e in alloc.engines.values()},
+            "free": {d: sorted(pool.free) for d, pool in alloc.pools.items()}}
+
+
+def frame(msg: p.Msg | bytes) -> bytes:
+    data = msg if isinstance(msg, bytes) else p.encode(msg)
+    return len(data).to_bytes(4, "little") + data
+
+
+def test_a_grant_is_mapped_and_acknowledged_on_the_page_channel(served):
+    daemon, engine, worker = served
+    errors_before = worker.conn.errors
+    assert engine.ensure(8)                       # two slabs: mapped, acknowledged, granted
+    assert sorted(worker.slabs) == sorted(engine.pool.slab_ids()) and len(worker.slabs) == 2
+    slab = engine.pool.slab_ids()[0]
+    engine.pool.take_slab_back(slab)
+    engine.conn.call(p.Return(engine_id="e", slabs=[slab]))   # answered once the worker's Unmapped came
+    assert slab not in worker.slabs
+    assert worker.conn.errors == errors_before    # every ack was taken
+    daemon.check()
+
+
+def test_bad_acks_on_a_page_channel_are_refused_counted_and_change_nothing(served):
+    daemon, engine, worker = served
+    assert engine.ensure(4)
+    slab = engine.pool.slab_ids()[0]
+    before = {r: rejected(daemon, r) for r in ("malformed", "unexpected", "unexpected_ack", "not_owner")}
+    kept = books(daemon)
+    # A second channel of the same worker (its secret): bad acks on it are refused one by one.
+    own = open_lifeline(daemon.socket_path, "e", rank=0, token=engine.token)
+    # An impostor's channel (no secret) for the same worker: nothing it says counts.
+    impostor = open_lifeline(daemon.socket_path, "e", rank=0, token=b"")
+    try:
+        own.sendall(frame(b"\xc1 not msgpack"))
+        own.sendall(frame(p.Heartbeat(engine_id="e")))
+        own.sendall(frame(p.Unmapped(engine_id="e", rank=0, slab=slab, req_id=7)))   # no unmap pending
+        impostor.sendall(frame(p.Mapped(engine_id="e", rank=0, slab=slab, req_id=8)))
+        wait_for(lambda: rejected(daemon, "not_owner") == before["not_owner"] + 1, what="the impostor's ack refused")
+        wait_for(lambda: rejected(daemon, "unexpected_ack") == before["unexpected_ack"] + 1, what="the stray ack")
+        assert rejected(daemon, "malformed") == before["malformed"] + 1
+        assert rejected(daemon, "unexpected") == before["unexpected"] + 1
+        assert books(daemon) == kept
+        # A frame past the limit breaks the framing: that channel is closed, the worker's stays.
+        own.sendall((MAX_ACK + 1).to_bytes(4, "little") + b"\0" * 16)
+        own.settimeout(5)
+        assert own.recv(1) == b""
+    finally:
+        own.close()
+        impostor.close()
+    assert engine.ensure(8)                       # the worker's own channel still maps and acknowledges
+    daemon.check()
+
+
+def test_an_engine_lifeline_that_writes_is_closed(served):
+    daemon, engine, _ = served
+    line = open_lifeline(daemon.socket_path, "e", rank=-1, token=engine.token)
+    try:
+        line.sendall(frame(p.Heartbeat(engine_id="e")))
+        line.settimeout(5)
+        try:
+            assert line.recv(1) == b""
+        except ConnectionResetError:
+            pass
+    finally:
+        line.close()
+    assert engine.ensure(4) and not engine.failed   # its own lifeline is open: the engine lives
