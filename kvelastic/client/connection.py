@@ -419,7 +419,7 @@ class Connection:
                 continue
             # Asked, not tried: a recv on an empty socket raises, and building
             # that exception costs more than the message (twice per grant).
-            if not dealer.get(zmq.EVENTS) & zmq.POLLIN:
+            if not int(dealer.get(zmq.EVENTS)) & zmq.POLLIN:
                 return
             try:
                 data = dealer.recv(zmq.NOBLOCK)
