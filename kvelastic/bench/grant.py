@@ -6,8 +6,9 @@ per slab). A grant is timed from the engine's ``Grow`` to the ``Granted``
 reply, which the daemon sends only after the worker mapped the page and
 acknowledged; a return from ``Return`` to its reply, sent once the worker
 unmapped. Runs with one engine and with 8 engine processes at once (they
-start measuring together, after every one connected and warmed up: a
-barrier, so the figures are of 8 engines, not of start-ups). The
+start measuring together, after every one connected and warmed up, and
+close only once every one is done: barriers, so the figures are of 8
+engines, not of start-ups or of the first to finish tearing down). The
 baseline, in the same run, is the raw cost of mapping and unmapping the same
 page size with bare system calls (``kvelastic bench vmm``'s raw path).
 
@@ -37,7 +38,7 @@ def engine_loop(socket_path: str, engine_id: str, rounds: int, backend: str,
                 barrier: str = "") -> dict[str, list[float]]:
     """One engine: grow by one slab, return it, ``rounds`` times (microseconds).
     ``barrier``: a folder; after the warm-up the engine writes ``ready-ID``
-    there and waits for ``go``."""
+    there and waits for ``go``, after its rounds ``done-ID`` and waits for ``end``."""
     from kvelastic.client.connection import expect
     from kvelastic.client.engine import EngineClient
     from kvelastic.client.worker import WorkerClient
@@ -66,31 +67,39 @@ def engine_loop(socket_path: str, engine_id: str, rounds: int, backend: str,
             if i >= 5:  # warm-up: first pages are created, later ones reused
                 grants.append((t1 - t0) * 1e6)
                 returns.append((t2 - t1) * 1e6)
+        if barrier:
+            _wait_at(barrier, engine_id, "done", "end")
     finally:
         engine.close()
         worker.close()
     return {"grant": grants, "return": returns}
 
 
-def _wait_at(barrier: str, engine_id: str, timeout: float = 120.0) -> None:
-    pathlib.Path(barrier, f"ready-{engine_id}").touch()
-    go = pathlib.Path(barrier, "go")
+def _wait_at(barrier: str, engine_id: str, mark: str = "ready", go: str = "go", timeout: float = 120.0) -> None:
+    pathlib.Path(barrier, f"{mark}-{engine_id}").touch()
+    signal = pathlib.Path(barrier, go)
     deadline = time.monotonic() + timeout
-    while not go.exists():
+    while not signal.exists():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"engine {engine_id}: the other engines never got ready")
+            raise RuntimeError(f"engine {engine_id}: the other engines never got to '{go}'")
         time.sleep(0.005)
+
+
+def _release(barrier: str, procs: list[subprocess.Popen], mark: str, go: str, timeout: float = 120.0) -> None:
+    """Once every engine wrote ``mark-ID`` (or one exited), let them all on (``go``)."""
+    deadline = time.monotonic() + timeout
+    while len(list(pathlib.Path(barrier).glob(f"{mark}-*"))) < len(procs) and time.monotonic() < deadline \
+            and all(proc.poll() is None for proc in procs):
+        time.sleep(0.01)
+    pathlib.Path(barrier, go).touch()
 
 
 def _parallel(sock: str, engines: int, rounds: int, backend: str) -> dict[str, list[float]]:
     barrier = tempfile.mkdtemp(prefix="kvgrant-")
     procs = [subprocess.Popen([sys.executable, "-m", "kvelastic.bench.grant", sock, f"bench-{i}", str(rounds),
                                backend, barrier], stdout=subprocess.PIPE, text=True) for i in range(engines)]
-    deadline = time.monotonic() + 120
-    while len(list(pathlib.Path(barrier).glob("ready-*"))) < engines and time.monotonic() < deadline \
-            and all(proc.poll() is None for proc in procs):
-        time.sleep(0.01)
-    pathlib.Path(barrier, "go").touch()
+    _release(barrier, procs, "ready", "go")
+    _release(barrier, procs, "done", "end", timeout=600)
     merged: dict[str, list[float]] = {"grant": [], "return": []}
     for proc in procs:
         out, _ = proc.communicate(timeout=600)
@@ -111,7 +120,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     raw = vmm.run(quick=quick, backend=backend)
     with tempfile.TemporaryDirectory() as tmp, running_daemon(tmp, "256MiB", backend) as sock:
         one = engine_loop(sock, "bench-solo", rounds, backend)
-        eight = _parallel(sock, 8, max(25, rounds // 4), backend)
+        eight = _parallel(sock, 8, rounds, backend)
     moved = handoff.measure(backend, 20 if quick else 200)
     out: dict[str, Any] = {"benchmark": "grant", "backend": backend, "page_size": PAGE,
                            "pages_per_slab": 1, "rounds": rounds,
