@@ -182,9 +182,12 @@ class Connection:
     def tell(self, msg: p.Msg) -> None:
         """A worker's ack (``Mapped``, ``Unmapped``), on its page channel: read
         by the daemon's loop itself, with no ZMQ I/O thread on either side to
-        wake. Without a channel it goes by ``send`` (and fails like it)."""
+        wake. Only once registered: on a channel whose hello the daemon may
+        not have read yet it would spoil the greeting (a step's deferred
+        unmap ending while the I/O thread reconnects). Otherwise it goes by
+        ``send`` (and fails like it)."""
         lifeline = self.lifeline
-        if lifeline is not None:
+        if lifeline is not None and self.connected.is_set():
             data = p.encode(msg)
             try:
                 with self._tell_lock:
