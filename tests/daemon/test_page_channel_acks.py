@@ -83,6 +83,10 @@ def test_bad_acks_on_a_page_channel_are_refused_counted_and_change_nothing(serve
     own = open_lifeline(daemon.socket_path, "e", rank=0, token=engine.token)
     # An impostor's channel (no secret) for the same worker: nothing it says counts.
     impostor = open_lifeline(daemon.socket_path, "e", rank=0, token=b"")
+    # As a worker does (it acknowledges only once registered): nothing follows a
+    # hello before the daemon has read it, or the two would arrive as one bad greeting.
+    wait_for(lambda: sum(peer.rank == 0 for peer in list(daemon.peers.by_fd.values())) == 3,
+             what="both channels greeted")
     try:
         own.sendall(frame(b"\xc1 not msgpack"))
         own.sendall(frame(p.Heartbeat(engine_id="e")))
@@ -107,6 +111,7 @@ def test_bad_acks_on_a_page_channel_are_refused_counted_and_change_nothing(serve
 def test_an_engine_lifeline_that_writes_is_closed(served):
     daemon, engine, _ = served
     line = open_lifeline(daemon.socket_path, "e", rank=-1, token=engine.token)
+    wait_for(lambda: sum(peer.rank == -1 for peer in list(daemon.peers.by_fd.values())) == 2, what="greeted")
     try:
         line.sendall(frame(p.Heartbeat(engine_id="e")))
         line.settimeout(5)
