@@ -149,18 +149,9 @@ class PeerTable:
         opened: list[Peer] = []
         bad = 0
         for fd, g in list(self.greeting.items()):
-            if fd in ready:
-                try:
-                    chunk = g.sock.recv(MAX_HELLO + 4 - len(g.data))
-                except (BlockingIOError, InterruptedError):
-                    chunk = None
-                except OSError:
-                    chunk = b""
-                if chunk == b"":
-                    self._forget_greeting(fd)
-                    continue
-                if chunk:
-                    g.data += chunk
+            if fd in ready and not self._read_hello(g):
+                self._forget_greeting(fd)
+                continue
             hello, why = self._parse(g.data)
             if hello is not None:
                 del self.greeting[fd]
@@ -175,6 +166,27 @@ class PeerTable:
                 bad += 1
                 self._forget_greeting(fd)
         return opened, bad
+
+    @staticmethod
+    def _read_hello(g: Greeting) -> bool:
+        """Read what has come of ``g``'s hello, to its end and not beyond: what
+        follows it (a worker's first ack) is read as such once the greeting
+        is done. False when the peer closed."""
+        while True:
+            have = len(g.data)
+            size = int.from_bytes(g.data[:4], "little") if have >= 4 else 0
+            left = 4 - have if have < 4 else 4 + size - have
+            if left <= 0 or size > MAX_HELLO:
+                return True          # complete, or announcing too much: ``_parse`` says which
+            try:
+                chunk = g.sock.recv(left)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                return False
+            if not chunk:
+                return False
+            g.data += chunk
 
     @staticmethod
     def _parse(data: bytes) -> tuple[p.Hello | None, str]:

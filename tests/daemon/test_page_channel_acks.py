@@ -5,8 +5,10 @@ stay as they were; a frame that breaks the framing closes that channel only."""
 
 from __future__ import annotations
 
+import socket
 import threading
 
+import msgspec
 import pytest
 
 from kvelastic import protocol as p
@@ -77,25 +79,28 @@ def test_bad_acks_on_a_page_channel_are_refused_counted_and_change_nothing(serve
     daemon, engine, worker = served
     assert engine.ensure(4)
     slab = engine.pool.slab_ids()[0]
-    before = {r: rejected(daemon, r) for r in ("malformed", "unexpected", "unexpected_ack", "not_owner")}
+    before = {r: rejected(daemon, r) for r in ("malformed", "unexpected", "unexpected_ack", "not_owner",
+                                             "bad_hello")}
     kept = books(daemon)
     # A second channel of the same worker (its secret): bad acks on it are refused one by one.
     own = open_lifeline(daemon.socket_path, "e", rank=0, token=engine.token)
-    # An impostor's channel (no secret) for the same worker: nothing it says counts.
-    impostor = open_lifeline(daemon.socket_path, "e", rank=0, token=b"")
-    # As a worker does (it acknowledges only once registered): nothing follows a
-    # hello before the daemon has read it, or the two would arrive as one bad greeting.
-    wait_for(lambda: sum(peer.rank == 0 for peer in list(daemon.peers.by_fd.values())) == 3,
-             what="both channels greeted")
+    # An impostor's channel (no secret) for the same worker: nothing it says
+    # counts. Its hello and ack in one write: the greeting is read to the
+    # hello's end, the ack as an ack.
+    impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    impostor.connect(p.fd_socket_path(daemon.socket_path))
+    hello = msgspec.msgpack.encode(p.Hello(p.PROTOCOL_VERSION, "e", 0, b""))
     try:
+        impostor.sendall(len(hello).to_bytes(4, "little") + hello + frame(p.Mapped(engine_id="e", rank=0, slab=slab,
+                                                                                   req_id=8)))
         own.sendall(frame(b"\xc1 not msgpack"))
         own.sendall(frame(p.Heartbeat(engine_id="e")))
         own.sendall(frame(p.Unmapped(engine_id="e", rank=0, slab=slab, req_id=7)))   # no unmap pending
-        impostor.sendall(frame(p.Mapped(engine_id="e", rank=0, slab=slab, req_id=8)))
         wait_for(lambda: rejected(daemon, "not_owner") == before["not_owner"] + 1, what="the impostor's ack refused")
         wait_for(lambda: rejected(daemon, "unexpected_ack") == before["unexpected_ack"] + 1, what="the stray ack")
         assert rejected(daemon, "malformed") == before["malformed"] + 1
         assert rejected(daemon, "unexpected") == before["unexpected"] + 1
+        assert rejected(daemon, "bad_hello") == before["bad_hello"]
         assert books(daemon) == kept
         # A frame past the limit breaks the framing: that channel is closed, the worker's stays.
         own.sendall((MAX_ACK + 1).to_bytes(4, "little") + b"\0" * 16)
