@@ -11,7 +11,8 @@ they are answered only with an ``Error``.
 
 Page descriptors never travel here: they go over the AF_UNIX channel of
 ``kvelastic.vmm.fdchannel``, each batch with the ``MapSlab`` that names them
-(encoded as here). A client opens that channel with a ``Hello`` (who it is);
+(encoded as here); an ``UnmapSlab`` goes there too, as a batch without
+pages. A client opens that channel with a ``Hello`` (who it is);
 a worker sends its ``Mapped`` and ``Unmapped`` back on it (``<u32 size>``
 then the message; ZMQ still takes them too), an engine nothing; its closing
 tells the daemon the peer is gone.
@@ -43,7 +44,7 @@ from kvelastic.core.journal import (
     StepOp,
 )
 
-PROTOCOL_VERSION = 2   # 2: MapSlab rides with its pages, acks on the page channel
+PROTOCOL_VERSION = 2   # 2: a worker's commands and acks on its page channel
 MAX_MESSAGE_BYTES = 1 << 20
 
 # Timing both sides rely on (seconds). The daemon's deadlines are configurable

@@ -198,6 +198,8 @@ class RawWorker:
                 os.close(fd_)
         if isinstance(msg, p.MapSlab) and self.s.unsolicited(msg):   # it rides with its pages
             self.ack(self.plan.maps, p.Mapped, msg.slab, msg.req_id)
+        elif isinstance(msg, p.UnmapSlab) and self.s.unsolicited(msg):
+            self.ack(self.plan.unmaps, p.Unmapped, msg.slab, msg.req_id)
 
     def close(self) -> None:
         """Its process is gone: every socket closed at once."""

@@ -6,9 +6,10 @@ the caller brackets each model step with ``step()``, and an unmap that
 arrives during a step is applied when the step ends; between steps it is
 applied at once. Every map and unmap is acknowledged to the daemon, which
 grants a slab only after every worker mapped it and reuses pages only after
-every worker let go of them. A map comes on the page channel with its pages,
-and both acks go back on that channel (``Connection.tell``): no ZMQ hop on a
-grant's path between the daemon and a worker.
+every worker let go of them. A map comes on the page channel with its
+pages, an unmap on that channel too, and both acks go back on it
+(``Connection.tell``): no ZMQ hop between the daemon and a worker on a
+grant's or a return's path.
 
 Before any slab arrives, a warm-up (vLLM's dummy runs and CUDA-graph
 capture) may read and write any block: ``warm_up()`` backs every empty slot
@@ -181,7 +182,8 @@ class WorkerClient:
 
     def _read_pages(self, lifeline: fdchannel.FdChannel) -> None:
         """I/O thread: the lifeline is readable and not closed: a batch of
-        pages with the ``MapSlab`` that names them, mapped at once."""
+        pages with the ``MapSlab`` that names them (mapped at once), or an
+        ``UnmapSlab`` without pages."""
         pairs, command = lifeline.recv_batch()
         fds = dict(pairs)
         try:
@@ -190,11 +192,14 @@ class WorkerClient:
             for fd in fds.values():
                 os.close(fd)
             raise fdchannel.FdChannelError(f"pages came with an unreadable command: {exc}") from exc
-        if not isinstance(msg, p.MapSlab):
-            for fd in fds.values():
-                os.close(fd)
-            raise fdchannel.FdChannelError(f"pages came with a {type(msg).__name__}, not a MapSlab")
-        self._map(msg, fds)
+        if isinstance(msg, p.MapSlab):
+            self._map(msg, fds)
+            return
+        for fd in fds.values():
+            os.close(fd)
+        if not isinstance(msg, p.UnmapSlab) or fds:
+            raise fdchannel.FdChannelError(f"a {type(msg).__name__} with {len(fds)} page(s) on the page channel")
+        self._on_command(msg)
 
     def _map(self, msg: p.MapSlab, fds: dict[int, int]) -> None:
         """Map ``msg``'s pages (``fds``: page id -> descriptor, closed here) and acknowledge."""

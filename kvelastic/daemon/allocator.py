@@ -504,7 +504,8 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
         slab.asked = set(slab.waiting)
         for rank in sorted(slab.waiting):
             self._command(engine.workers[rank],
-                          p.UnmapSlab(slab=slab.slab_id, offsets=engine.worker_offsets(slab.slab_id, rank)))
+                          p.UnmapSlab(slab=slab.slab_id, offsets=engine.worker_offsets(slab.slab_id, rank)),
+                          channel=(engine.engine_id, rank, engine.token))
         if not slab.waiting:
             self._unmapped(engine, slab)
 
@@ -637,10 +638,11 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
                 self._out.append(fx.ReleasePages(device, tuple(stale)))
 
     # ================================================================ output
-    def _command(self, identity: bytes, msg: p.Msg) -> int:
-        """An unsolicited message to a client, with a request id of the daemon's."""
+    def _command(self, identity: bytes, msg: p.Msg, channel: tuple[str, int, bytes] | None = None) -> int:
+        """An unsolicited message to a client, with a request id of the daemon's
+        (``channel``: on that worker's page channel, ``fx.Send``)."""
         msg.req_id = self._new_req_id()
-        self._out.append(fx.Send(identity, msg))
+        self._out.append(fx.Send(identity, msg, channel))
         return msg.req_id
 
     def _new_req_id(self) -> int:

@@ -15,10 +15,13 @@ from kvelastic import protocol as p
 
 @dataclasses.dataclass(frozen=True)
 class Send:
-    """A message to a client over the ROUTER socket (a reply or a command)."""
+    """A message to a client over the ROUTER socket (a reply or a command).
+    ``channel``: a worker's (engine id, rank, secret): the message goes on
+    that worker's page channel instead while it has one (no ZMQ hop)."""
 
     to: bytes
     msg: p.Msg
+    channel: tuple[str, int, bytes] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Every engine and worker opens one connection and greets with a ``Hello``
 saying who it is. The daemon sends page descriptors to workers on theirs,
-each batch with the ``MapSlab`` that names them, and nothing else. A worker
+each batch with the ``MapSlab`` that names them, and ``UnmapSlab`` commands
+(batches without pages), nothing else. A worker
 sends its acks (``Mapped``, ``Unmapped``) back on it, each framed like the
 hello (``<u32 size><msgpack>``, at most ``MAX_ACK`` bytes); an engine never
 sends after its hello. Its closing tells the daemon the process died,

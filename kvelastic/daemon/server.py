@@ -269,6 +269,8 @@ class Daemon:
     def _do(self, effect: fx.Effect) -> list[fx.Effect]:
         now = self.clock()
         if isinstance(effect, fx.Send):
+            if effect.channel is not None and self._send_on_channel(effect.channel, effect.msg):
+                return []
             try:
                 self.router.send_multipart([effect.to, p.encode(effect.msg)], zmq.NOBLOCK)
             except zmq.ZMQError as exc:
@@ -291,6 +293,20 @@ class Daemon:
             if effect.demand:
                 self.metrics.demand_wait.labels(effect.device).observe(effect.seconds)
         return []
+
+    def _send_on_channel(self, channel: tuple[str, int, bytes], msg: p.Msg) -> bool:
+        """A command on a worker's page channel (a batch without pages); False
+        when it has none or it failed: the control socket takes it then, and
+        the ack's deadline judges the worker as ever."""
+        peer = self.peers.find(*channel)
+        if peer is None:
+            return False
+        try:
+            self.peers.send_pages(peer, [], p.encode(msg))
+        except (FdChannelError, OSError) as exc:
+            log.warning("engine %s: page channel of worker %d failed: %s", channel[0], channel[1], exc)
+            return False
+        return True
 
     def _send_pages(self, effect: fx.SendPages, now: float) -> list[fx.Effect]:
         peer = self.peers.find(effect.engine_id, effect.rank, effect.token)
