@@ -162,7 +162,8 @@ class WorkerClient:
     # ------------------------------------------------------- I/O thread
     def _on_command(self, msg: p.Msg) -> None:
         if isinstance(msg, p.MapSlab):       # its pages come with it on the page channel, never here
-            self._map(msg, {})
+            self.conn.tell(p.Mapped(req_id=msg.req_id, engine_id=self.engine_id, rank=self.rank, slab=msg.slab,
+                                    error="MapSlab came without its pages (they come with it on the page channel)"))
         elif isinstance(msg, p.UnmapSlab):
             with self._mu:
                 if self._steps:

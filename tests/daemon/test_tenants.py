@@ -120,6 +120,43 @@ print("done")
     assert victim.do("ensure", n=8)["ok"]                    # and it still grows
 
 
+def test_acks_on_a_page_channel_speak_only_for_the_channels_own_worker(shared, engines):
+    """Protocol 2: workers acknowledge on their page channel. Another tenant
+    (and an operator's process without the secret) opens channels naming a
+    victim's worker, with valid hellos, and sends valid-looking acks for the
+    slab it holds: each is refused as ``not_owner``, and the victim keeps its
+    slab, its KV and its growth."""
+    daemon = shared()
+    victim = engines(daemon, "victim", user=ALICE)
+    assert victim.do("ensure", n=4)["ok"] and victim.do("alloc", n=4)["ok"]
+    written = victim.do("write", value=7)["values"]
+    name = "victim@uid6001"
+    wait_for(lambda: tenant_engine(daemon, "victim")["live_blocks"] == 4, what="the victim's journal")
+    attack = f"""
+import socket, msgspec
+from kvelastic import protocol as p
+def frame(m):
+    data = msgspec.msgpack.encode(m) if isinstance(m, p.Hello) else p.encode(m)
+    return len(data).to_bytes(4, "little") + data
+for engine_id in ("victim", {name!r}):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(p.fd_socket_path({daemon.socket!r}))
+    s.sendall(frame(p.Hello(p.PROTOCOL_VERSION, engine_id, 0, b""))
+              + frame(p.Unmapped(req_id=1 << 32, engine_id=engine_id, rank=0, slab=0))
+              + frame(p.Mapped(req_id=(1 << 32) + 1, engine_id=engine_id, rank=0, slab=0)))
+    s.close()
+print("done")
+"""
+    before = rejected(daemon).get("not_owner", 0)
+    assert as_tenant(MALLORY, attack).strip() == "done"
+    as_root = attack.replace('for engine_id in ("victim", ', 'for engine_id in (')
+    assert as_tenant((0, 0), as_root).strip() == "done"
+    wait_for(lambda: rejected(daemon).get("not_owner", 0) >= before + 6, what="every forged ack refused")
+    assert tenant_engine(daemon, "victim")["slabs"] == 1
+    assert victim.do("read")["values"] == written            # its pages are still mapped, its KV intact
+    assert victim.do("ensure", n=8)["ok"]                    # and its own worker still acknowledges
+
+
 # ------------------------------------------------------------- finding 2
 def test_a_registration_cannot_freeze_the_loop(shared):
     """Finding 2: blocks_per_slab = 2**40 was accepted and the loop walked
