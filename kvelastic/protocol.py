@@ -44,7 +44,7 @@ from kvelastic.core.journal import (
     StepOp,
 )
 
-PROTOCOL_VERSION = 2   # 2: a worker's commands and acks on its page channel
+PROTOCOL_VERSION = 3   # 2: a worker's commands and acks on its page channel; 3: an engine's journal on its lifeline
 MAX_MESSAGE_BYTES = 1 << 20
 
 # Timing both sides rely on (seconds). The daemon's deadlines are configurable

@@ -15,16 +15,23 @@ from kvelastic import protocol as p
 
 @contextlib.contextmanager
 def daemon_process(folder: str, memory: str, backend: str = "host", *, log_level: str = "warning",
-                   log: IO[bytes] | None = None, metrics_port: int = 0) -> Iterator[subprocess.Popen]:
+                   log: IO[bytes] | None = None, metrics_port: int = 0,
+                   orphan_ttl: str | None = "0") -> Iterator[subprocess.Popen]:
     """Start ``kvelastic daemon`` with its socket at ``folder``/kvelastic.sock;
     yields the process (benchmarks that watch its memory and descriptors need
-    its PID). ``log``: where its output goes (default: inherited). It keeps
-    no departed engine's cache: each engine a benchmark starts starts cold
-    (``bench warm`` runs its own daemon, which does)."""
+    its PID). ``log``: where its output goes (default: inherited). By default
+    it keeps no departed engine's cache: each engine a benchmark starts starts
+    cold (``bench warm`` runs its own daemon, which does). ``orphan_ttl=None``:
+    the daemon's own default, for figures of what an engine pays when its
+    cache may be kept (the seal before each step that dropped a key)."""
     sock = os.path.join(folder, "kvelastic.sock")
     env = dict(os.environ, KVELASTIC_SOCKET=sock, KVELASTIC_MEMORY=memory, KVELASTIC_BACKEND=backend,
                KVELASTIC_METRICS_PORT=str(metrics_port), KVELASTIC_METRICS_ADDR="127.0.0.1",
-               KVELASTIC_LOG_LEVEL=log_level, KVELASTIC_ORPHAN_CACHE_TTL="0")
+               KVELASTIC_LOG_LEVEL=log_level)
+    if orphan_ttl is not None:
+        env["KVELASTIC_ORPHAN_CACHE_TTL"] = orphan_ttl
+    else:
+        env.pop("KVELASTIC_ORPHAN_CACHE_TTL", None)
     proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "daemon"], env=env, stdout=log,
                             stderr=subprocess.STDOUT if log is not None else None)
     try:
@@ -40,9 +47,9 @@ def daemon_process(folder: str, memory: str, backend: str = "host", *, log_level
 
 
 @contextlib.contextmanager
-def running_daemon(folder: str, memory: str, backend: str = "host") -> Iterator[str]:
+def running_daemon(folder: str, memory: str, backend: str = "host", orphan_ttl: str | None = "0") -> Iterator[str]:
     """Start ``kvelastic daemon`` with its socket in ``folder``; yields the socket path."""
-    with daemon_process(folder, memory, backend):
+    with daemon_process(folder, memory, backend, orphan_ttl=orphan_ttl):
         yield os.path.join(folder, "kvelastic.sock")
 
 

@@ -182,20 +182,34 @@ class Connection:
     def tell(self, msg: p.Msg) -> None:
         """A worker's ack (``Mapped``, ``Unmapped``), on its page channel: read
         by the daemon's loop itself, with no ZMQ I/O thread on either side to
-        wake. Only once registered: on a channel whose hello the daemon may
-        not have read yet it would spoil the greeting (a step's deferred
-        unmap ending while the I/O thread reconnects). Otherwise it goes by
+        wake. Otherwise (not registered, or the channel broke) it goes by
         ``send`` (and fails like it)."""
+        if not self.write_lifeline(p.encode(msg)):
+            self.send(msg)
+
+    def write_lifeline(self, data: bytes, handshake: bool = False) -> bool:
+        """One frame (``<u32 size>`` + ``data``) on the lifeline, in the
+        daemon's socket when this returns True. Only once registered
+        (``handshake``: the I/O thread, once the daemon answered the
+        registration): a frame the daemon cannot attribute to a registration
+        is refused. A write that fails (the daemon gone, or not reading for
+        ``ACK_SEND_TIMEOUT``) may have left half a frame: the lifeline is shut
+        so the daemon drops what it read of it, and this side reconnects."""
         lifeline = self.lifeline
-        if lifeline is not None and self.connected.is_set():
-            data = p.encode(msg)
+        if lifeline is None or not (handshake or self.connected.is_set()):
+            return False
+        try:
+            with self._tell_lock:
+                lifeline.sock.sendall(len(data).to_bytes(4, "little") + data)
+            return True
+        except OSError as exc:
+            log.warning("engine %s rank %d: writing to the daemon on the lifeline failed (%s); reconnecting",
+                        self.engine_id, self.rank, exc)
             try:
-                with self._tell_lock:
-                    lifeline.sock.sendall(len(data).to_bytes(4, "little") + data)
-                return
-            except OSError:   # the daemon is gone: a reconnection's registration says what is mapped
+                lifeline.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
                 pass
-        self.send(msg)
+            return False
 
     def wake(self) -> None:
         """Run the I/O thread's loop (and its periodic work) now."""
@@ -325,8 +339,9 @@ class Connection:
             self._dealer.close(0)
             self._dealer = None
         if self.lifeline is not None:
-            self.lifeline.close()
-            self.lifeline = None
+            with self._tell_lock:       # never under a frame being written (its descriptor reused)
+                self.lifeline.close()
+                self.lifeline = None
         for req_id, pending in list(self._pending.items()):
             self._pending.pop(req_id, None)
             self._complete(pending, p.Error(req_id=req_id, reason="daemon_unavailable",

@@ -47,10 +47,8 @@ log = logging.getLogger("kvelastic.client")
 # costs the engine little, small enough for reclaim decisions and KV events.
 JOURNAL_INTERVAL = 0.05
 JOURNAL_MAX_OPS = 20000
-# A step that may rewrite a block whose key was dropped waits at most this
-# for the daemon to acknowledge the journal (see ``seal_step``).
+# ``_flush_journal(sync=True)`` waits at most this for the daemon's Ok.
 SYNC_TIMEOUT = 1.0
-SYNC_BACKOFF = 5.0
 
 
 def wire_key(key) -> bytes:
@@ -122,8 +120,6 @@ class EngineClient:
         self.on_tick: Callable[[], None] | None = None
         self.hash_seed = ""                # its namespace's block-hash root, likewise
         self.orphan_ttl = 0.0              # the daemon keeps this engine's cache after it leaves
-        self._removal_unacked = False      # a journal that dropped keys went out unacknowledged
-        self._sync_failed_at = self._sync_warned_at = -1e9
         self.refused_until = 0.0           # after a refused grow, no prefetch for a while
         self._grow_in_flight = False       # a reserve grow awaits its answer
         self._grow_answered = threading.Event()
@@ -192,7 +188,6 @@ class EngineClient:
         self.orphan_ttl = reply.orphan_ttl
         if self.private:   # a reconnect keeps the daemon's record, which a lost Diverge never reached
             expect(conn.call(self._diverge_message("re-registered"), timeout=5.0), p.Ok)
-        self._sync_failed_at = -1e9        # a seal that failed with the old connection: this daemon answers
         self._grow_in_flight = False
         self._grow_answered.set()
         if held:  # a restarted daemon has an empty mirror: send the whole index
@@ -207,12 +202,15 @@ class EngineClient:
         ops: list[p.JournalOp] = [p.ClearKeys(), *p.journal_ops(self.pool.journal.resync())]
         ops += [p.StoreKey(key=wire_key(k), block=b) for k, b in self.pool.cached_keys()]
         ops += [p.LabelBlock(block=b, label=label) for b, label in self.pool.labelled_keys()]
-        self._removal_unacked = False      # every drop so far is in what this sends (the keys left)
         occupancy = self.pool.occupancies()
         for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):   # the daemon takes journals in parts
             last = start + JOURNAL_MAX_OPS >= len(ops)
-            self.conn.send(p.Journal(engine_id=self.engine_id, ops=ops[start:start + JOURNAL_MAX_OPS],
-                                     occupancy=occupancy if last else {}))
+            # On the lifeline like every journal (the I/O thread in its
+            # handshake, or whoever frees the lock after it).
+            if not self.conn.write_lifeline(p.encode(p.Journal(
+                    engine_id=self.engine_id, ops=ops[start:start + JOURNAL_MAX_OPS],
+                    occupancy=occupancy if last else {})), handshake=True):
+                return     # the lifeline broke: the next registration sends the index again
 
     # ---------------------------------------------------- scheduler thread
     def diverge(self, reason: str) -> None:
@@ -309,27 +307,16 @@ class EngineClient:
     def seal_step(self) -> None:
         """The scheduler is about to run a model step (scheduler thread, after
         scheduling it). A step may write into blocks whose keys were dropped
-        since the daemon last acknowledged the journal; if this engine died in
-        that step, a daemon that never heard of the drop would keep those
-        blocks as valid cache. So when the daemon keeps departed engines'
-        cache and a drop is unacknowledged, the journal goes now and the step
-        waits for the acknowledgement (one round trip, only in steps that
-        follow an eviction). Bounded: after ``SYNC_TIMEOUT`` the step runs
-        anyway (the daemon must never stall an engine), logged."""
-        if not self.orphan_ttl or not (self._removal_unacked or self.pool.journal.removed) \
-                or not self.conn.connected.is_set() or time.monotonic() - self._sync_failed_at < SYNC_BACKOFF:
-            return   # no daemon (the next one gets the whole index), or a slow one: not every step waits
-        with self.lock:
-            try:
-                self._flush_journal(sync=True)
-            except (DaemonError, DaemonUnavailable) as exc:
-                now = time.monotonic()
-                if now - self._sync_warned_at > 60.0:     # one line a minute while it lasts
-                    self._sync_warned_at = now
-                    log.warning("engine %s: the daemon did not acknowledge the journal before a step (%s): "
-                                "if this engine dies in it, a warm restart may lose its cache", self.engine_id,
-                                exc)
-                self._sync_failed_at = now
+        while scheduling it; if this engine died in that step, a daemon that
+        never heard of the drop would keep those blocks as valid cache. So
+        when the daemon keeps departed engines' cache and a key was dropped,
+        the journal goes now, on the lifeline. No round trip: once written it
+        lies in the daemon's socket, where a ``kill -9`` cannot take it back,
+        and the daemon reads an engine's lifeline to its end before it decides
+        anything about the engine (its death, a worker's, its next message)."""
+        if self.orphan_ttl and self.pool.journal.removed and self.conn.connected.is_set():
+            with self.lock:
+                self._flush_journal()
 
     def wake(self) -> None:
         """Tell the I/O thread to look at the watermarks now (cheap)."""
@@ -473,30 +460,27 @@ class EngineClient:
         return returned
 
     def _flush_journal(self, sync: bool = False) -> None:
-        """Ship the journal (any thread, with ``lock`` held: taking it and
-        sending it is one step, so journals leave in the order they were taken).
-        ``sync``: wait until the daemon applied it (scheduler thread only)."""
+        """Ship the journal on the lifeline (any thread, with ``lock`` held:
+        taking it and writing it is one step, so journals arrive in the order
+        they were taken, ahead of any later message on the control socket:
+        the daemon reads an engine's lifeline before its messages). Not
+        registered, it is dropped: the next registration sends the whole
+        index. ``sync``: then wait until the daemon applied it (its Ok to an
+        empty journal on the control socket covers every frame before it)."""
         batch = self.pool.take_journal()
-        self._removal_unacked |= batch.removed
-        if not batch:
-            if sync and self._removal_unacked:   # an earlier journal's drop: acknowledge it
-                expect(self.conn.call(p.Journal(engine_id=self.engine_id, ops=[], occupancy={}, sync=True),
-                                      SYNC_TIMEOUT), p.Ok)
-                self._removal_unacked = False
-            return
-        counters = self.pool.stats.counters()
-        # The core's op tuples are their wire form once keys are bytes (vLLM's
-        # are): shipped as they stand, no object per op (``p.JournalFrame``).
-        ops = batch.ops if self.bytes_keys else [
-            (op[0], wire_key(op[1]), op[2]) if op[0] in (STORE, REMOVE) else op for op in batch.ops]
-        for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):
-            chunk = ops if len(ops) <= JOURNAL_MAX_OPS else ops[start:start + JOURNAL_MAX_OPS]
-            last = start + JOURNAL_MAX_OPS >= len(ops)
-            msg = p.JournalFrame(engine_id=self.engine_id, ops=chunk, occupancy=batch.occupancy if last else {},
-                                 stats=counters if last else {}, sync=sync and last)
-            if msg.sync:   # one connection, applied in order: this Ok covers every journal before it
-                expect(self.conn.call(msg, SYNC_TIMEOUT), p.Ok)
-                self._removal_unacked = False
-            else:
-                self.conn.send(msg)
-
+        if batch:
+            counters = self.pool.stats.counters()
+            # The core's op tuples are their wire form once keys are bytes (vLLM's
+            # are): shipped as they stand, no object per op (``p.JournalFrame``).
+            ops = batch.ops if self.bytes_keys else [
+                (op[0], wire_key(op[1]), op[2]) if op[0] in (STORE, REMOVE) else op for op in batch.ops]
+            for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):
+                chunk = ops if len(ops) <= JOURNAL_MAX_OPS else ops[start:start + JOURNAL_MAX_OPS]
+                last = start + JOURNAL_MAX_OPS >= len(ops)
+                msg = p.JournalFrame(engine_id=self.engine_id, ops=chunk, occupancy=batch.occupancy if last else {},
+                                     stats=counters if last else {})
+                if not self.conn.write_lifeline(p.encode(msg)):
+                    return   # not registered, or the lifeline broke: the next registration resends the index
+        if sync:
+            expect(self.conn.call(p.Journal(engine_id=self.engine_id, ops=[], occupancy={}, sync=True),
+                                  SYNC_TIMEOUT), p.Ok)

@@ -5,9 +5,12 @@ saying who it is. The daemon sends page descriptors to workers on theirs,
 each batch with the ``MapSlab`` that names them, and ``UnmapSlab`` commands
 (batches without pages), nothing else. A worker
 sends its acks (``Mapped``, ``Unmapped``) back on it, each framed like the
-hello (``<u32 size><msgpack>``, at most ``MAX_ACK`` bytes); an engine never
-sends after its hello. Its closing tells the daemon the process died,
-whatever its PID namespace.
+hello (``<u32 size><msgpack>``, at most ``MAX_ACK`` bytes). An engine sends
+its journal on its lifeline, framed the same way (at most ``MAX_JOURNAL``
+bytes a frame): once ``send`` returns, the frame is in the daemon's socket,
+so it outlives a ``kill -9`` of the engine, and the daemon reads it before
+the end of the stream. A connection's closing tells the daemon the process
+died, whatever its PID namespace.
 
 Nothing here blocks the loop: connections are accepted and greetings read
 without blocking, a greeting must be complete within ``HELLO_TIMEOUT``, and
@@ -20,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import select
 import socket
 import struct
 
@@ -33,7 +37,9 @@ from kvelastic.vmm import fdchannel
 log = logging.getLogger("kvelastic.daemon")
 MAX_HELLO = 4096
 MAX_ACK = 4096                # one ack frame on a worker's channel
-READ_CHUNK = 16384            # read from one channel per pass: a flood never holds the loop
+MAX_JOURNAL = p.MAX_MESSAGE_BYTES   # one journal frame on an engine's lifeline (the client ships parts)
+READ_CHUNK = 16384            # read from a worker's channel per pass: a flood never holds the loop
+LIFELINE_READ = 1 << 20       # read from an engine's lifeline per pass (a journal frame is at most MAX_JOURNAL)
 MAX_GREETING = 256            # connections still greeting; more wait in the kernel's backlog
 MIN_CHANNELS_PER_TENANT = 64  # the least a tenant may hold open, whatever the descriptor limit
 
@@ -46,7 +52,7 @@ class Peer:
     since: float = 0.0  # greeted at
     token: bytes = b""  # the secret its hello showed
     cred: Credential | None = None
-    inbox: bytearray = dataclasses.field(default_factory=bytearray)   # a worker's ack read in part
+    inbox: bytearray = dataclasses.field(default_factory=bytearray)   # a frame read in part
     refused: int = 0    # acks on it the loop refused (logged once)
 
 
@@ -93,6 +99,13 @@ class PeerTable:
         self.poller = poller
         self.poller.register(self.listener.fileno(), zmq.POLLIN)
         self.by_fd: dict[int, Peer] = {}
+        # Engines' lifelines wake the loop only when they close (``hangups``,
+        # itself in the poller): a journal written on one waits to be read
+        # until the engine's next message, a worker's closing, the tick, or
+        # its own closing, so an engine's write never wakes the daemon.
+        self.hangups = select.epoll()
+        self.poller.register(self.hangups.fileno(), zmq.POLLIN)
+        self.by_key: dict[tuple[str, int, bytes], int] = {}   # (engine id, rank, secret) -> fd, the first one
         self.greeting: dict[int, Greeting] = {}
         self.accept_paused_until = 0.0
         self.listening = True
@@ -161,6 +174,10 @@ class PeerTable:
                 peer = Peer(fdchannel.FdChannel(g.sock), g.cred.scope(hello.engine_id), hello.rank, now,
                             hello.token, g.cred)
                 self.by_fd[fd] = peer
+                self.by_key.setdefault((peer.engine_id, peer.rank, peer.token), fd)
+                if peer.rank < 0:
+                    self.poller.unregister(fd)
+                    self.hangups.register(fd, select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR)
                 opened.append(peer)
             elif why or now > g.deadline:
                 log.warning("page channel: bad hello (%s)", why or f"not complete within {p.HELLO_TIMEOUT:g} s")
@@ -233,44 +250,51 @@ class PeerTable:
             peer.channel.sock.setblocking(False)
 
     def find(self, engine_id: str, rank: int, token: bytes) -> Peer | None:
-        """The channel of that worker that showed its engine's secret (an
-        impostor's hello for the same engine and rank never gets descriptors)."""
-        for peer in self.by_fd.values():
-            if peer.engine_id == engine_id and peer.rank == rank and peer.token == token:
-                return peer
-        return None
+        """The channel of that worker (rank -1: the engine's lifeline) that
+        showed its engine's secret (an impostor's hello for the same engine
+        and rank never gets descriptors, nor speaks for it)."""
+        fd = self.by_key.get((engine_id, rank, token))
+        return None if fd is None else self.by_fd[fd]
 
-    def receive(self, fd: int) -> list[bytes] | None:
-        """A peer's socket polled readable: the ack frames a worker sent on it
-        (none, if readiness was left over from its greeting or a frame is not
-        complete yet), or None when it closed or broke the framing (an
-        engine's lifeline carries nothing after its hello)."""
+    def receive(self, fd: int) -> tuple[list[bytes], bool]:
+        """What a peer sent, without waiting: its complete frames (a worker's
+        acks, an engine's journal; a frame may arrive in parts), and whether
+        it closed after them, or broke the framing (the frames before the
+        break still count: they came before it)."""
         peer = self.by_fd[fd]
-        try:
-            data = peer.channel.sock.recv(READ_CHUNK, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return []
-        except OSError:
-            return None
-        if not data:
-            return None
-        if peer.rank < 0:
-            log.warning("lifeline of engine %s: unexpected data after the hello; closing it", peer.engine_id)
-            return None
+        lifeline = peer.rank < 0
+        budget = LIFELINE_READ if lifeline else READ_CHUNK
+        limit = MAX_JOURNAL if lifeline else MAX_ACK
         inbox = peer.inbox
-        inbox += data
         frames: list[bytes] = []
-        while len(inbox) >= 4:
-            size = int.from_bytes(inbox[:4], "little")
-            if size > MAX_ACK:
-                log.warning("page channel of %s rank %d: a frame of %d bytes (at most %d); closing it",
-                            peer.engine_id, peer.rank, size, MAX_ACK)
-                return None
-            if len(inbox) < 4 + size:
+        closed = False
+        while budget > 0:
+            try:
+                data = peer.channel.sock.recv(min(budget, 1 << 18), socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
                 break
-            frames.append(bytes(inbox[4:4 + size]))
-            del inbox[:4 + size]
-        return frames
+            except OSError:
+                closed = True
+                break
+            if not data:
+                closed = True
+                break
+            budget -= len(data)
+            inbox += data
+            while len(inbox) >= 4:
+                size = int.from_bytes(inbox[:4], "little")
+                if size > limit:
+                    log.warning("%s of %s: a frame of %d bytes (at most %d); closing it",
+                                "lifeline" if lifeline else f"page channel rank {peer.rank}", peer.engine_id,
+                                size, limit)
+                    return frames, True
+                if len(inbox) < 4 + size:
+                    break
+                frames.append(bytes(inbox[4:4 + size]))
+                del inbox[:4 + size]
+            if not lifeline:
+                break      # a worker's acks are small: one read a pass
+        return frames, closed
 
     def unclaimed(self, known: set[tuple[str, bytes]], now: float) -> list[int]:
         """Channels open for ``REGISTER_TIMEOUT`` that speak for no registration
@@ -282,10 +306,27 @@ class PeerTable:
     def drop(self, fd: int) -> Peer:
         """The peer on ``fd`` closed its end: forget it."""
         peer = self.by_fd.pop(fd)
-        self.poller.unregister(fd)
+        key = (peer.engine_id, peer.rank, peer.token)
+        if self.by_key.get(key) == fd:
+            del self.by_key[key]
+            for other, rest in self.by_fd.items():   # another channel with the same name takes its place
+                if (rest.engine_id, rest.rank, rest.token) == key:
+                    self.by_key[key] = other
+                    break
+        if peer.rank < 0:
+            self.hangups.unregister(fd)
+        else:
+            self.poller.unregister(fd)
         peer.channel.close()
         self._closed(peer.cred)
         return peer
+
+    def hung_up(self) -> list[int]:
+        """Engines' lifelines closed (or broken) since last asked: read them to the end."""
+        return [fd for fd, _ in self.hangups.poll(0)]
+
+    def lifelines(self) -> list[int]:
+        return [fd for fd, peer in self.by_fd.items() if peer.rank < 0]
 
     def close(self) -> None:
         for peer in self.by_fd.values():
@@ -293,6 +334,8 @@ class PeerTable:
         for g in self.greeting.values():
             g.sock.close()
         self.by_fd.clear()
+        self.by_key.clear()
         self.greeting.clear()
         self.open_by_uid.clear()
+        self.hangups.close()
         self.listener.close()

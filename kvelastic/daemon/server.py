@@ -110,6 +110,8 @@ class Daemon:
             if now - last_tick >= TICK_INTERVAL:
                 last_tick = now
                 try:
+                    for fd in self.peers.lifelines():   # journals written since (they wake nobody)
+                        self._read_peer(fd, now)
                     self._perform(self.allocator.tick(now))
                     self._close_unclaimed(now)
                 except Exception:
@@ -148,36 +150,73 @@ class Daemon:
         for _ in range(self.peers.over_limit):
             self.metrics.rejected.labels(p.Reason.CHANNEL_LIMIT.value).inc()
         self.peers.refused = self.peers.over_limit = 0
-        for peer in opened:
-            self._perform(self.allocator.peer_opened(peer.engine_id, peer.rank, now, peer.token))
-        for fd in [fd for fd in ready if fd in self.peers.by_fd]:
-            peer = self.peers.by_fd[fd]
-            frames = self.peers.receive(fd)
-            if frames is None:
-                self.peers.drop(fd)
-                self._perform(self.allocator.peer_closed(peer.engine_id, peer.rank, now, peer.token))
+        for opened_peer in opened:
+            self._perform(self.allocator.peer_opened(opened_peer.engine_id, opened_peer.rank, now,
+                                                     opened_peer.token))
+        if self.peers.hangups.fileno() in ready:
+            for fd in self.peers.hung_up():    # what it wrote first, then its closing
+                self._read_peer(fd, now)
+        for fd in ready:
+            peer = self.peers.by_fd.get(fd)    # (one read above may have closed another)
+            if peer is None:
                 continue
-            for frame in frames:
-                self._dispatch_ack(peer, frame, now)
+            if peer.rank >= 0:   # what its engine shipped before this worker went comes first
+                self._read_lifeline(peer.engine_id, now)
+            self._read_peer(fd, now)
 
-    def _dispatch_ack(self, peer: Peer, frame: bytes, now: float) -> None:
-        """A worker's ack on its page channel: handled as if it came on the
-        control socket of the worker that registered with that channel's
-        engine, rank and secret; anything else is refused and counted."""
+    def _read_peer(self, fd: int, now: float) -> None:
+        """Handle what the peer on ``fd`` sent, in order, then its closing."""
+        peer = self.peers.by_fd.get(fd)
+        if peer is None:
+            return
+        frames, closed = self.peers.receive(fd)
+        for frame in frames:
+            self._dispatch_frame(peer, frame, now)
+        if closed and fd in self.peers.by_fd:
+            self.peers.drop(fd)
+            self._perform(self.allocator.peer_closed(peer.engine_id, peer.rank, now, peer.token))
+
+    def _read_lifeline(self, engine_id: str, now: float) -> None:
+        """Apply what the registered engine ``engine_id`` wrote on its lifeline
+        so far. Called before anything else of that engine is handled (a
+        message on the control socket, a worker of it gone): it wrote its
+        journal there first, so the daemon's books follow its order."""
+        engine = self.allocator.engines.get(engine_id)
+        peer = self.peers.find(engine_id, -1, engine.token) if engine is not None else None
+        if peer is not None:
+            self._read_peer(peer.channel.fileno(), now)
+
+    def _dispatch_frame(self, peer: Peer, frame: bytes, now: float) -> None:
+        """A frame on a page channel or lifeline: handled as if it came on the
+        control socket of whoever registered with that channel's engine, rank
+        and secret (a worker's ``Mapped``/``Unmapped``, an engine's ``Journal``);
+        anything else is refused and counted."""
+        lifeline = peer.rank < 0
+        expected: tuple[type[p.Msg], ...] = (p.Journal,) if lifeline else (p.Mapped, p.Unmapped)
         try:
             msg = p.decode(frame)
         except _UNDECODABLE as exc:
-            msg, why = None, f"undecodable ack on a page channel: {exc}"
+            msg, why = None, f"undecodable frame: {exc}"
         else:
-            why = "" if isinstance(msg, (p.Mapped, p.Unmapped)) else \
-                f"{type(msg).__name__} on a page channel (only Mapped and Unmapped go there)"
-        identity = self.allocator.worker_identity(peer.engine_id, peer.rank, peer.token)
+            why = "" if isinstance(msg, expected) else \
+                f"{type(msg).__name__} (only {' and '.join(m.__name__ for m in expected)} go there)"
+        if lifeline:
+            # The registered engine's lifeline (the first with its secret): the
+            # one read before its messages, so the only one its journal may take.
+            engine = self.allocator.engines.get(peer.engine_id)
+            identity = engine.identity if engine is not None and \
+                self.peers.find(peer.engine_id, -1, engine.token) is peer else None
+            if identity is not None and isinstance(msg, p.Journal) and \
+                    (peer.cred.scope(msg.engine_id) if peer.cred else msg.engine_id) != peer.engine_id:
+                identity = None   # a journal names its own engine or none
+        else:
+            identity = self.allocator.worker_identity(peer.engine_id, peer.rank, peer.token)
         if msg is None or why or identity is None:
             reason = p.Reason.MALFORMED if msg is None else p.Reason.UNEXPECTED if why else p.Reason.NOT_OWNER
             self.metrics.rejected.labels(reason.value).inc()
             if not peer.refused:     # once per channel; every one is counted
-                log.warning("page channel of %s rank %d: %s", peer.engine_id, peer.rank,
-                            why or "an ack from a worker that is not registered")
+                log.warning("%s of %s: %s", "lifeline" if lifeline else f"page channel rank {peer.rank}",
+                            peer.engine_id, why or "a frame for a registration it does not belong to")
             peer.refused += 1
             return
         self._perform(self.allocator.handle(identity, msg, now, peer.cred))
@@ -230,6 +269,9 @@ class Daemon:
         if cred is None:    # every ipc peer has credentials: refuse rather than trust
             self._perform(self.allocator.reject(identity, p.Reason.NOT_ALLOWED, "no peer credentials", msg.req_id))
             return
+        engine_id = getattr(msg, "engine_id", None)
+        if isinstance(engine_id, str) and self.peers.by_key:   # its journal, written before this was sent
+            self._read_lifeline(cred.scope(engine_id), now)
         try:
             effects = self.allocator.handle(identity, msg, now, cred)
         except Exception as exc:  # a bug must not take the node's memory manager down

@@ -17,7 +17,7 @@ import random
 from typing import Any, Protocol
 
 from kvelastic import protocol as p
-from kvelastic.client.engine import SYNC_BACKOFF, SYNC_TIMEOUT, give_up, wire_key
+from kvelastic.client.engine import give_up, wire_key
 from kvelastic.core.block import BlockRecord
 from kvelastic.core.pool import SlabPool
 from kvelastic.sim.ports import WorkerWorld
@@ -25,6 +25,12 @@ from kvelastic.sim.records import BLOCKS_PER_SLAB, BUSY, KV, Device, SimWorker, 
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
 
 CLIENT_GROW_TIMEOUT = 2.0          # an engine gives up waiting for a grow after this
+# The seal as an acknowledged journal (protocol 2's rule: the real client now
+# writes it on its lifeline and does not wait, see ``EngineClient.seal_step``;
+# the simulated transports have no lifeline, so a seal here waits for the Ok,
+# at most SYNC_TIMEOUT, and after a failure skips seals for SYNC_BACKOFF).
+SYNC_TIMEOUT = 1.0
+SYNC_BACKOFF = 5.0
 UNREGISTER_TIMEOUT = 2.0           # an exiting engine waits this long for its Unregister's answer
 FAILED: Any = getattr(p, "Failed", None)   # the daemon tells an engine it failed it: it restarts
 PROMPTS = 12                       # prompt families per namespace: requests share prefixes

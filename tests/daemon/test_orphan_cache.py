@@ -4,6 +4,8 @@ its prefix; nobody else ever sees them. Valid means keyed in a step that
 finished; a key the daemon was told is dropped is never kept. Real daemon,
 engine and worker processes (host pages), engines killed with SIGKILL."""
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -109,6 +111,34 @@ def test_a_dropped_key_is_acknowledged_before_the_step_that_rewrites_its_block(d
         assert hits == 0 and b.do("read")["values"] == [0]     # nothing kept: a fresh page
     else:
         assert hits == 4 and b.do("read")["values"] == [9]     # stale keys over rewritten KV
+
+
+def test_a_sealed_drop_counts_even_if_the_daemon_reads_it_after_the_engine_died(daemon_factory, engines):
+    """The seal does not wait for the daemon (protocol 3): it writes the
+    journal on the engine's lifeline. Here the daemon is stopped from before
+    the seal until after the engine (and its worker) died: on waking it finds
+    the journal, the closed channels and the engine's messages all at once,
+    and still applies the journal before it decides what to keep."""
+    daemon = daemon_factory(memory="2MiB")                       # one slab
+    a = engines(daemon, "a", namespace="llama-1", **KEEP)
+    assert a.do("ensure", n=4)["ok"]
+    cache_in_a_step(a, "old", 4, value=3)
+    a.do("flush")
+    a.do("step")
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        assert a.do("alloc", n=4)["ok"]                          # evicts the 4 cached blocks
+        a.do("seal")                                             # returns at once: nobody answers
+        a.do("write", value=9)
+        a.kill()
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    wait_for(lambda: not daemon.status()["engines"], what="a gone")
+    assert kept_blocks(daemon, "llama-1") == 0
+    b = engines(daemon, "b", namespace="llama-1", **KEEP)
+    assert b.do("ensure", n=1)["ok"]
+    assert b.do("lookup", prefix="old", n=4)["hits"] == 0
+    assert b.do("read")["values"] == [0]                         # a fresh page, not the rewritten one
 
 
 @pytest.mark.parametrize("namespace", ["llama-1-tenant-b", "mistral-7"])

@@ -1,7 +1,8 @@
 """A worker's acks on its page channel (protocol 2): a map arrives with its
-pages and is acknowledged there, with no ZMQ hop on a grant's path. What
-else arrives on a page channel is bad input: refused, counted, and the books
-stay as they were; a frame that breaks the framing closes that channel only."""
+pages and is acknowledged there, with no ZMQ hop on a grant's path; an
+engine's journal on its lifeline (protocol 3). What else arrives on a page
+channel or a lifeline is bad input: refused, counted, and the books stay as
+they were; a frame that breaks the framing closes that channel only."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kvelastic.client.engine import EngineClient
 from kvelastic.client.worker import WorkerClient
 from kvelastic.core.pool import SlabPool
 from kvelastic.daemon.devices import Device
-from kvelastic.daemon.peers import MAX_ACK
+from kvelastic.daemon.peers import MAX_ACK, MAX_JOURNAL
 from kvelastic.daemon.server import Daemon
 from kvelastic.vmm import get_backend
 from tests.daemon.hostile import open_lifeline
@@ -113,17 +114,42 @@ def test_bad_acks_on_a_page_channel_are_refused_counted_and_change_nothing(serve
     daemon.check()
 
 
-def test_an_engine_lifeline_that_writes_is_closed(served):
+def test_an_engine_journal_on_its_lifeline_is_applied_and_nothing_else_is(served):
     daemon, engine, _ = served
-    line = open_lifeline(daemon.socket_path, "e", rank=-1, token=engine.token)
-    wait_for(lambda: sum(peer.rank == -1 for peer in list(daemon.peers.by_fd.values())) == 2, what="greeted")
+    assert engine.ensure(4)
+    mirror = daemon.allocator.engines["e"].mirror
+    with engine.lock:
+        [block] = engine.pool.allocate(1)
+        engine.pool.cache([block], [b"k" * 8])
+        engine._flush_journal()                     # on the lifeline, no reply
+    wait_for(lambda: mirror.key_of.get(block.block_id) == b"k" * 8, what="the journal applied")
+    before = {r: rejected(daemon, r) for r in ("malformed", "unexpected", "not_owner")}
+    kept = (dict(mirror.key_of), books(daemon))
+    # A second lifeline with the engine's own secret, and an impostor's without it:
+    # a journal on either is not the engine's (its order is its first lifeline's).
+    second = open_lifeline(daemon.socket_path, "e", rank=-1, token=engine.token)
+    impostor = open_lifeline(daemon.socket_path, "e", rank=-1, token=b"")
+    wait_for(lambda: sum(peer.rank == -1 for peer in list(daemon.peers.by_fd.values())) == 3, what="greeted")
+    clear = p.Journal(engine_id="e", ops=[p.ClearKeys()], occupancy={})
     try:
-        line.sendall(frame(p.Heartbeat(engine_id="e")))
-        line.settimeout(5)
-        try:
-            assert line.recv(1) == b""
-        except ConnectionResetError:
-            pass
+        second.sendall(frame(clear))
+        impostor.sendall(frame(clear))
+        wait_for(lambda: rejected(daemon, "not_owner") == before["not_owner"] + 2, what="both journals refused")
+        # On its own lifeline: anything but a journal is refused and counted.
+        assert engine.conn.write_lifeline(p.encode(p.Heartbeat(engine_id="e")))
+        assert engine.conn.write_lifeline(b"\xc1 not msgpack")
+        assert engine.conn.write_lifeline(p.encode(p.Journal(engine_id="other", ops=[p.ClearKeys()], occupancy={})))
+        wait_for(lambda: rejected(daemon, "malformed") == before["malformed"] + 1, what="the undecodable frame")
+        wait_for(lambda: rejected(daemon, "not_owner") == before["not_owner"] + 3, what="another engine's journal")
+        assert rejected(daemon, "unexpected") == before["unexpected"] + 1
+        assert (dict(mirror.key_of), books(daemon)) == kept          # nothing changed
+        # A frame past the limit breaks the framing: that lifeline is closed, the engine's stays.
+        second.sendall((MAX_JOURNAL + 1).to_bytes(4, "little") + b"\0" * 16)
+        second.settimeout(5)
+        assert second.recv(1) == b""
     finally:
-        line.close()
-    assert engine.ensure(4) and not engine.failed   # its own lifeline is open: the engine lives
+        second.close()
+        impostor.close()
+    assert engine.ensure(8) and not engine.failed   # its own lifeline is open: the engine lives
+    assert daemon.allocator.engines["e"].mirror.key_of.get(block.block_id) == b"k" * 8
+    daemon.check()

@@ -238,8 +238,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         model = build_tiny_llama(pathlib.Path(tempfile.gettempdir()) / "kvelastic-tiny-llama")
         with running_daemon(tmp_dir, "64MiB") as sock:     # stock vLLM preallocates 64 MiB
             hot = hot_path(quick, sock, num_blocks=32 * 64)  # 32 pages of 64 blocks
-            sched = vllm_sched.scheduler_step(quick, sock, model)
             served = serving(model, tmp, sock, quick)
+        sched = vllm_sched.scheduler_step(quick, model)
     out: dict[str, Any] = {"benchmark": "vllm", "model": "tiny random Llama (2 layers, fp32, block 32)", **hot,
                            **sched}
     for dataset, _ in DATASETS:

@@ -3,8 +3,9 @@
 vLLM's v1 ``Scheduler`` is built directly (no model, no device): once over a
 stock ``BlockPool``, once inside ``vllm_pool.elastic`` (the plugin's
 scheduler-side patches: ``ElasticBlockPool`` on an engine registered with a
-real daemon, every slab granted before timing, the journal shipped by the
-client's I/O thread meanwhile, as in production). Both get the same number
+real daemon with its default settings, every slab granted before timing, the
+journal shipped meanwhile, as in production: the daemon keeps departed
+engines' cache, so each step that dropped a key seals it first). Both get the same number
 of blocks and the same seeded request stream: requests, most sharing one of
 a few prefixes, arrive so that a queue stays waiting behind a full batch of
 ``BATCH`` running requests; each step is ``schedule()``, then a fabricated
@@ -181,8 +182,8 @@ def measure(quick: bool, socket_path: str, model: pathlib.Path | None = None,
                 raise RuntimeError(f"bench vllm: the elastic pool holds {core.num_blocks} blocks, the stock one "
                                    f"{NUM_BLOCKS}: their schedules would differ")
             if core.num_cached:   # an earlier round's cache, handed on: it would hit where stock misses
-                raise RuntimeError(f"bench vllm: the elastic pool adopted {core.num_cached} cached blocks; "
-                                   "run the daemon with KVELASTIC_ORPHAN_CACHE_TTL=0")
+                raise RuntimeError(f"bench vllm: the elastic pool adopted {core.num_cached} cached blocks "
+                                   "of an earlier round")
             gc.collect()
             runs["kvelastic"].append(drive(sched, stream, warm_up, steps))
             pool = sched.kv_cache_manager.block_pool
@@ -274,14 +275,18 @@ def summarize(runs: dict[str, list[dict[str, list]]]) -> dict[str, Any]:
     return out
 
 
-def scheduler_step(quick: bool, socket_path: str, model: pathlib.Path | None = None,
-                   rounds: int | None = None) -> dict[str, Any]:
+def scheduler_step(quick: bool, model: pathlib.Path | None = None, rounds: int | None = None) -> dict[str, Any]:
     """The scheduler-step figures (``sched_step_*``, ``sched_update_*``, and
-    ``sched_step_pressure_*``); see the module docstring."""
+    ``sched_step_pressure_*``); see the module docstring. Each setting on a
+    daemon of its own with the daemon's default settings: it keeps departed
+    engines' cache, so each step that dropped a key pays its seal, as in
+    production (a namespace per round keeps rounds from adopting each other's)."""
     from kvelastic.bench.daemon import running_daemon
 
-    out = summarize(measure(quick, socket_path, model, rounds))
-    with tempfile.TemporaryDirectory() as folder, running_daemon(folder, PRESSURE_DAEMON_MEMORY) as pressed:
+    with tempfile.TemporaryDirectory() as folder, running_daemon(folder, "64MiB", orphan_ttl=None) as alone:
+        out = summarize(measure(quick, alone, model, rounds))
+    with tempfile.TemporaryDirectory() as folder, \
+            running_daemon(folder, PRESSURE_DAEMON_MEMORY, orphan_ttl=None) as pressed:
         under = summarize(measure(quick, pressed, model, rounds, pressure=True))
     out.update({f"sched_step_pressure_{key[len('sched_step_'):]}": value for key, value in under.items()
                 if key.startswith("sched_step_") and key[len("sched_step_"):] in PRESSURE_FIELDS})
