@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import select
 import socket
 import struct
 
@@ -99,12 +98,6 @@ class PeerTable:
         self.poller = poller
         self.poller.register(self.listener.fileno(), zmq.POLLIN)
         self.by_fd: dict[int, Peer] = {}
-        # Engines' lifelines wake the loop only when they close (``hangups``,
-        # itself in the poller): a journal written on one waits to be read
-        # until the engine's next message, a worker's closing, the tick, or
-        # its own closing, so an engine's write never wakes the daemon.
-        self.hangups = select.epoll()
-        self.poller.register(self.hangups.fileno(), zmq.POLLIN)
         self.by_key: dict[tuple[str, int, bytes], int] = {}   # (engine id, rank, secret) -> fd, the first one
         self.greeting: dict[int, Greeting] = {}
         self.accept_paused_until = 0.0
@@ -175,9 +168,6 @@ class PeerTable:
                             hello.token, g.cred)
                 self.by_fd[fd] = peer
                 self.by_key.setdefault((peer.engine_id, peer.rank, peer.token), fd)
-                if peer.rank < 0:
-                    self.poller.unregister(fd)
-                    self.hangups.register(fd, select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR)
                 opened.append(peer)
             elif why or now > g.deadline:
                 log.warning("page channel: bad hello (%s)", why or f"not complete within {p.HELLO_TIMEOUT:g} s")
@@ -313,20 +303,10 @@ class PeerTable:
                 if (rest.engine_id, rest.rank, rest.token) == key:
                     self.by_key[key] = other
                     break
-        if peer.rank < 0:
-            self.hangups.unregister(fd)
-        else:
-            self.poller.unregister(fd)
+        self.poller.unregister(fd)
         peer.channel.close()
         self._closed(peer.cred)
         return peer
-
-    def hung_up(self) -> list[int]:
-        """Engines' lifelines closed (or broken) since last asked: read them to the end."""
-        return [fd for fd, _ in self.hangups.poll(0)]
-
-    def lifelines(self) -> list[int]:
-        return [fd for fd, peer in self.by_fd.items() if peer.rank < 0]
 
     def close(self) -> None:
         for peer in self.by_fd.values():
@@ -337,5 +317,4 @@ class PeerTable:
         self.by_key.clear()
         self.greeting.clear()
         self.open_by_uid.clear()
-        self.hangups.close()
         self.listener.close()

@@ -110,8 +110,6 @@ class Daemon:
             if now - last_tick >= TICK_INTERVAL:
                 last_tick = now
                 try:
-                    for fd in self.peers.lifelines():   # journals written since (they wake nobody)
-                        self._read_peer(fd, now)
                     self._perform(self.allocator.tick(now))
                     self._close_unclaimed(now)
                 except Exception:
@@ -153,9 +151,6 @@ class Daemon:
         for opened_peer in opened:
             self._perform(self.allocator.peer_opened(opened_peer.engine_id, opened_peer.rank, now,
                                                      opened_peer.token))
-        if self.peers.hangups.fileno() in ready:
-            for fd in self.peers.hung_up():    # what it wrote first, then its closing
-                self._read_peer(fd, now)
         for fd in ready:
             peer = self.peers.by_fd.get(fd)    # (one read above may have closed another)
             if peer is None:
