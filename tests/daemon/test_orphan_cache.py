@@ -86,18 +86,25 @@ def test_keys_of_a_step_that_never_finished_are_not_kept(daemon_factory, engines
     assert b.do("lookup", prefix="running", n=1)["hits"] == 0
 
 
-@pytest.mark.parametrize("seal", [True, False])
-def test_a_dropped_key_is_acknowledged_before_the_step_that_rewrites_its_block(daemon_factory, engines, seal):
-    """The step evicts cached blocks and rewrites them, then the engine dies.
-    Sealed (as the vLLM plugin always does), the daemon heard of the eviction
-    before the step ran and keeps nothing; unsealed, it would believe the old
-    keys and hand rewritten KV to the next engine: the case the seal exists for."""
+def cached_then_stepping(daemon_factory, engines):
+    """A daemon of one slab, and engine ``a`` in a new step over it: 4 blocks
+    cached (prefix "old", KV 3) by a finished step, the daemon told so."""
     daemon = daemon_factory(memory="2MiB")                       # one slab
     a = engines(daemon, "a", namespace="llama-1", **KEEP)
     assert a.do("ensure", n=4)["ok"]
     cache_in_a_step(a, "old", 4, value=3)
     a.do("flush")
     a.do("step")
+    return daemon, a
+
+
+@pytest.mark.parametrize("seal", [True, False])
+def test_a_dropped_key_is_acknowledged_before_the_step_that_rewrites_its_block(daemon_factory, engines, seal):
+    """The step evicts cached blocks and rewrites them, then the engine dies.
+    Sealed (as the vLLM plugin always does), the daemon heard of the eviction
+    before the step ran and keeps nothing; unsealed, it would believe the old
+    keys and hand rewritten KV to the next engine: the case the seal exists for."""
+    daemon, a = cached_then_stepping(daemon_factory, engines)
     assert a.do("alloc", n=4)["ok"]                              # evicts the 4 cached blocks
     if seal:
         a.do("seal")
@@ -119,12 +126,7 @@ def test_a_sealed_drop_counts_even_if_the_daemon_reads_it_after_the_engine_died(
     the seal until after the engine (and its worker) died: on waking it finds
     the journal, the closed channels and the engine's messages all at once,
     and still applies the journal before it decides what to keep."""
-    daemon = daemon_factory(memory="2MiB")                       # one slab
-    a = engines(daemon, "a", namespace="llama-1", **KEEP)
-    assert a.do("ensure", n=4)["ok"]
-    cache_in_a_step(a, "old", 4, value=3)
-    a.do("flush")
-    a.do("step")
+    daemon, a = cached_then_stepping(daemon_factory, engines)
     os.kill(daemon.proc.pid, signal.SIGSTOP)
     try:
         assert a.do("alloc", n=4)["ok"]                          # evicts the 4 cached blocks
