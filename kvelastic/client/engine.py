@@ -316,7 +316,7 @@ class EngineClient:
         anything about the engine (its death, a worker's, its next message)."""
         if self.orphan_ttl and self.pool.journal.removed and self.conn.connected.is_set():
             with self.lock:
-                self._flush_journal()
+                self._flush_journal(seal=True)
 
     def wake(self) -> None:
         """Tell the I/O thread to look at the watermarks now (cheap)."""
@@ -459,17 +459,21 @@ class EngineClient:
         self.reserve.forget(returned)
         return returned
 
-    def _flush_journal(self, sync: bool = False) -> None:
+    def _flush_journal(self, sync: bool = False, seal: bool = False) -> None:
         """Ship the journal on the lifeline (any thread, with ``lock`` held:
         taking it and writing it is one step, so journals arrive in the order
         they were taken, ahead of any later message on the control socket:
         the daemon reads an engine's lifeline before its messages). Not
         registered, it is dropped: the next registration sends the whole
         index. ``sync``: then wait until the daemon applied it (its Ok to an
-        empty journal on the control socket covers every frame before it)."""
-        batch = self.pool.take_journal()
+        empty journal on the control socket covers every frame before it).
+        ``seal``: the ops alone, on the scheduler's path before a step; the
+        slabs' occupancy and the counters wait for the next flush, at most
+        ``journal_interval`` later (the daemon needs them for its reclaim and
+        idleness decisions, not for what a dead engine's cache holds)."""
+        batch = self.pool.take_journal(occupancy=not seal)
         if batch:
-            counters = self.pool.stats.counters()
+            counters = {} if seal else self.pool.stats.counters()
             # The core's op tuples are their wire form once keys are bytes (vLLM's
             # are): shipped as they stand, no object per op (``p.JournalFrame``).
             ops = batch.ops if self.bytes_keys else [

@@ -126,18 +126,21 @@ class Journal:
             self._marked = self.begun
         return ops
 
-    def take(self, occupancy_of: Callable[[int], Occupancy | None]) -> JournalBatch:
+    def take(self, occupancy_of: Callable[[int], Occupancy | None] | None) -> JournalBatch:
         """Hand out everything recorded so far; ``occupancy_of(slab)`` is None
-        for a slab no longer held."""
+        for a slab no longer held. Without ``occupancy_of``, the ops alone:
+        the slabs touched stay dirty, and their occupancy goes with the next
+        batch taken with it (a seal needs the ops now, not the counts)."""
         occupancy: dict[int, Occupancy] = {}
-        for slab_id in self.dirty:
-            occ = occupancy_of(slab_id)
-            if occ is not None:
-                occupancy[slab_id] = occ
+        if occupancy_of is not None:
+            for slab_id in self.dirty:
+                occ = occupancy_of(slab_id)
+                if occ is not None:
+                    occupancy[slab_id] = occ
+            self.dirty = set()
         # Without the cancelled STOREs (an op tuple is never empty: only None goes).
         batch = JournalBatch(list(filter(None, self.ops)), occupancy, self.removed)
         self.ops = []
-        self.dirty = set()
         self.removed = False
         self.stored = {}
         return batch

@@ -150,8 +150,9 @@ class SlabPool:
         """(key, block_id) for every index entry; for checks and snapshots."""
         return list(self._index.items())
 
-    def take_journal(self) -> JournalBatch:
-        return self.journal.take(self.occupancy)
+    def take_journal(self, occupancy: bool = True) -> JournalBatch:
+        """The journal so far; ``occupancy=False``: its ops alone (``Journal.take``)."""
+        return self.journal.take(self.occupancy if occupancy else None)
 
     # --------------------------------------------------------------- slabs
     def add_slab(self, slab_id: int) -> None:

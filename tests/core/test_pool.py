@@ -428,3 +428,30 @@ def test_adoption_checks_everything_first_and_skips_keys_already_cached():
     assert taker.adopt(1, [(0, b"k7"), (1, b"x"), (2, b"x")]) == 1                       # k7 is here already
     assert taker.occupancy(1) == (0, 1, 3) and [b.block_id for b in taker.lookup([b"x"])] == [5]
     check_pool(taker)
+
+
+def test_a_sealed_batch_carries_the_ops_and_the_next_batch_the_occupancy():
+    # A seal (``EngineClient.seal_step``) ships ops alone: the daemon's index
+    # must follow at once; the occupancy of the slabs touched comes with the
+    # next full batch, including slabs touched only before the seal.
+    pool = make_pool(slabs=(), bps=4)
+    mirror = Mirror()
+    pool.add_slab(3)
+    pool.add_slab(5)
+    check_pool(pool, mirror)
+    blocks = pool.allocate(4)
+    pool.cache(blocks, keys(0, 1, 2, 3))
+    pool.free(blocks)
+    [fresh] = pool.allocate(1)              # from the other slab: nothing evicted
+    pool.allocate(4)                        # its last three, then the oldest cached block
+    assert pool.journal.removed
+    sealed = pool.take_journal(occupancy=False)
+    assert sealed.ops and sealed.occupancy == {} and sealed.removed
+    mirror.apply(sealed)
+    assert mirror.index_pairs() == set(pool.cached_keys())   # the dropped key is gone from the daemon's books
+    assert mirror.slabs != pool.occupancies()                # the counts have not come yet
+    assert not pool.journal.removed and not pool.journal.ops
+    pool.free([fresh])
+    check_pool(pool, mirror)                 # the full batch: the counts of both slabs, touched before the seal
+    # one evicted block live again beside three cached; three live and one free again
+    assert mirror.slabs == pool.occupancies() == {3: (1, 3, 0), 5: (3, 0, 1)}

@@ -14,7 +14,9 @@ through ``update_from_output()``; requests decode, finish (``max_tokens``),
 and new ones take their place. Both calls are timed per step (as called: with
 kvelastic that includes the step's lock, journal numbering and ``seal_step``),
 after a warm-up that fills the batch; the cache fills and evicts during the
-timed steps. The two sides run in alternation, several rounds; each round's
+timed steps. The two sides run in processes of their own, in lockstep (a step
+of one, then the same step of the other) with both scheduler threads on one
+core (``measure``), several rounds, each on fresh schedulers; each round's
 median and p90 per step are taken, and the figures are the medians over rounds,
 with the per-round kvelastic/stock ratio of medians (its median, lowest and
 highest: the spread). Both sides must schedule the same tokens step after step
@@ -33,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
+import os
 import pathlib
 import random
 import statistics
@@ -40,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,21 +100,17 @@ def scheduler(config):
                      structured_output_manager=StructuredOutputManager(config), block_size=BS, log_stats=True)
 
 
-def drive(sched, stream: list[tuple[str, list[int], int]], warm_up: int, steps: int) -> dict[str, list]:
-    """Run ``warm_up + steps`` steps; per timed step: seconds in ``schedule()``
-    and in ``update_from_output()``, running requests; per step: the schedule
-    (tokens scheduled, requests scheduled, a digest of tokens per request)."""
+def stepper(sched, stream: list[tuple[str, list[int], int]]) -> Iterator[tuple[float, float, int, tuple]]:
+    """Steps of ``sched`` over ``stream``, one per ``next``: seconds in
+    ``schedule()`` and in ``update_from_output()``, the requests scheduled,
+    and what was scheduled (tokens, requests, a digest of tokens per request)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     from kvelastic_vllm.bench.vllm_pool import request
 
     pending = iter(stream)
-    sched_s: list[float] = []
-    update_s: list[float] = []
-    running: list[int] = []
-    schedule: list[tuple[int, int, int]] = []
     clock = time.perf_counter
-    for i in range(warm_up + steps):
+    for i in itertools.count():
         while sched.get_num_unfinished_requests() < BATCH + QUEUE:
             spec = next(pending, None)
             if spec is None:
@@ -128,14 +129,9 @@ def drive(sched, stream: list[tuple[str, list[int], int]], warm_up: int, steps: 
         t2 = clock()
         sched.update_from_output(out, result)
         t3 = clock()
-        # What was scheduled: tokens, requests, and which request got how many.
-        schedule.append((out.total_num_scheduled_tokens, len(req_ids),
-                         hash(tuple(sorted(out.num_scheduled_tokens.items())))))
-        if i >= warm_up:
-            sched_s.append(t1 - t0)
-            update_s.append(t3 - t2)
-            running.append(len(req_ids))
-    return {"schedule": sched_s, "update": update_s, "running": running, "plan": schedule}
+        # The digest is the same in both sides' processes (``hash`` of a str is not).
+        yield t1 - t0, t3 - t2, len(req_ids), (out.total_num_scheduled_tokens, len(req_ids),
+                                               zlib.crc32(repr(sorted(out.num_scheduled_tokens.items())).encode()))
 
 
 def _p90(xs: list[float]) -> float:
@@ -144,61 +140,165 @@ def _p90(xs: list[float]) -> float:
 
 def measure(quick: bool, socket_path: str, model: pathlib.Path | None = None,
             rounds: int | None = None, pressure: bool = False) -> dict[str, list[dict[str, list]]]:
-    """``drive`` results per side ("stock", "kvelastic"), one per round;
-    ``pressure``: on a daemon of PRESSURE_DAEMON_MEMORY (module docstring)."""
+    """Per side ("stock", "kvelastic"), one result per round: ``schedule`` and
+    ``update`` (seconds per timed step), ``running`` (requests per timed
+    step), ``plan`` (what each step scheduled, warm-up included); kvelastic's
+    also ``demands`` and ``call_blocks``. ``pressure``: on a daemon of
+    PRESSURE_DAEMON_MEMORY (module docstring).
+
+    Each side runs in a process of its own, and the two go in lockstep: a
+    step of one, then the same step of the other (who goes first alternates),
+    each waiting while the other runs, and both sides' scheduler threads on
+    the same core (the daemon and the engine's I/O thread go where the kernel
+    puts them). This machine's cores differ in speed, by tens of percent, from
+    one second to the next (a shared host): rounds taken one after the other,
+    each on whatever core it got, measured that as much as the pool
+    (per-round ratios from 0.6 to 1.9; in lockstep but on either core, 0.65
+    to 1.4; in lockstep on one core, 1.03 to 1.09)."""
     from kvelastic_vllm.bench.tinymodel import build_tiny_llama
-    from kvelastic_vllm.bench.vllm_pool import PAGE, elastic
-    from kvelastic_vllm.engine import reserve_watermark
 
     if model is None:
         model = build_tiny_llama(pathlib.Path(tempfile.gettempdir()) / "kvelastic-tiny-llama")
-    warm_up, steps = WARM_UP, (QUICK_STEPS if quick else STEPS)
+    steps = QUICK_STEPS if quick else STEPS
     rounds = rounds or (2 if quick else 10)
-    stream = workload(BATCH + QUEUE + 8 * (warm_up + steps))   # ~3 finish per step
-    config = vllm_config(model)
-    cap_slabs = 2 * SLABS if pressure else SLABS
     runs: dict[str, list[dict[str, list]]] = {"stock": [], "kvelastic": []}
-
-    def stock() -> None:
-        sched = scheduler(config)
-        gc.collect()
-        runs["stock"].append(drive(sched, stream, warm_up, steps))
-
-    def mine(round_: int) -> None:
-        low = reserve_watermark(MAX_BATCHED_TOKENS, BS, BLOCKS_PER_SLAB)
-        # A namespace per round: a slab reclaimed from a previous round's engine
-        # not yet gone would bring its cache along (hits stock never has).
-        with elastic(socket_path, blocks_per_slab=BLOCKS_PER_SLAB, engine_id=f"bench-sched-{round_}",
-                     namespace=f"bench-sched-{round_}",
-                     low_watermark=low, max_bytes=cap_slabs * PAGE, key_group_suffix=True) as link:
-            sched = scheduler(vllm_config(model, cap_slabs * BLOCKS_PER_SLAB))
-            # Every slab granted before timing, or the steps would time the daemon's grants.
-            if not link.client.ensure(NUM_BLOCKS - 1, timeout=30):
-                raise RuntimeError(f"bench vllm: the daemon did not grant {NUM_BLOCKS} blocks in 30 s")
-            core = sched.kv_cache_manager.block_pool.core
-            if pressure and not link.client.can_grow():
-                raise RuntimeError("bench vllm: under pressure the engine must be below its cap")
-            if core.num_blocks != NUM_BLOCKS:
-                raise RuntimeError(f"bench vllm: the elastic pool holds {core.num_blocks} blocks, the stock one "
-                                   f"{NUM_BLOCKS}: their schedules would differ")
-            if core.num_cached:   # an earlier round's cache, handed on: it would hit where stock misses
-                raise RuntimeError(f"bench vllm: the elastic pool adopted {core.num_cached} cached blocks "
-                                   "of an earlier round")
-            gc.collect()
-            runs["kvelastic"].append(drive(sched, stream, warm_up, steps))
-            pool = sched.kv_cache_manager.block_pool
-            runs["kvelastic"][-1]["demands"] = [pool.heard, pool.demands, pool.refused_demands]
-            runs["kvelastic"][-1]["call_blocks"] = pool.call_blocks
-
-    with _other_engine(socket_path) if pressure else contextlib.nullcontext():   # with both sides
-        for round_ in range(rounds):   # who goes first alternates
-            if round_ % 2 == 0:
-                stock()
-                mine(round_)
-            else:
-                mine(round_)
-                stock()
+    with contextlib.ExitStack() as stack:
+        if pressure:   # before both sides, and there until both are done
+            stack.enter_context(_other_engine(socket_path))
+        sides = {name: stack.enter_context(_Side(name, socket_path, model, quick, pressure)) for name in runs}
+        for round_ in range(rounds):
+            for side in sides.values():
+                side.ask("round", round_)   # a fresh scheduler, warmed up
+            results: dict[str, dict[str, list]] = {name: {"schedule": [], "update": [], "running": []}
+                                                   for name in sides}
+            for i in range(steps):
+                order = ("stock", "kvelastic") if (i + round_) % 2 == 0 else ("kvelastic", "stock")
+                for name in order:
+                    sched_s, update_s, running = sides[name].ask("step")
+                    results[name]["schedule"].append(sched_s)
+                    results[name]["update"].append(update_s)
+                    results[name]["running"].append(running)
+            for name, side in sides.items():
+                results[name].update(side.ask("end"))
+                runs[name].append(results[name])
     return runs
+
+
+class _Side:
+    """One side of the comparison in a process of its own (``serve_side``),
+    driven step by step over a socket pair."""
+
+    def __init__(self, side: str, socket_path: str, model: pathlib.Path, quick: bool, pressure: bool) -> None:
+        import multiprocessing.connection
+        import socket
+
+        ours, theirs = socket.socketpair()
+        args = (side, theirs.fileno(), socket_path, str(model), quick, pressure)
+        self.side = side
+        self.proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import serve_side; serve_side{args!r}"],
+                                     pass_fds=[theirs.fileno()])
+        theirs.close()
+        self.conn = multiprocessing.connection.Connection(ours.detach())
+
+    def __enter__(self) -> _Side:
+        return self
+
+    def ask(self, *command: Any) -> Any:
+        try:
+            self.conn.send(command)
+            status, value = self.conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"bench vllm: the {self.side} side exited (code {self.proc.poll()})") from None
+        if status != "ok":
+            raise RuntimeError(f"bench vllm: the {self.side} side failed:\n{value}")
+        return value
+
+    def __exit__(self, *_exc: Any) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(("exit",))
+        self.conn.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def serve_side(side: str, fd: int, socket_path: str, model: str, quick: bool, pressure: bool) -> None:
+    """A side's process (``_Side``): ``("round", n)`` builds a fresh scheduler
+    and runs the warm-up, ``("step",)`` runs and times one step, ``("end",)``
+    ends the round (its plan, and kvelastic's demand figures), ``("exit",)``."""
+    import multiprocessing.connection
+    import traceback
+
+    conn = multiprocessing.connection.Connection(fd)
+    core = max(os.sched_getaffinity(0))
+    stream = workload(BATCH + QUEUE + 8 * (WARM_UP + (QUICK_STEPS if quick else STEPS)))   # ~3 finish per step
+    make = _stock if side == "stock" else _elastic
+    while True:
+        try:
+            command = conn.recv()
+        except EOFError:   # the bench is gone
+            return
+        if command[0] == "exit":
+            return
+        try:
+            with make(socket_path, pathlib.Path(model), command[1], pressure) as sched:
+                # This thread only (its engine's I/O thread is already running,
+                # free to go anywhere): both sides' steps on one core.
+                os.sched_setaffinity(0, {core})
+                steps = stepper(sched, stream)
+                plan = [next(steps)[3] for _ in range(WARM_UP)]
+                gc.collect()
+                conn.send(("ok", None))
+                while conn.recv()[0] == "step":
+                    sched_s, update_s, running, planned = next(steps)
+                    plan.append(planned)
+                    conn.send(("ok", (sched_s, update_s, running)))
+                end = {"plan": plan}
+                pool = sched.kv_cache_manager.block_pool
+                if side == "kvelastic":
+                    end.update(demands=[pool.heard, pool.demands, pool.refused_demands], call_blocks=pool.call_blocks)
+            conn.send(("ok", end))
+        except Exception:  # noqa: BLE001 - any failure goes to the bench, which raises it with this traceback
+            conn.send(("error", traceback.format_exc()))
+            return
+
+
+@contextlib.contextmanager
+def _stock(_socket_path: str, model: pathlib.Path, _round: int, _pressure: bool) -> Iterator[Any]:
+    yield scheduler(vllm_config(model))
+
+
+@contextlib.contextmanager
+def _elastic(socket_path: str, model: pathlib.Path, round_: int, pressure: bool) -> Iterator[Any]:
+    """A scheduler over ``ElasticBlockPool`` on an engine registered with the
+    daemon, holding NUM_BLOCKS blocks as stock does (under pressure it may grow
+    to twice that)."""
+    from kvelastic_vllm.bench.vllm_pool import PAGE, elastic
+    from kvelastic_vllm.engine import reserve_watermark
+
+    cap_slabs = 2 * SLABS if pressure else SLABS
+    low = reserve_watermark(MAX_BATCHED_TOKENS, BS, BLOCKS_PER_SLAB)
+    # A namespace per round: a slab reclaimed from a previous round's engine
+    # not yet gone would bring its cache along (hits stock never has).
+    with elastic(socket_path, blocks_per_slab=BLOCKS_PER_SLAB, engine_id=f"bench-sched-{round_}",
+                 namespace=f"bench-sched-{round_}",
+                 low_watermark=low, max_bytes=cap_slabs * PAGE, key_group_suffix=True) as link:
+        sched = scheduler(vllm_config(model, cap_slabs * BLOCKS_PER_SLAB))
+        # Every slab granted before timing, or the steps would time the daemon's grants.
+        if not link.client.ensure(NUM_BLOCKS - 1, timeout=30):
+            raise RuntimeError(f"bench vllm: the daemon did not grant {NUM_BLOCKS} blocks in 30 s")
+        core = sched.kv_cache_manager.block_pool.core
+        if pressure and not link.client.can_grow():
+            raise RuntimeError("bench vllm: under pressure the engine must be below its cap")
+        if core.num_blocks != NUM_BLOCKS:
+            raise RuntimeError(f"bench vllm: the elastic pool holds {core.num_blocks} blocks, the stock one "
+                               f"{NUM_BLOCKS}: their schedules would differ")
+        if core.num_cached:   # an earlier round's cache, handed on: it would hit where stock misses
+            raise RuntimeError(f"bench vllm: the elastic pool adopted {core.num_cached} cached blocks "
+                               "of an earlier round")
+        yield sched
 
 
 @contextlib.contextmanager
