@@ -149,6 +149,12 @@ class ElasticBlockPool(BlockPool):
         self.short_below = 0
         # Capacity checks whose need was heard; grows they asked for, and the refused.
         self.heard = self.demands = self.refused_demands = 0
+        core, count_cached = self.core, self.core.count_cached
+
+        def available() -> int:   # get_num_free_blocks with nothing to check (``refresh``)
+            return core.num_free + count_cached()
+
+        self._available = available
         self.refresh()
         self.link.block_pool = self   # the step wrappers set ``in_step`` (engine.py)
 
@@ -171,11 +177,19 @@ class ElasticBlockPool(BlockPool):
             self.short_below = max(client.reserve.low_watermark, self.call_blocks)
         else:
             self.short_below = self.call_blocks
+        # Not short of anything, and no need heard (none is: the demand hooks
+        # go on only where the pool may grow): this step's capacity checks are
+        # the sum alone, from a closure in the instance, which shadows the method.
+        if self.short_below == 0 and self._need is None:
+            self.__dict__["get_num_free_blocks"] = self._available
+        else:
+            self.__dict__.pop("get_num_free_blocks", None)
 
     def expect(self, num_blocks: int) -> None:
         """vLLM is about to ask whether ``num_blocks`` (plus ``margin``) fit (``demand.hear``)."""
         self._need = num_blocks + self.margin
         self.heard += 1
+        self.__dict__.pop("get_num_free_blocks", None)   # the check that hears it
 
     def get_num_free_blocks(self) -> int:
         # Asked once per request per step (hundreds of times at a large batch):

@@ -58,6 +58,7 @@ NUM_BLOCKS = SLABS * BLOCKS_PER_SLAB
 PRESSURE_DAEMON_MEMORY = "128MiB"   # under pressure: SLABS for each engine
 WARM_UP = 40                # steps before timing: the batch fills
 STEPS, QUICK_STEPS = 200, 60
+HASH_SEED = "0"
 
 
 def workload(n: int, seed: int = 0) -> list[tuple[str, list[int], int]]:
@@ -195,8 +196,10 @@ class _Side:
         ours, theirs = socket.socketpair()
         args = (side, theirs.fileno(), socket_path, str(model), quick, pressure)
         self.side = side
+        # One hash seed for both sides: vLLM keys its dicts by request id (a
+        # str), and a seed of its own would give each side its own collisions.
         self.proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import serve_side; serve_side{args!r}"],
-                                     pass_fds=[theirs.fileno()])
+                                     pass_fds=[theirs.fileno()], env=dict(os.environ, PYTHONHASHSEED=HASH_SEED))
         theirs.close()
         self.conn = multiprocessing.connection.Connection(ours.detach())
 
