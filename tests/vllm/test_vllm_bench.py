@@ -43,3 +43,19 @@ def test_scheduler_step_is_timed_on_the_same_schedule_at_a_batch_of_256(daemon_f
         low, high = out[f"{key}_ratio_per_round"]
         assert 0 < low <= out[f"{key}_ratio"] <= high
         assert out[f"{key}_p90_ratio"] > 0
+
+
+def test_the_control_drops_the_journal_and_schedules_as_stock(daemon_factory):
+    # The control setting (``ship=False``): the plugin runs as it does in
+    # production except that its journal never reaches the daemon, so the
+    # difference from the shipped setting is what shipping costs. The daemon
+    # keeps departed engines' cache (its default): a round that shipped would
+    # leave the round's cache kept; the control leaves nothing.
+    daemon = daemon_factory(memory="64MiB")
+    runs = vllm_sched.measure(quick=True, socket_path=daemon.socket, rounds=1, ship=False)
+    assert runs["kvelastic"][0]["plan"] == runs["stock"][0]["plan"]
+    assert len(runs["kvelastic"][0]["schedule"]) == vllm_sched.QUICK_STEPS
+    assert daemon.status()["orphans"] == []
+    shipped = vllm_sched.measure(quick=True, socket_path=daemon.socket, rounds=1)
+    assert shipped["kvelastic"][0]["plan"] == shipped["stock"][0]["plan"]
+    assert [o["blocks"] > 0 for o in daemon.status()["orphans"]] == [True]   # the shipped round's cache, kept

@@ -140,12 +140,13 @@ def _p90(xs: list[float]) -> float:
 
 
 def measure(quick: bool, socket_path: str, model: pathlib.Path | None = None,
-            rounds: int | None = None, pressure: bool = False) -> dict[str, list[dict[str, list]]]:
+            rounds: int | None = None, pressure: bool = False, ship: bool = True) -> dict[str, list[dict[str, list]]]:
     """Per side ("stock", "kvelastic"), one result per round: ``schedule`` and
     ``update`` (seconds per timed step), ``running`` (requests per timed
     step), ``plan`` (what each step scheduled, warm-up included); kvelastic's
     also ``demands`` and ``call_blocks``. ``pressure``: on a daemon of
-    PRESSURE_DAEMON_MEMORY (module docstring).
+    PRESSURE_DAEMON_MEMORY (module docstring). ``ship=False``: a control, the
+    engine's journal taken and dropped, never written (no seal, no flush).
 
     Each side runs in a process of its own, and the two go in lockstep: a
     step of one, then the same step of the other (who goes first alternates),
@@ -166,7 +167,7 @@ def measure(quick: bool, socket_path: str, model: pathlib.Path | None = None,
     with contextlib.ExitStack() as stack:
         if pressure:   # before both sides, and there until both are done
             stack.enter_context(_other_engine(socket_path))
-        sides = {name: stack.enter_context(_Side(name, socket_path, model, quick, pressure)) for name in runs}
+        sides = {name: stack.enter_context(_Side(name, socket_path, model, quick, pressure, ship)) for name in runs}
         for round_ in range(rounds):
             for side in sides.values():
                 side.ask("round", round_)   # a fresh scheduler, warmed up
@@ -189,12 +190,13 @@ class _Side:
     """One side of the comparison in a process of its own (``serve_side``),
     driven step by step over a socket pair."""
 
-    def __init__(self, side: str, socket_path: str, model: pathlib.Path, quick: bool, pressure: bool) -> None:
+    def __init__(self, side: str, socket_path: str, model: pathlib.Path, quick: bool, pressure: bool,
+                 ship: bool) -> None:
         import multiprocessing.connection
         import socket
 
         ours, theirs = socket.socketpair()
-        args = (side, theirs.fileno(), socket_path, str(model), quick, pressure)
+        args = (side, theirs.fileno(), socket_path, str(model), quick, pressure, ship)
         self.side = side
         # One hash seed for both sides: vLLM keys its dicts by request id (a
         # str), and a seed of its own would give each side its own collisions.
@@ -227,7 +229,8 @@ class _Side:
             self.proc.wait()
 
 
-def serve_side(side: str, fd: int, socket_path: str, model: str, quick: bool, pressure: bool) -> None:
+def serve_side(side: str, fd: int, socket_path: str, model: str, quick: bool, pressure: bool,
+               ship: bool = True) -> None:
     """A side's process (``_Side``): ``("round", n)`` builds a fresh scheduler
     and runs the warm-up, ``("step",)`` runs and times one step, ``("end",)``
     ends the round (its plan, and kvelastic's demand figures), ``("exit",)``."""
@@ -246,7 +249,7 @@ def serve_side(side: str, fd: int, socket_path: str, model: str, quick: bool, pr
         if command[0] == "exit":
             return
         try:
-            with make(socket_path, pathlib.Path(model), command[1], pressure) as sched:
+            with make(socket_path, pathlib.Path(model), command[1], pressure, ship) as sched:
                 # This thread only (its engine's I/O thread is already running,
                 # free to go anywhere): both sides' steps on one core.
                 os.sched_setaffinity(0, {core})
@@ -269,12 +272,12 @@ def serve_side(side: str, fd: int, socket_path: str, model: str, quick: bool, pr
 
 
 @contextlib.contextmanager
-def _stock(_socket_path: str, model: pathlib.Path, _round: int, _pressure: bool) -> Iterator[Any]:
+def _stock(_socket_path: str, model: pathlib.Path, _round: int, _pressure: bool, _ship: bool) -> Iterator[Any]:
     yield scheduler(vllm_config(model))
 
 
 @contextlib.contextmanager
-def _elastic(socket_path: str, model: pathlib.Path, round_: int, pressure: bool) -> Iterator[Any]:
+def _elastic(socket_path: str, model: pathlib.Path, round_: int, pressure: bool, ship: bool) -> Iterator[Any]:
     """A scheduler over ``ElasticBlockPool`` on an engine registered with the
     daemon, holding NUM_BLOCKS blocks as stock does (under pressure it may grow
     to twice that)."""
@@ -288,6 +291,9 @@ def _elastic(socket_path: str, model: pathlib.Path, round_: int, pressure: bool)
     with elastic(socket_path, blocks_per_slab=BLOCKS_PER_SLAB, engine_id=f"bench-sched-{round_}",
                  namespace=f"bench-sched-{round_}",
                  low_watermark=low, max_bytes=cap_slabs * PAGE, key_group_suffix=True) as link:
+        if not ship:   # the control: what shipping the journal costs (docs/benchmarks.md)
+            client = link.client
+            client._flush_journal = lambda *_args, **_kw: client.pool.take_journal()
         sched = scheduler(vllm_config(model, cap_slabs * BLOCKS_PER_SLAB))
         # Every slab granted before timing, or the steps would time the daemon's grants.
         if not link.client.ensure(NUM_BLOCKS - 1, timeout=30):
@@ -379,23 +385,29 @@ def summarize(runs: dict[str, list[dict[str, list]]]) -> dict[str, Any]:
 
 
 def scheduler_step(quick: bool, model: pathlib.Path | None = None, rounds: int | None = None) -> dict[str, Any]:
-    """The scheduler-step figures (``sched_step_*``, ``sched_update_*``, and
-    ``sched_step_pressure_*``); see the module docstring. Each setting on a
-    daemon of its own with the daemon's default settings: it keeps departed
-    engines' cache, so each step that dropped a key pays its seal, as in
-    production (a namespace per round keeps rounds from adopting each other's)."""
+    """The scheduler-step figures (``sched_step_*``, ``sched_update_*``,
+    ``sched_step_pressure_*`` and ``sched_step_unshipped_*``); see the module
+    docstring. Each setting on a daemon of its own with the daemon's default
+    settings: it keeps departed engines' cache, so each step that dropped a
+    key pays its seal, as in production (a namespace per round keeps rounds
+    from adopting each other's). The control (``unshipped``, alone, fewer
+    rounds) takes the journal and drops it: the difference is what writing
+    it to the daemon costs the scheduler."""
     from kvelastic.bench.daemon import running_daemon
 
     with tempfile.TemporaryDirectory() as folder, running_daemon(folder, "64MiB", orphan_ttl=None) as alone:
         out = summarize(measure(quick, alone, model, rounds))
+        control = summarize(measure(quick, alone, model, CONTROL_ROUNDS, ship=False))
     with tempfile.TemporaryDirectory() as folder, \
             running_daemon(folder, PRESSURE_DAEMON_MEMORY, orphan_ttl=None) as pressed:
         under = summarize(measure(quick, pressed, model, rounds, pressure=True))
-    out.update({f"sched_step_pressure_{key[len('sched_step_'):]}": value for key, value in under.items()
-                if key.startswith("sched_step_") and key[len("sched_step_"):] in PRESSURE_FIELDS})
+    for setting, figures in (("pressure", under), ("unshipped", control)):
+        out.update({f"sched_step_{setting}_{key[len('sched_step_'):]}": value for key, value in figures.items()
+                    if key.startswith("sched_step_") and key[len("sched_step_"):] in SETTING_FIELDS})
     return out
 
 
-# The figures kept of the run under pressure (as ``sched_step_pressure_<field>``).
-PRESSURE_FIELDS = ("same_schedule", "demands", "stock_us", "kvelastic_us", "ratio", "ratio_per_round",
-                   "p90_ratio")
+# The figures kept of the other settings (as ``sched_step_<setting>_<field>``).
+SETTING_FIELDS = ("same_schedule", "demands", "stock_us", "kvelastic_us", "ratio", "ratio_per_round",
+                  "p90_ratio")
+CONTROL_ROUNDS = 4
