@@ -157,6 +157,47 @@ print("done")
     assert victim.do("ensure", n=8)["ok"]                    # and its own worker still acknowledges
 
 
+def test_a_journal_on_a_lifeline_speaks_only_for_the_lifelines_own_engine(shared, engines):
+    """Protocol 3: an engine writes its journal on its lifeline. Another
+    tenant (and an operator's process without the secret) opens lifelines
+    naming a victim engine and writes journals that would drop the victim's
+    cached keys, store keys of its own in the victim's blocks and mark a step
+    done: each frame is refused as ``not_owner``, the victim's books do not
+    change, and its own journal still counts."""
+    daemon = shared()
+    victim = engines(daemon, "victim", user=ALICE)
+    assert victim.do("ensure", n=4)["ok"] and victim.do("alloc", n=4)["ok"]
+    victim.do("cache", prefix="v")
+    victim.do("free")
+    victim.do("flush")
+    name = "victim@uid6001"
+    wait_for(lambda: tenant_engine(daemon, "victim")["cached_blocks"] == 4, what="the victim's journal")
+    attack = f"""
+import socket, msgspec
+from kvelastic import protocol as p
+def frame(data):
+    return len(data).to_bytes(4, "little") + data
+poison = [("clear",), ("step", 1)] + [("store", b"poison-%d" % i, i) for i in range(4)] + [("done", 1)]
+for engine_id in NAMES:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(p.fd_socket_path({daemon.socket!r}))
+    s.sendall(frame(msgspec.msgpack.encode(p.Hello(p.PROTOCOL_VERSION, engine_id, -1, b"")))
+              + frame(p.encode(p.JournalFrame(engine_id=engine_id, ops=poison, occupancy={{}}))))
+    s.close()
+print("done")
+"""
+    before = rejected(daemon).get("not_owner", 0)
+    assert as_tenant(MALLORY, f"NAMES = ('victim', {name!r})\n" + attack).strip() == "done"
+    assert as_tenant((0, 0), f"NAMES = ({name!r},)\n" + attack).strip() == "done"
+    # Mallory's names are hers (victim@uid6002, ...: no such engine); the operator's is Alice's engine.
+    wait_for(lambda: rejected(daemon).get("not_owner", 0) >= before + 3, what="the forged journals refused")
+    assert holds_for(1.0, lambda: tenant_engine(daemon, "victim")["cached_blocks"] == 4)
+    assert tenant_engine(daemon, "victim")["engine_id"] == name
+    assert victim.do("alloc", n=2)["ok"]                       # its own journal: two blocks live
+    victim.do("flush")
+    wait_for(lambda: tenant_engine(daemon, "victim")["live_blocks"] == 2, what="the victim's own journal")
+
+
 # ------------------------------------------------------------- finding 2
 def test_a_registration_cannot_freeze_the_loop(shared):
     """Finding 2: blocks_per_slab = 2**40 was accepted and the loop walked
