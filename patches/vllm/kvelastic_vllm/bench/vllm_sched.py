@@ -238,7 +238,8 @@ def serve_side(side: str, fd: int, socket_path: str, model: str, quick: bool, pr
     import traceback
 
     conn = multiprocessing.connection.Connection(fd)
-    core = max(os.sched_getaffinity(0))
+    everywhere = os.sched_getaffinity(0)
+    core = max(everywhere)
     stream = workload(BATCH + QUEUE + 8 * (WARM_UP + (QUICK_STEPS if quick else STEPS)))   # ~3 finish per step
     make = _stock if side == "stock" else _elastic
     while True:
@@ -251,7 +252,8 @@ def serve_side(side: str, fd: int, socket_path: str, model: str, quick: bool, pr
         try:
             with make(socket_path, pathlib.Path(model), command[1], pressure, ship) as sched:
                 # This thread only (its engine's I/O thread is already running,
-                # free to go anywhere): both sides' steps on one core.
+                # free to go anywhere): both sides' steps on one core. Undone
+                # below, before the next round starts its engine's threads.
                 os.sched_setaffinity(0, {core})
                 steps = stepper(sched, stream)
                 plan = [next(steps)[3] for _ in range(WARM_UP)]
@@ -269,6 +271,8 @@ def serve_side(side: str, fd: int, socket_path: str, model: str, quick: bool, pr
         except Exception:  # noqa: BLE001 - any failure goes to the bench, which raises it with this traceback
             conn.send(("error", traceback.format_exc()))
             return
+        finally:
+            os.sched_setaffinity(0, everywhere)
 
 
 @contextlib.contextmanager
