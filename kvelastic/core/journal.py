@@ -23,9 +23,10 @@ adapter puts there what a router needs to announce a block it adopts (its
 token ids and parent): a key alone cannot be turned back into tokens.
 
 A key dropped (``REMOVE``, ``CLEAR``) means its block may be written again:
-``removed`` tells the client that the daemon must acknowledge this journal
-before the next step runs (``EngineClient.seal_step``), or a ``kill -9``
-could leave the daemon believing in a block the dying step was rewriting.
+``removed`` tells the client that this journal's ops must be in the
+daemon's socket before the next step runs (``EngineClient.seal_step``, which
+takes them without the occupancy), or a ``kill -9`` could leave the daemon
+believing in a block the dying step was rewriting.
 """
 
 from __future__ import annotations
