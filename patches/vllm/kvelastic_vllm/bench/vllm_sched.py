@@ -59,6 +59,7 @@ PRESSURE_DAEMON_MEMORY = "128MiB"   # under pressure: SLABS for each engine
 WARM_UP = 40                # steps before timing: the batch fills
 STEPS, QUICK_STEPS = 200, 60
 HASH_SEED = "0"
+SIDE_TIMEOUT = 300.0   # a side's answer to one command (a round's start grants slabs and warms up)
 
 
 def workload(n: int, seed: int = 0) -> list[tuple[str, list[int], int]]:
@@ -211,6 +212,9 @@ class _Side:
     def ask(self, *command: Any) -> Any:
         try:
             self.conn.send(command)
+            if not self.conn.poll(SIDE_TIMEOUT):
+                raise RuntimeError(f"bench vllm: the {self.side} side did not answer {command[0]!r} "
+                                   f"in {SIDE_TIMEOUT:g} s")
             status, value = self.conn.recv()
         except (EOFError, OSError):
             raise RuntimeError(f"bench vllm: the {self.side} side exited (code {self.proc.poll()})") from None
