@@ -84,11 +84,11 @@ class SlabPool:
         self._by_free: list[dict[int, Slab]] = [{} for _ in range(blocks_per_slab + 1)]
         self._min_hint = 1
         # Cached blocks in eviction order (block_id -> block), and with a TTL
-        # the time each became cached.
-        self._lru: OrderedDict[int, BlockRecord] = OrderedDict()
-        # count_cached(): num_cached as a bound builtin, no property frame (the
-        # vLLM adapter asks once per request per step). ``_lru`` is never rebound.
-        self.count_cached: Callable[[], int] = self._lru.__len__
+        # the time each became cached. Never rebound, and read-only outside
+        # the pool: the vLLM adapter counts it (``len(pool.lru)``) once per
+        # request per step, where a property or a bound method would cost a
+        # frame or a generic attribute lookup.
+        self.lru: OrderedDict[int, BlockRecord] = OrderedDict()
         self._cached_at: dict[int, float] = {}
         self._index = HashIndex()
         # get_cached_block(key): any block holding ``key`` (not touched), or
@@ -107,7 +107,7 @@ class SlabPool:
     # ------------------------------------------------------------ capacity
     @property
     def num_cached(self) -> int:
-        return len(self._lru)
+        return len(self.lru)
 
     @property
     def num_slabs(self) -> int:
@@ -120,7 +120,7 @@ class SlabPool:
     @property
     def num_available(self) -> int:
         """Blocks ``allocate`` can hand out now: free plus evictable."""
-        return self.num_free + len(self._lru)
+        return self.num_free + len(self.lru)
 
     def slab_ids(self) -> list[int]:
         return list(self._slabs)
@@ -176,7 +176,7 @@ class SlabPool:
         wanted = {sid: self._slabs[sid] for sid in slab_ids if sid in self._slabs}
         out: dict[int, list[tuple[int, Hashable, bytes]]] = {sid: [] for sid in wanted}
         labels = self._labels
-        for blk in self._lru.values():
+        for blk in self.lru.values():
             slab = blk.slab
             if slab.slab_id in wanted:
                 out[slab.slab_id].append((blk.block_id - slab.slab_id * self.blocks_per_slab, blk._block_hash,
@@ -226,8 +226,8 @@ class SlabPool:
             if label:
                 self._labels[blk.block_id] = label
                 self.journal.ops.append((LABEL, blk.block_id, label))
-            self._lru[blk.block_id] = blk
-            self._lru.move_to_end(blk.block_id, last=False)
+            self.lru[blk.block_id] = blk
+            self.lru.move_to_end(blk.block_id, last=False)
             if self.ttl:
                 self._cached_at[blk.block_id] = now
             self._adopted.add(blk.block_id)
@@ -255,7 +255,7 @@ class SlabPool:
         removed = self.journal.removed   # the slab leaves whole: none of its blocks is rewritten here
         for blk in slab.blocks:
             if blk._block_hash is not None:
-                del self._lru[blk.block_id]
+                del self.lru[blk.block_id]
                 self._cached_at.pop(blk.block_id, None)
                 self._drop_key(blk)
                 evicted += 1
@@ -272,7 +272,7 @@ class SlabPool:
     def allocate(self, n: int) -> list[BlockRecord]:
         """``n`` blocks with ref_cnt 1: free blocks by best fit, then LRU
         evictions. Raises ``OutOfBlocks`` (nothing taken) if fewer exist."""
-        num_free, lru = self.num_free, self._lru
+        num_free, lru = self.num_free, self.lru
         if n < 0:
             raise PoolError(f"cannot allocate a negative number of blocks ({n})")
         if n > num_free + len(lru):
@@ -329,7 +329,7 @@ class SlabPool:
         """``allocate``'s second half: the ``reused`` least recently used
         cached blocks lose their keys and join ``out``, live (``_drop_key``
         inline: one call less per evicted block)."""
-        popitem, cached_at, dirty = self._lru.popitem, self._cached_at, self.journal.dirty
+        popitem, cached_at, dirty = self.lru.popitem, self._cached_at, self.journal.dirty
         adopted, labels, index_remove = self._adopted, self._labels, self._index.remove
         # HashIndex's own map: a key held by one block is a bare entry there
         # (index.py), removed here without a call; a shared key goes through it.
@@ -390,7 +390,7 @@ class SlabPool:
         self.stats.block_ops += 1
         if not revived:
             return
-        lru, dirty, cached_at, adopted = self._lru, self.journal.dirty, self._cached_at, self._adopted
+        lru, dirty, cached_at, adopted = self.lru, self.journal.dirty, self._cached_at, self._adopted
         for blk in revived:
             del lru[blk.block_id]
             if cached_at:
@@ -413,9 +413,9 @@ class SlabPool:
         first). A block reaching 0 becomes cached if it has a key, else free."""
         if type(blocks) is not list:
             blocks = list(blocks)       # vLLM passes an iterator; a bad block's undo walks back
-        dirty, lru = self.journal.dirty, self._lru
+        dirty, lru = self.journal.dirty, self.lru
         cached_at = self._cached_at if self.ttl else None
-        now = self._clock()
+        now = self._clock() if cached_at is not None else 0.0
         done = released = 0
         last = None
         grown: dict[Slab, int] = {}     # slab -> its free count before: rebucketed once at the end if it grew
@@ -470,7 +470,7 @@ class SlabPool:
                     slab.free.pop()          # stack order: it is on top again
                 else:
                     slab.cached -= 1
-                    del self._lru[blk.block_id]
+                    del self.lru[blk.block_id]
                     self._cached_at.pop(blk.block_id, None)
             blk.ref_cnt += 1
         slab = getattr(bad, "slab", None)
@@ -587,7 +587,7 @@ class SlabPool:
         """Weights changed: drop every key. Live blocks stay live (running
         requests finish), cached blocks become free, new lookups miss.
         Returns the number of cached blocks dropped."""
-        dropped = len(self._lru)
+        dropped = len(self.lru)
         for slab in self._slabs.values():
             if not (slab.cached or slab.live):
                 continue
@@ -603,7 +603,7 @@ class SlabPool:
             self._rebucket(slab, old)
             self.journal.dirty.add(slab.slab_id)
         self._index.clear()
-        self._lru.clear()
+        self.lru.clear()
         self._cached_at.clear()
         self._adopted.clear()
         self._labels.clear()
@@ -655,7 +655,7 @@ class SlabPool:
             self.on_key_removed(key)
 
     def _evict_cached(self, blk: BlockRecord, slab: Slab) -> None:
-        del self._lru[blk.block_id]
+        del self.lru[blk.block_id]
         self._cached_at.pop(blk.block_id, None)
         self._drop_key(blk)
         old = len(slab.free)
@@ -668,8 +668,8 @@ class SlabPool:
     def _evict_oldest(self, n: int, reason: str, whole_slabs: bool,
                       older_than: float | None = None) -> int:
         evicted = 0
-        while evicted < n and self._lru:
-            block_id, blk = next(iter(self._lru.items()))
+        while evicted < n and self.lru:
+            block_id, blk = next(iter(self.lru.items()))
             if older_than is not None and self._cached_at.get(block_id, 0.0) > older_than:
                 break
             slab = blk.slab
@@ -684,8 +684,8 @@ class SlabPool:
         return evicted
 
     def _enforce_limits(self, now: float) -> None:
-        if self.ttl and self._lru:
-            self._evict_oldest(len(self._lru), "ttl", whole_slabs=False, older_than=now - self.ttl)
+        if self.ttl and self.lru:
+            self._evict_oldest(len(self.lru), "ttl", whole_slabs=False, older_than=now - self.ttl)
         limit = self.max_cached_blocks
-        if limit is not None and len(self._lru) > limit:
-            self._evict_oldest(len(self._lru) - limit, "size_limit", whole_slabs=True)
+        if limit is not None and len(self.lru) > limit:
+            self._evict_oldest(len(self.lru) - limit, "size_limit", whole_slabs=True)

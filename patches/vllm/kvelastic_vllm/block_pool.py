@@ -62,6 +62,7 @@ from kvelastic_vllm.state import state
 
 log = logging.getLogger("kvelastic.vllm")
 NULL_PINNED = 1 << 40
+HEARD = 1 << 62   # ``_check_below`` while a need is heard: every capacity check asks
 # A demand waits this long for the daemon (which may first reclaim from
 # another engine); after a refusal the pool does not ask again for a while,
 # so a full device costs one round trip per back-off, not one per request.
@@ -147,20 +148,17 @@ class ElasticBlockPool(BlockPool):
         self.call_blocks = self.link.low_watermark
         self.may_grow = False
         self.short_below = 0
+        # get_num_free_blocks asks the daemon first below this many free
+        # blocks: ``short_below``, or every time while a need is heard.
+        self._check_below = 0
         # Capacity checks whose need was heard; grows they asked for, and the refused.
         self.heard = self.demands = self.refused_demands = 0
-        core, count_cached = self.core, self.core.count_cached
-
-        def available() -> int:   # get_num_free_blocks with nothing to check (``refresh``)
-            return core.num_free + count_cached()
-
-        self._available = available
         self.refresh()
         self.link.block_pool = self   # the step wrappers set ``in_step`` (engine.py)
 
     # ------------------------------------------------------------ capacity
     def refresh(self) -> None:
-        """At each step's start (``engine._step``): whether the pool may grow
+        """At each step's start (``engine._begin_step``): whether the pool may grow
         in this step (below its cap, and no demand refused by the daemon in
         the last ``REFUSAL_BACKOFF``), and below how many free blocks it is
         short: its reserve, while the I/O thread may refill it (no refill
@@ -177,35 +175,40 @@ class ElasticBlockPool(BlockPool):
             self.short_below = max(client.reserve.low_watermark, self.call_blocks)
         else:
             self.short_below = self.call_blocks
-        # Not short of anything, and no need heard (none is: the demand hooks
-        # go on only where the pool may grow): this step's capacity checks are
-        # the sum alone, from a closure in the instance, which shadows the method.
-        if self.short_below == 0 and self._need is None:
-            self.__dict__["get_num_free_blocks"] = self._available
-        else:
-            self.__dict__.pop("get_num_free_blocks", None)
+        self._check_below = self.short_below if self._need is None else HEARD
 
     def expect(self, num_blocks: int) -> None:
         """vLLM is about to ask whether ``num_blocks`` (plus ``margin``) fit (``demand.hear``)."""
         self._need = num_blocks + self.margin
         self.heard += 1
-        self.__dict__.pop("get_num_free_blocks", None)   # the check that hears it
+        self._check_below = HEARD
 
     def get_num_free_blocks(self) -> int:
         # Asked once per request per step (hundreds of times at a large batch):
-        # one comparison, unless the pool is short or an admission's need was heard.
+        # one comparison, unless the pool is short or an admission's need was
+        # heard. A method of the class, never an attribute of the instance: an
+        # instance attribute (or any touch of ``__dict__``) turns CPython's
+        # specialized lookups of this pool's methods in vLLM's own code
+        # (``allocate_slots``, ``cache_blocks``...) into generic ones, which
+        # cost more than the whole call (``docs/benchmarks.md``).
         core = self.core
         free = core.num_free
-        if self._need is not None or free < self.short_below:
-            free = self._demand(free)
-        return free + core.count_cached()
+        if free < self._check_below:
+            free = self._demand()
+        return free + len(core.lru)
 
-    def _demand(self, free: int) -> int:
+    def _demand(self) -> int:
         """Free blocks for the capacity check in progress, grown first where
         the daemon can: by the need heard (an admission), else by the most a
         running request's call can need (``call_blocks``)."""
-        core, client = self.core, self.client
         need, self._need = self.call_blocks if self._need is None else self._need, None
+        try:
+            return self._grow_for(need)
+        finally:
+            self._check_below = self.short_below   # until the next need heard
+
+    def _grow_for(self, need: int) -> int:
+        core, client = self.core, self.client
         client.apply_grants()  # a slab that arrived mid-step is usable in this step
         free = core.num_free
         if need > free:

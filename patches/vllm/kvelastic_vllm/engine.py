@@ -9,12 +9,10 @@ whole virtual capacity. Memory arrives underneath, slab by slab.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from kvelastic.client.engine import EngineClient
@@ -214,23 +212,22 @@ def wrap_collective_rpc(original):
     return collective_rpc
 
 
-@contextlib.contextmanager
-def _step(link: EngineLink) -> Iterator[None]:
-    """A scheduler step's hold on the pool: the client's lock, and the block
-    pool told so (``ElasticBlockPool.in_step``: its calls skip the lock). The
-    demand hooks an admission put on (``demand.py``) end with it."""
-    pool = link.block_pool
-    with link.client.lock:
-        if pool is None:
-            yield
-            return
+def _begin_step(pool: Any) -> None:
+    """A scheduler step takes hold of the pool, with the client's lock held:
+    the block pool is told so (``ElasticBlockPool.in_step``: its calls skip
+    the lock). Plain calls, not a context manager: a generator's frames on
+    every step cost more than the rest of the wrapper (``docs/benchmarks.md``)."""
+    if pool is not None:
         pool.refresh()
         pool.in_step = True
-        try:
-            yield
-        finally:
-            pool.in_step = False
-            demand.stop_hearing(pool)
+
+
+def _end_step(pool: Any) -> None:
+    """The step lets go of the pool (lock still held): the demand hooks an
+    admission put on (``demand.py``) end with it."""
+    if pool is not None:
+        pool.in_step = False
+        demand.stop_hearing(pool)
 
 
 def wrap_schedule(original):
@@ -248,9 +245,14 @@ def wrap_schedule(original):
         link = plugin.link
         if link is None:
             return original(self, *args, **kwargs)
-        with _step(link):
-            step = link.pool.begin_step()
-            out = original(self, *args, **kwargs)
+        pool = link.block_pool
+        with link.client.lock:
+            _begin_step(pool)
+            try:
+                step = link.pool.begin_step()
+                out = original(self, *args, **kwargs)
+            finally:
+                _end_step(pool)
         out.kvelastic_step = step
         link.client.seal_step()
         link.client.poll()
@@ -274,10 +276,15 @@ def wrap_update_from_output(original):
         # Held throughout: vLLM takes the pool's events and publishes them in
         # here, and the I/O thread publishes what a reclaim queued between
         # steps (``ElasticBlockPool._publish_queued``): one order for both.
-        with _step(link):
-            if step:
-                link.pool.end_step(step)
-            return original(self, scheduler_output, *args, **kwargs)
+        pool = link.block_pool
+        with link.client.lock:
+            _begin_step(pool)
+            try:
+                if step:
+                    link.pool.end_step(step)
+                return original(self, scheduler_output, *args, **kwargs)
+            finally:
+                _end_step(pool)
 
     return update_from_output
 
