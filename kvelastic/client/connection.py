@@ -31,6 +31,7 @@ import msgspec
 import zmq
 
 from kvelastic import protocol as p
+from kvelastic.client.nowait import send_now
 from kvelastic.client.trust import UntrustedDaemon, check_daemon
 from kvelastic.errors import KvelasticError
 from kvelastic.vmm import fdchannel
@@ -199,8 +200,13 @@ class Connection:
         if lifeline is None or not (handshake or self.connected.is_set()):
             return False
         try:
+            frame = len(data).to_bytes(4, "little") + data
             with self._tell_lock:
-                lifeline.sock.sendall(len(data).to_bytes(4, "little") + data)
+                # Holding the GIL while the socket has room (``nowait``): a
+                # seal on the scheduler's thread must not hand it to the I/O thread.
+                sent = send_now(lifeline.fileno(), frame)
+                if sent < len(frame):
+                    lifeline.sock.sendall(frame[sent:] if sent else frame)
             return True
         except OSError as exc:
             log.warning("engine %s rank %d: writing to the daemon on the lifeline failed (%s); reconnecting",

@@ -36,6 +36,11 @@ from kvelastic.vmm.errors import FdChannelError, VmmError
 log = logging.getLogger("kvelastic.daemon")
 
 TICK_INTERVAL = 0.1
+# Engines' journals on their lifelines are read at least this often (and
+# before anything else of the engine is handled): an engine ships its journal
+# every 50 ms (``EngineClient.journal_interval``), so the daemon's books lag
+# its pool by at most about twice that.
+JOURNAL_READ_INTERVAL = 0.05
 MAX_FRAMES_PER_PASS = 256
 CREDENTIALS_CACHED = 4096      # peers whose credentials are remembered (by address)
 # What a frame's decoding may raise on hostile input (msgspec also raises
@@ -87,7 +92,7 @@ class Daemon:
 
     # ------------------------------------------------------------------ loop
     def serve(self, should_stop: Callable[[], bool]) -> None:
-        last_tick = 0.0
+        last_tick = last_journals = 0.0
         while not should_stop():
             replaying = self.events is not None and self.events.has_work()
             busy = replaying or self._slow or self.allocator.more_work
@@ -101,6 +106,10 @@ class Daemon:
                         break
                     self._dispatch(frames)
             self._service_peers({fd for fd in ready if isinstance(fd, int)}, now)
+            if now - last_journals >= JOURNAL_READ_INTERVAL:
+                last_journals = now
+                for fd in self.peers.lifelines():   # they do not wake the loop (``peers.read_greetings``)
+                    self._read_peer(fd, now)
             if self.events is not None and (self.events.replay in ready or self.events.has_work()):
                 self.events.serve_replay()      # a bounded share of the replays in progress
             if self._slow:

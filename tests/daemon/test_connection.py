@@ -44,3 +44,30 @@ def test_send_and_call_work_from_any_thread(daemon):
         assert isinstance(seen["tick_status"], p.StatusReply)
     finally:
         conn.close()
+
+
+def test_a_lifeline_write_that_fits_goes_at_once_and_one_that_does_not_never_blocks():
+    """``send_now`` (the lifeline's write on the scheduler's path, holding the
+    GIL): all of a frame that fits, nothing (not a wait) where the socket's
+    buffer is full, and a typed OSError once the daemon's end is gone."""
+    import errno
+    import socket
+
+    from kvelastic.client.nowait import send_now
+
+    ours, theirs = socket.socketpair()
+    try:
+        assert send_now(ours.fileno(), b"frame") == 5
+        assert theirs.recv(16) == b"frame"
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sent = [send_now(ours.fileno(), b"x" * 1024) for _ in range(1024)]   # nobody reads: it fills
+        assert sent[0] == 1024 and sent[-1] == 0          # a full buffer: 0 at once, never a blocked thread
+        theirs.close()
+        try:
+            send_now(ours.fileno(), b"frame")
+        except OSError as exc:
+            assert exc.errno in (errno.EPIPE, errno.ECONNRESET)
+        else:
+            raise AssertionError("a write to a closed peer must fail")
+    finally:
+        ours.close()
