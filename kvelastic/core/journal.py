@@ -78,7 +78,11 @@ class Journal:
         # Ops of this batch; None where a STORE was cancelled (``stored``).
         self.ops: list[Op | None] = []
         self.dirty: set[int] = set()
-        self.removed = False         # set by whoever appends REMOVE or CLEAR
+        # Set by whoever appends REMOVE or CLEAR: a key the daemon may know was
+        # dropped. A STORE cancelled in its own batch is not one (the daemon
+        # never heard of that key, and the block's earlier key, if any, left
+        # by a REMOVE of its own): no seal for it.
+        self.removed = False
         # block -> the index in ``ops`` of its STORE, for keys stored in this
         # batch. A key dropped in the batch that stored it never reaches the
         # daemon: its STORE becomes None and no REMOVE is appended (the

@@ -353,7 +353,8 @@ class SlabPool:
             at = stored.pop(block_id, None)
             if at is None:
                 ops.append((REMOVE, key, block_id))
-            else:       # stored in this batch: cancelled instead (Journal.stored)
+                journal.removed = True
+            else:       # stored in this batch: cancelled instead (Journal.stored), no news to seal
                 ops[at] = None
             blk._block_hash = blk._block_hash_num_tokens = None
             if on_removed is not None:
@@ -362,7 +363,6 @@ class SlabPool:
             slab.cached -= 1
             dirty.add(slab.slab_id)
             out.append(blk)
-        journal.removed = True
         self.num_live += reused
         self.stats.evictions["lru"] += reused
 
@@ -647,9 +647,9 @@ class SlabPool:
         at = journal.stored.pop(blk.block_id, None)
         if at is None:
             journal.ops.append((REMOVE, key, blk.block_id))
-        else:           # stored in this batch: cancelled instead (Journal.stored)
+            journal.removed = True
+        else:           # stored in this batch: cancelled instead (Journal.stored), no news to seal
             journal.ops[at] = None
-        journal.removed = True
         blk._block_hash = blk._block_hash_num_tokens = None
         if self.on_key_removed is not None:
             self.on_key_removed(key)

@@ -442,6 +442,7 @@ def test_a_sealed_batch_carries_the_ops_and_the_next_batch_the_occupancy():
     blocks = pool.allocate(4)
     pool.cache(blocks, keys(0, 1, 2, 3))
     pool.free(blocks)
+    mirror.apply(pool.take_journal())       # shipped: the daemon knows these keys
     [fresh] = pool.allocate(1)              # from the other slab: nothing evicted
     pool.allocate(4)                        # its last three, then the oldest cached block
     assert pool.journal.removed
@@ -455,3 +456,22 @@ def test_a_sealed_batch_carries_the_ops_and_the_next_batch_the_occupancy():
     check_pool(pool, mirror)                 # the full batch: the counts of both slabs, touched before the seal
     # one evicted block live again beside three cached; three live and one free again
     assert mirror.slabs == pool.occupancies() == {3: (1, 3, 0), 5: (3, 0, 1)}
+
+
+def test_a_key_dropped_in_the_batch_that_stored_it_needs_no_seal():
+    # The daemon never heard of it: its STORE is cancelled, no REMOVE goes,
+    # and the step that rewrites its block has nothing to seal. A key it
+    # had heard of, dropped in the same batch, still asks for a seal.
+    pool = make_pool(slabs=(), bps=4)
+    mirror = Mirror()
+    pool.add_slab(3)
+    check_pool(pool, mirror)
+    blocks = pool.allocate(4)
+    pool.cache(blocks, keys(0, 1, 2, 3))
+    pool.free(blocks)
+    pool.allocate(2)                        # evicts two keys stored in this very batch
+    assert not pool.journal.removed
+    check_pool(pool, mirror)                # the daemon ends with the pool's two keys all the same
+    pool.allocate(1)                        # a key the daemon knows now
+    assert pool.journal.removed
+    check_pool(pool, mirror)
