@@ -29,7 +29,7 @@ from typing import Any
 _HEARING: dict[type, type] = {}
 
 
-def _hearing_manager(cls: Any) -> type:
+def _hearing_manager(cls: type) -> type:
     allocate_slots = cls.allocate_slots
 
     def allocate_slots_heard(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -44,7 +44,7 @@ def _hearing_manager(cls: Any) -> type:
     return _subclass(cls, allocate_slots=allocate_slots_heard)
 
 
-def _hearing_coordinator(cls: Any) -> type:
+def _hearing_coordinator(cls: type) -> type:
     get_num_blocks_to_allocate = cls.get_num_blocks_to_allocate
 
     def get_num_blocks_to_allocate_heard(self: Any, *args: Any, **kwargs: Any) -> int:
