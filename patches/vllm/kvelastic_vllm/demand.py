@@ -15,82 +15,48 @@ vLLM looks each waiting request up in the prefix cache just before it asks
 for its slots (``get_computed_blocks``), and the waiting requests come after
 the running ones in a step: so that lookup puts two hooks on this manager
 alone, which hand each need and margin to the pool for the rest of the step
-(``hear``: the manager and its coordinator take a hearing subclass), and the
-end of ``schedule()`` takes them off (``stop_hearing``).
+(``hear``), and the end of ``schedule()`` takes them off (``stop_hearing``).
 Hooks on every call would cost a fifth of vLLM's own ``schedule()`` at a
 batch of 256 (``kvelastic bench vllm``: 1.27x stock with them, see
 docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+from types import MethodType
 from typing import Any
 
-# vLLM class -> its hearing subclass (made once per class).
-_HEARING: dict[type, type] = {}
 
-
-def _hearing_manager(cls: type) -> type:
-    allocate_slots = cls.allocate_slots
+def hear(manager: Any, pool: Any) -> None:
+    """Until ``stop_hearing``: ``manager``'s capacity checks tell ``pool`` the need and margin first."""
+    coordinator = manager.coordinator
+    allocate_slots = type(manager).allocate_slots
+    get_num_blocks_to_allocate = type(coordinator).get_num_blocks_to_allocate
 
     def allocate_slots_heard(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         # vLLM compares the need plus its watermark and reserved blocks with the free blocks.
-        pool = self.block_pool
         pool.margin = self.watermark_blocks + kwargs.get("reserved_blocks", 0)
         try:
             return allocate_slots(self, request, *args, **kwargs)
         finally:
             pool.margin = 0
 
-    return _subclass(cls, allocate_slots=allocate_slots_heard)
-
-
-def _hearing_coordinator(cls: type) -> type:
-    get_num_blocks_to_allocate = cls.get_num_blocks_to_allocate
-
     def get_num_blocks_to_allocate_heard(self: Any, *args: Any, **kwargs: Any) -> int:
         need: int = get_num_blocks_to_allocate(self, *args, **kwargs)
-        self.block_pool.expect(need)
+        pool.expect(need)
         return need
 
-    return _subclass(cls, get_num_blocks_to_allocate=get_num_blocks_to_allocate_heard)
-
-
-def _subclass(cls: type, **methods: Any) -> type:
-    # No slots and no dict of its own: an instance's class can be swapped both ways.
-    return type(cls.__name__, (cls,), {"__slots__": (), "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__, **methods})
-
-
-def _hear_with(obj: Any, make: Any) -> None:
-    cls = type(obj)
-    if cls in _HEARING.values():   # hearing already
-        return
-    sub = _HEARING.get(cls)
-    if sub is None:
-        sub = _HEARING[cls] = make(cls)
-    obj.__class__ = sub
-
-
-def hear(manager: Any, pool: Any) -> None:
-    """Until ``stop_hearing``: ``manager``'s capacity checks tell ``pool`` the
-    need and margin first. The manager and its coordinator change class for
-    the rest of the step (a subclass whose two methods hear, then call
-    vLLM's): an instance attribute named like a method would do the same
-    once, but leave the name in the instances' shared keys for good, and
-    every later call of that method on any manager would miss CPython's
-    specialized lookup (docs/benchmarks.md)."""
-    _hear_with(manager, _hearing_manager)
-    _hear_with(manager.coordinator, _hearing_coordinator)
+    # Instance attributes: this manager alone, and the class stays stock's.
+    manager.allocate_slots = MethodType(allocate_slots_heard, manager)
+    coordinator.get_num_blocks_to_allocate = MethodType(get_num_blocks_to_allocate_heard, coordinator)
     pool.hearing = manager
 
 
 def stop_hearing(pool: Any) -> None:
-    """Take the hooks ``hear`` put on, if any (the end of a step): vLLM's classes back."""
+    """Take the hooks ``hear`` put on, if any (the end of a step)."""
     manager, pool.hearing = pool.hearing, None
     if manager is not None:
-        for obj in (manager, manager.coordinator):
-            if type(obj) in _HEARING.values():
-                obj.__class__ = type(obj).__bases__[0]
+        del manager.allocate_slots
+        del manager.coordinator.get_num_blocks_to_allocate
 
 
 def wrap_get_computed_blocks(original):
