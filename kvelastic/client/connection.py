@@ -206,7 +206,7 @@ class Connection:
                 # seal on the scheduler's thread must not hand it to the I/O thread.
                 sent = send_now(lifeline.fileno(), frame)
                 if sent < len(frame):
-                    lifeline.sock.sendall(frame[sent:] if sent else frame)
+                    lifeline.sock.sendall(memoryview(frame)[sent:])
             return True
         except OSError as exc:
             log.warning("engine %s rank %d: writing to the daemon on the lifeline failed (%s); reconnecting",
