@@ -30,12 +30,15 @@ import msgspec
 from kvelastic.core.journal import (
     ADD_SLAB,
     CLEAR,
+    DEMOTE,
     DONE,
     LABEL,
+    PROMOTE,
     REMOVE,
     REMOVE_SLAB,
     STEP,
     STORE,
+    BlockOp,
     ClearOp,
     KeyOp,
     LabelOp,
@@ -44,7 +47,9 @@ from kvelastic.core.journal import (
     StepOp,
 )
 
-PROTOCOL_VERSION = 3   # 2: a worker's commands and acks on its page channel; 3: an engine's journal on its lifeline
+# 2: a worker's commands and acks on its page channel; 3: an engine's journal on its lifeline;
+# 4: demoted blocks in the journal (DemoteBlock, PromoteBlock)
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 1 << 20
 
 # Timing both sides rely on (seconds). The daemon's deadlines are configurable
@@ -247,11 +252,29 @@ class LabelBlock(msgspec.Struct, tag="label", array_like=True, frozen=True):
         return (LABEL, self.block, self.label)
 
 
-JournalOp = StoreKey | RemoveKey | AddSlab | RemoveSlab | ClearKeys | StepBegun | StepDone | LabelBlock
+class DemoteBlock(msgspec.Struct, tag="demote", array_like=True, frozen=True):
+    """The block is next to be evicted: its key stays, its KV is not kept, and
+    its ``RemoveKey`` comes unsealed (``core/journal.py``)."""
+    block: BlockId
+
+    def core(self) -> BlockOp:
+        return (DEMOTE, self.block)
+
+
+class PromoteBlock(msgspec.Struct, tag="promote", array_like=True, frozen=True):
+    """A demoted block was hit again: its KV, unchanged, may be kept again."""
+    block: BlockId
+
+    def core(self) -> BlockOp:
+        return (PROMOTE, self.block)
+
+
+JournalOp = StoreKey | RemoveKey | AddSlab | RemoveSlab | ClearKeys | StepBegun | StepDone | LabelBlock | \
+    DemoteBlock | PromoteBlock
 # Each class takes the op's fields after the code, in order.
 _WIRE_OP: dict[str, Any] = {   # code -> its JournalOp class
     STORE: StoreKey, REMOVE: RemoveKey, ADD_SLAB: AddSlab, REMOVE_SLAB: RemoveSlab, CLEAR: ClearKeys,
-    STEP: StepBegun, DONE: StepDone, LABEL: LabelBlock}
+    STEP: StepBegun, DONE: StepDone, LABEL: LabelBlock, DEMOTE: DemoteBlock, PROMOTE: PromoteBlock}
 
 
 def journal_ops(ops: Sequence[Op]) -> list[JournalOp]:

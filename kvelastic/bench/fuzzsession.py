@@ -214,6 +214,10 @@ class Session(SessionWire):
             ops.append(p.StoreKey(key, block))
             self.keys[s][block] = key
             touched.add(s)
+            if rng.random() < 0.1:      # next to be evicted, and now and then hit again
+                ops.append(p.DemoteBlock(block))
+                if rng.random() < 0.3:
+                    ops.append(p.PromoteBlock(block))
         if rng.random() < 0.8:
             ops.append(p.StepDone(self.step))
         self.block_ops += rng.randint(1, 5)

@@ -46,6 +46,9 @@ log = logging.getLogger("kvelastic.client")
 # The journal goes out in batches this far apart: big enough that shipping it
 # costs the engine little, small enough for reclaim decisions and KV events.
 JOURNAL_INTERVAL = 0.05
+# The scheduler's poll ships the journal only once it is this many intervals
+# old: the I/O thread did not find the lock free (``poll``).
+POLL_SHIPS_AFTER = 4
 JOURNAL_MAX_OPS = 20000
 # ``_flush_journal(sync=True)`` waits at most this for the daemon's Ok.
 SYNC_TIMEOUT = 1.0
@@ -130,7 +133,6 @@ class EngineClient:
         self._now = 0.0
         self._closing = False
         self._last_flush = 0.0
-        self._polled_at = 0.0              # the scheduler's last poll (it ships the journal while it polls)
         self.journal_interval = JOURNAL_INTERVAL
         self.conn = Connection(socket_path, engine_id, -1, handshake=self._register,
                                on_command=self._on_command, on_tick=self._tick,
@@ -153,7 +155,8 @@ class EngineClient:
     def close(self, unregister: bool = True) -> None:
         if unregister and self.conn.connected.is_set() and self.lock.acquire(timeout=1.0):
             try:  # the last steps' completions first: the cache the daemon keeps counts on them
-                self._flush_journal()
+                self.pool.restore_demoted()   # and all of it may be kept: nothing will be rewritten now
+                self._flush_journal(demote=False)
             finally:
                 self.lock.release()
         self._closing = True  # no journal after the daemon forgot us
@@ -196,6 +199,7 @@ class EngineClient:
 
     def _resend_index(self) -> None:
         self.pool.take_journal()
+        self.pool.forget_demotions()   # every key goes again
         # A mirror the daemon kept (the same daemon, a new connection) may
         # miss drops that were on their way: it starts over. Then the step
         # state: a key of a step still running must not count as written.
@@ -294,15 +298,20 @@ class EngineClient:
 
     def poll(self) -> None:
         """From the thread that drives the pool, between its operations: apply
-        what the daemon sent and ship the journal even if the I/O thread never
-        finds the lock free (a scheduler that runs back to back)."""
-        with self.lock:
-            self.apply_grants()
-            self._run_deferred()
-            now = self._polled_at = time.monotonic()
-            if now - self._last_flush >= self.journal_interval and (self.pool.journal.ops or self.pool.journal.dirty):
-                self._last_flush = now
-                self._flush_journal()
+        what the daemon sent, and ship the journal if the I/O thread has not
+        found the lock free for ``POLL_SHIPS_AFTER`` journal intervals (a
+        scheduler that runs back to back). The I/O thread ships it otherwise,
+        between steps: while a model step runs, not on the scheduler's path."""
+        if self._grants or self._deferred or \
+                time.monotonic() - self._last_flush >= POLL_SHIPS_AFTER * self.journal_interval:
+            with self.lock:
+                self.apply_grants()
+                self._run_deferred()
+                now = time.monotonic()
+                if now - self._last_flush >= POLL_SHIPS_AFTER * self.journal_interval and \
+                        (self.pool.journal.ops or self.pool.journal.dirty):
+                    self._last_flush = now
+                    self._flush_journal()
 
     def seal_step(self) -> None:
         """The scheduler is about to run a model step (scheduler thread, after
@@ -313,7 +322,11 @@ class EngineClient:
         the journal goes now, on the lifeline. No round trip: once written it
         lies in the daemon's socket, where a ``kill -9`` cannot take it back,
         and the daemon reads an engine's lifeline to its end before it decides
-        anything about the engine (its death, a worker's, its next message)."""
+        anything about the engine (its death, a worker's, its next message).
+
+        Most steps need none, even with a full cache that evicts every step:
+        each journal shipped demotes the next blocks to be evicted
+        (``_flush_journal``), which evictions then reuse with nothing to seal."""
         if self.orphan_ttl and self.pool.journal.removed and self.conn.connected.is_set():
             with self.lock:
                 self._flush_journal(seal=True)
@@ -434,11 +447,9 @@ class EngineClient:
                 pool.expire()
             returned = self._shrink(now)
             # The journal goes first: the daemon judges a grow (is this engine
-            # idle?) on the activity the journal carries.
-            # A scheduler that polls ships the journal itself, between its
-            # steps: from here it would run mid-step on the GIL it shares.
-            scheduler_ships = now - self._polled_at < self.journal_interval
-            if returned or want or (now - self._last_flush >= self.journal_interval and not scheduler_ships):
+            # idle?) on the activity the journal carries. With the lock free,
+            # no step is being scheduled: this costs the scheduler nothing.
+            if returned or want or now - self._last_flush >= self.journal_interval:
                 self._last_flush = now
                 self._flush_journal()
             if returned:
@@ -459,7 +470,7 @@ class EngineClient:
         self.reserve.forget(returned)
         return returned
 
-    def _flush_journal(self, sync: bool = False, seal: bool = False) -> None:
+    def _flush_journal(self, sync: bool = False, seal: bool = False, demote: bool = True) -> None:
         """Ship the journal on the lifeline (any thread, with ``lock`` held:
         taking it and writing it is one step, so journals arrive in the order
         they were taken, ahead of any later message on the control socket:
@@ -470,7 +481,16 @@ class EngineClient:
         ``seal``: the ops alone, on the scheduler's path before a step; the
         slabs' occupancy and the counters wait for the next flush, at most
         ``journal_interval`` later (the daemon needs them for its reclaim and
-        idleness decisions, not for what a dead engine's cache holds)."""
+        idleness decisions, not for what a dead engine's cache holds).
+
+        Where the daemon keeps departed engines' cache, the journal first
+        demotes (``SlabPool.demote``) the least recently used cached blocks
+        until free and demoted blocks make ``low_watermark`` (a step's worth
+        and a slab): the next to be evicted, so the steps until the next
+        journal evict them with no seal, at the price of at most that many
+        blocks left out of what the daemon keeps of a crashed engine."""
+        if demote and self.orphan_ttl:
+            self.pool.demote(self.reserve.low_watermark)
         batch = self.pool.take_journal(occupancy=not seal)
         if batch:
             counters = {} if seal else self.pool.stats.counters()
@@ -484,7 +504,11 @@ class EngineClient:
                 msg = p.JournalFrame(engine_id=self.engine_id, ops=chunk, occupancy=batch.occupancy if last else {},
                                      stats=counters if last else {})
                 if not self.conn.write_lifeline(p.encode(msg)):
-                    return   # not registered, or the lifeline broke: the next registration resends the index
+                    # Not registered, or the lifeline broke: the next
+                    # registration resends the index. The daemon may not have
+                    # heard of a demotion in this batch: none counts.
+                    self.pool.forget_demotions()
+                    return
         if sync:
             expect(self.conn.call(p.Journal(engine_id=self.engine_id, ops=[], occupancy={}, sync=True),
                                   SYNC_TIMEOUT), p.Ok)

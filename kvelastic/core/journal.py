@@ -27,6 +27,12 @@ A key dropped (``REMOVE``, ``CLEAR``) means its block may be written again:
 daemon's socket before the next step runs (``EngineClient.seal_step``, which
 takes them without the occupancy), or a ``kill -9`` could leave the daemon
 believing in a block the dying step was rewriting.
+
+Demoted blocks (``DEMOTE``, ``PROMOTE``). The pool may tell the daemon ahead
+of time that a cached block is next to be evicted: the mirror keeps its key
+(the index stays the pool's) but no longer counts its KV as kept, so the
+``REMOVE`` of its eviction needs no seal. A demoted block hit again is
+promoted: its KV, unchanged, counts again.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ CLEAR: Final = "clear"               # (CLEAR,)  every key dropped (invalidate /
 STEP: Final = "step"                 # (STEP, n)  keys stored from here on belong to step n
 DONE: Final = "done"                 # (DONE, n)  steps up to n finished: their blocks' KV is written
 LABEL: Final = "label"               # (LABEL, block_id, label)  the block's label (after its STORE): opaque bytes
+DEMOTE: Final = "demote"             # (DEMOTE, block_id)  next to be evicted: its KV is not kept, its REMOVE not sealed
+PROMOTE: Final = "promote"           # (PROMOTE, block_id)  a demoted block hit again: its KV is kept again
 
 # One op: a plain tuple whose code says its shape (for the type checker too:
 # ``op[0] == STORE`` narrows an ``Op`` to a ``KeyOp``).
@@ -56,7 +64,8 @@ KeyOp = tuple[Literal["store", "remove"], Hashable, int]  # STORE, REMOVE
 ClearOp = tuple[Literal["clear"]]                         # CLEAR
 StepOp = tuple[Literal["step", "done"], int]              # STEP, DONE
 LabelOp = tuple[Literal["label"], int, bytes]             # LABEL
-Op = SlabOp | KeyOp | ClearOp | StepOp | LabelOp
+BlockOp = tuple[Literal["demote", "promote"], int]        # DEMOTE, PROMOTE
+Op = SlabOp | KeyOp | ClearOp | StepOp | LabelOp | BlockOp
 
 Occupancy = tuple[int, int, int]  # (live, cached, free) blocks
 
@@ -162,6 +171,7 @@ class Mirror:
         self.key_of: dict[int, Hashable] = {}
         self.label_of: dict[int, bytes] = {}  # block -> its key's label (only keyed blocks)
         self.stored_in: dict[int, int] = {}   # block -> the step its key came in
+        self.demoted: set[int] = set()        # keyed blocks whose KV is not kept (DEMOTE)
         self.step = 0                          # the last STEP seen
         self.done = 0                          # the last DONE seen
         # With ``blocks_per_slab`` set (the daemon's mirrors), the keyed blocks
@@ -201,6 +211,11 @@ class Mirror:
             elif op[0] == LABEL:
                 if op[1] in key_of:
                     label_of[op[1]] = op[2]
+            elif op[0] == DEMOTE:
+                if op[1] in key_of:
+                    self.demoted.add(op[1])
+            elif op[0] == PROMOTE:
+                self.demoted.discard(op[1])
             elif op[0] == STEP:
                 self.step = max(self.step, op[1])
             elif op[0] == DONE:
@@ -215,6 +230,7 @@ class Mirror:
                 label_of.clear()
                 stored_in.clear()
                 in_slab.clear()
+                self.demoted.clear()
             else:
                 raise ValueError(f"unknown journal op {op!r}")
         for slab_id, occ in batch.occupancy.items():
@@ -226,6 +242,7 @@ class Mirror:
         del self.key_of[block]
         self.label_of.pop(block, None)
         del self.stored_in[block]
+        self.demoted.discard(block)
         if self.blocks_per_slab:
             slab = self._in_slab[block // self.blocks_per_slab]
             del slab[block]
@@ -249,18 +266,18 @@ class Mirror:
             range(first, first + blocks_per_slab)
         for block in keyed:
             key = self.key_of.get(block)
-            if key is not None and self.stored_in[block] <= self.done:
+            if key is not None and self.stored_in[block] <= self.done and block not in self.demoted:
                 out.append((block - first, key))
         return out
 
     def valid_blocks(self, blocks_per_slab: int) -> dict[int, list[tuple[int, Hashable]]]:
         """Per held slab, its blocks whose KV is known written (key stored in a
         finished step), as ``(offset in the slab, key)`` in the order they were
-        stored: what may outlive the engine."""
+        stored: what may outlive the engine (demoted blocks' never does)."""
         out: dict[int, list[tuple[int, Hashable]]] = {}
-        done, stored_in, slabs = self.done, self.stored_in, self.slabs
+        done, stored_in, slabs, demoted = self.done, self.stored_in, self.slabs, self.demoted
         for block, key in self.key_of.items():
             slab_id = block // blocks_per_slab
-            if stored_in[block] <= done and slab_id in slabs:
+            if stored_in[block] <= done and slab_id in slabs and block not in demoted:
                 out.setdefault(slab_id, []).append((block % blocks_per_slab, key))
         return out

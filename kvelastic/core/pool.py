@@ -19,6 +19,17 @@ returned in: with the oldest cached block goes the rest of its slab's cache
 when that slab holds no live block, so the slab empties instead of leaving a
 few cached blocks pinning a page.
 
+Demotion (``demote``): the daemon mirrors this pool's keys through the
+journal and keeps a departed engine's valid blocks, so a block whose KV it
+may keep must not be rewritten before it heard of the drop (``journal.py``:
+the seal). Told ahead of time that the least recently used cached blocks,
+the next to be evicted, will not be kept (``DEMOTE``), the daemon keeps
+their keys but not their KV: they stay cached and hit here, and an eviction
+that reuses one journals its ``REMOVE`` with nothing to seal. Invariant:
+``demoted`` holds cached blocks only, never one in the open batch's
+``stored``; once the journal is shipped the daemon's demoted blocks are
+these. A demoted block that is hit is promoted (``PROMOTE``).
+
 Cost: every operation is O(1) or O(blocks touched); ``clear_index`` and
 ``reset`` (rare, operator-driven) walk the held blocks.
 """
@@ -32,7 +43,18 @@ from typing import NoReturn
 
 from kvelastic.core.block import Block, BlockRecord, Slab
 from kvelastic.core.index import HashIndex
-from kvelastic.core.journal import ADD_SLAB, CLEAR, LABEL, REMOVE, REMOVE_SLAB, STORE, Journal, JournalBatch
+from kvelastic.core.journal import (
+    ADD_SLAB,
+    CLEAR,
+    DEMOTE,
+    LABEL,
+    PROMOTE,
+    REMOVE,
+    REMOVE_SLAB,
+    STORE,
+    Journal,
+    JournalBatch,
+)
 from kvelastic.core.stats import PoolStats
 from kvelastic.errors import (
     BlockNotCached,
@@ -84,10 +106,7 @@ class SlabPool:
         self._by_free: list[dict[int, Slab]] = [{} for _ in range(blocks_per_slab + 1)]
         self._min_hint = 1
         # Cached blocks in eviction order (block_id -> block), and with a TTL
-        # the time each became cached. Never rebound, and read-only outside
-        # the pool: the vLLM adapter counts it (``len(pool.lru)``) once per
-        # request per step, where a property or a bound method would cost a
-        # frame or a generic attribute lookup.
+        # the time each became cached. Never rebound; read-only outside the pool.
         self.lru: OrderedDict[int, BlockRecord] = OrderedDict()
         self._cached_at: dict[int, float] = {}
         self._index = HashIndex()
@@ -96,13 +115,19 @@ class SlabPool:
         # method: this is the scheduler's most frequent call.
         self.get_cached_block: Callable[[Hashable], BlockRecord | None] = self._index.get_one
         self.num_free = 0
-        self.num_live = 0
+        # Free plus cached blocks: what ``allocate`` can hand out now. Kept,
+        # not derived: vLLM asks it once per request per step, and a sum
+        # would allocate an int each time (``num_live`` is the derived one).
+        self.num_available = 0
         self.journal = Journal()
         self.stats = PoolStats()
         # Adopted blocks not hit yet (their first hit counts in stats.adopted_hits).
         self._adopted: set[int] = set()
         # Labels of keyed blocks (block_id -> label; see journal.py): only blocks cached with one.
         self._labels: dict[int, bytes] = {}
+        # Cached blocks whose keys the daemon was told to forget (``demote``).
+        # Read-only outside the pool; never rebound.
+        self.demoted: set[int] = set()
 
     # ------------------------------------------------------------ capacity
     @property
@@ -118,9 +143,9 @@ class SlabPool:
         return len(self._slabs) * self.blocks_per_slab
 
     @property
-    def num_available(self) -> int:
-        """Blocks ``allocate`` can hand out now: free plus evictable."""
-        return self.num_free + len(self.lru)
+    def num_live(self) -> int:
+        """Blocks with a reference (``ref_cnt > 0``)."""
+        return len(self._slabs) * self.blocks_per_slab - self.num_available
 
     def slab_ids(self) -> list[int]:
         return list(self._slabs)
@@ -166,6 +191,7 @@ class SlabPool:
         self._slabs[slab_id] = slab
         self._by_free[self.blocks_per_slab][slab_id] = slab
         self.num_free += self.blocks_per_slab
+        self.num_available += self.blocks_per_slab
         self.journal.ops.append((ADD_SLAB, slab_id))
         self.journal.dirty.add(slab_id)
 
@@ -263,6 +289,7 @@ class SlabPool:
             self.stats.evictions[reason] += evicted
         self.journal.removed = removed
         self.num_free -= len(slab.free)
+        self.num_available -= self.blocks_per_slab    # no live block: every one was free or cached
         slab.owner = None
         del self._slabs[slab_id]
         self.journal.ops.append((REMOVE_SLAB, slab_id))
@@ -272,11 +299,11 @@ class SlabPool:
     def allocate(self, n: int) -> list[BlockRecord]:
         """``n`` blocks with ref_cnt 1: free blocks by best fit, then LRU
         evictions. Raises ``OutOfBlocks`` (nothing taken) if fewer exist."""
-        num_free, lru = self.num_free, self.lru
+        num_free = self.num_free
         if n < 0:
             raise PoolError(f"cannot allocate a negative number of blocks ({n})")
-        if n > num_free + len(lru):
-            raise OutOfBlocks(f"asked for {n} blocks, {num_free} free + {len(lru)} evictable held")
+        if n > self.num_available:
+            raise OutOfBlocks(f"asked for {n} blocks, {num_free} free + {len(self.lru)} evictable held")
         dirty = self.journal.dirty
         self.stats.block_ops += 1
         if n == 1 and num_free:         # a decode step, the common case: one block from the fullest slab
@@ -287,7 +314,7 @@ class SlabPool:
             blk = slab.free.pop()
             blk.ref_cnt = 1
             self.num_free = num_free - 1
-            self.num_live += 1
+            self.num_available -= 1
             # _rebucket, inline: from bucket i to i - 1, which becomes the lowest non-empty one.
             del buckets[i][slab.slab_id]
             buckets[i - 1][slab.slab_id] = slab
@@ -319,7 +346,7 @@ class SlabPool:
                 buckets[i - take][slab.slab_id] = slab
                 dirty.add(slab.slab_id)
             self._min_hint = i - take if take < i else i
-            self.num_live += n - want
+            self.num_available -= n - want
             self.num_free = num_free
         if want:
             self._reuse_cached(want, out)
@@ -335,7 +362,7 @@ class SlabPool:
         # (index.py), removed here without a call; a shared key goes through it.
         entries = self._index._map
         journal = self.journal
-        ops, stored, on_removed = journal.ops, journal.stored, self.on_key_removed
+        ops, stored, on_removed, demoted = journal.ops, journal.stored, self.on_key_removed, self.demoted
         for _ in range(reused):
             block_id, blk = popitem(last=False)
             if cached_at:
@@ -350,12 +377,16 @@ class SlabPool:
                 del entries[key]
             else:
                 index_remove(key, blk)
-            at = stored.pop(block_id, None)
-            if at is None:
+            if block_id in demoted:     # the daemon keeps none of its KV already: nothing to seal
+                demoted.remove(block_id)
                 ops.append((REMOVE, key, block_id))
-                journal.removed = True
-            else:       # stored in this batch: cancelled instead (Journal.stored), no news to seal
-                ops[at] = None
+            else:
+                at = stored.pop(block_id, None)
+                if at is None:
+                    ops.append((REMOVE, key, block_id))
+                    journal.removed = True
+                else:       # stored in this batch: cancelled instead (Journal.stored), no news to seal
+                    ops[at] = None
             blk._block_hash = blk._block_hash_num_tokens = None
             if on_removed is not None:
                 on_removed(key)
@@ -363,7 +394,7 @@ class SlabPool:
             slab.cached -= 1
             dirty.add(slab.slab_id)
             out.append(blk)
-        self.num_live += reused
+        self.num_available -= reused
         self.stats.evictions["lru"] += reused
 
     def touch(self, blocks: Sequence[BlockRecord]) -> None:
@@ -391,6 +422,7 @@ class SlabPool:
         if not revived:
             return
         lru, dirty, cached_at, adopted = self.lru, self.journal.dirty, self._cached_at, self._adopted
+        demoted = self.demoted
         for blk in revived:
             del lru[blk.block_id]
             if cached_at:
@@ -398,10 +430,12 @@ class SlabPool:
             if adopted and blk.block_id in adopted:   # a hit on KV another engine computed
                 adopted.discard(blk.block_id)
                 self.stats.adopted_hits += 1
+            if demoted and blk.block_id in demoted:
+                self._promote(blk)
             slab = blk.slab
             slab.cached -= 1
             dirty.add(slab.slab_id)
-        self.num_live += len(revived)
+        self.num_available -= len(revived)
 
     @staticmethod
     def _untouch(blocks: Sequence[BlockRecord], done: int) -> None:
@@ -457,7 +491,7 @@ class SlabPool:
                 if new < hint:
                     hint = new
             self._min_hint = hint
-        self.num_live -= released
+        self.num_available += released
         if self.ttl or self.max_cached_blocks is not None:
             self._enforce_limits(now)
 
@@ -569,6 +603,46 @@ class SlabPool:
         """Step ``step`` and every one before it finished: their KV is written."""
         self.journal.end_step(step)
 
+    # ------------------------------------------------------------ demotion
+    def demote(self, lead: int) -> int:
+        """Demote (module docstring) the least recently used cached blocks
+        until free and demoted blocks together make ``lead``: what evictions
+        may then reuse with nothing to seal. The caller writes the journal at
+        once, and calls ``forget_demotions`` if it could not. Returns how
+        many were demoted."""
+        want = lead - self.num_free - len(self.demoted)
+        if want <= 0:
+            return 0
+        demoted, ops = self.demoted, self.journal.ops
+        added = 0
+        for block_id in self.lru:
+            if block_id in demoted:
+                continue
+            ops.append((DEMOTE, block_id))
+            demoted.add(block_id)
+            added += 1
+            if added == want:
+                break
+        return added
+
+    def restore_demoted(self) -> int:
+        """Promote every demoted block (the engine leaves cleanly: all it
+        caches may be kept for the next). Returns how many."""
+        demoted = list(self.demoted)
+        for block_id in demoted:
+            self._promote(self.lru[block_id])
+        return len(demoted)
+
+    def forget_demotions(self) -> None:
+        """The daemon heard every key again (a resync), or a journal with
+        demotions in it may not have reached it: no block counts as demoted
+        here (the daemon keeps no more than it did: safe)."""
+        self.demoted.clear()
+
+    def _promote(self, blk: BlockRecord) -> None:
+        self.demoted.discard(blk.block_id)
+        self.journal.ops.append((PROMOTE, blk.block_id))
+
     # ------------------------------------------------------------ eviction
     def evict(self, n: int, reason: str = "explicit") -> int:
         """Evict at least ``n`` cached blocks (fewer if fewer exist), whole
@@ -607,6 +681,7 @@ class SlabPool:
         self._cached_at.clear()
         self._adopted.clear()
         self._labels.clear()
+        self.demoted.clear()
         self.journal.ops.append((CLEAR,))
         self.journal.stored.clear()     # a REMOVE from now on follows a STORE after the CLEAR
         self.journal.removed = True
@@ -645,11 +720,14 @@ class SlabPool:
         self._index.remove(key, blk)
         journal = self.journal
         at = journal.stored.pop(blk.block_id, None)
-        if at is None:
+        if at is not None:      # stored in this batch: cancelled instead (Journal.stored), no news to seal
+            journal.ops[at] = None
+        elif self.demoted and blk.block_id in self.demoted:   # the daemon keeps none of its KV already
+            self.demoted.discard(blk.block_id)
+            journal.ops.append((REMOVE, key, blk.block_id))
+        else:
             journal.ops.append((REMOVE, key, blk.block_id))
             journal.removed = True
-        else:           # stored in this batch: cancelled instead (Journal.stored), no news to seal
-            journal.ops[at] = None
         blk._block_hash = blk._block_hash_num_tokens = None
         if self.on_key_removed is not None:
             self.on_key_removed(key)

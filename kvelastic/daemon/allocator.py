@@ -406,7 +406,8 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
         """Decoding checked every op's shape and types; what is left to check
         whole, before anything is applied, is that they name granted slabs."""
         for op in m.ops:
-            slab_id = op.block // engine.blocks_per_slab if isinstance(op, (p.StoreKey, p.RemoveKey)) else \
+            slab_id = op.block // engine.blocks_per_slab \
+                if isinstance(op, (p.StoreKey, p.RemoveKey, p.DemoteBlock, p.PromoteBlock)) else \
                 op.slab if isinstance(op, (p.AddSlab, p.RemoveSlab)) else None
             if slab_id is not None and not cls._journal_may_name(engine, slab_id):
                 raise Rejected(p.Reason.BAD_JOURNAL, f"{type(op).__name__} names slab {slab_id}, which engine "

@@ -5,9 +5,11 @@ the pool may choose (which free block best fit hands out, how many extra
 blocks page-aware eviction takes), the test checks the choice against the
 rules and then applies it to the model. After every step: the invariants of
 ``check_pool`` (refcount sync, one state per block, index both ways, cache
-limit, journal replay == pool state) and model == pool; and the journal's
-step marks give the mirror exactly the valid keys: those stored while no
-step was open, or in a step that has ended.
+limit, journal replay == pool state, demoted blocks included) and model ==
+pool; the journal's step marks give the mirror exactly the valid keys: those
+stored while no step was open, or in a step that has ended, and not
+demoted; and the seal's rule: unless the journal says a key was dropped,
+every key whose KV the daemon's mirror would keep is still its block's in the pool.
 """
 
 import hypothesis.strategies as st
@@ -93,8 +95,11 @@ class PoolMachine(RuleBasedStateMachine):
         """The pool stored these keys (a key a block already holds is not stored again)."""
         for i, k in zip(ids, ks):
             if self.key.get(i) != k:
-                self.tag[i] = self.begun if self.begun > self.done else self.done
+                self.tag[i] = self.open_step()
             self.key[i] = k
+
+    def open_step(self):
+        return self.begun if self.begun > self.done else self.done
 
     # ------------------------------------------------------------- rules
     @rule()
@@ -165,6 +170,7 @@ class PoolMachine(RuleBasedStateMachine):
         ids = data.draw(st.lists(st.sampled_from(candidates), max_size=4))
         self.pool.touch(self.blocks(ids))
         for i in ids:
+            assert i not in self.pool.demoted     # a hit promotes
             if self.ref[i] == 0:
                 self.lru.remove(i)
             self.ref[i] += 1
@@ -222,6 +228,23 @@ class PoolMachine(RuleBasedStateMachine):
             self.cached_at[i] = self.clock.now
         self.after_free_limits()
 
+    @rule(lead=st.integers(0, 8))
+    def demote(self, lead):
+        before = set(self.pool.demoted)
+        added = self.pool.demote(lead)
+        after = self.pool.demoted
+        assert before <= after and len(after) - len(before) == added
+        # the least recently used first, until free + demoted make the lead (or the cache runs out)
+        expect = max(0, min(lead - self.pool.num_free - len(before), len(self.lru) - len(before)))
+        assert added == expect
+        assert after - before == set([i for i in self.lru if i not in before][:added])
+
+    @rule()
+    def restore_demoted(self):
+        demoted = len(self.pool.demoted)
+        assert self.pool.restore_demoted() == demoted
+        assert not self.pool.demoted
+
     @rule(ks=st.lists(KEYS, max_size=4))
     def lookup(self, ks):
         hits = self.pool.lookup(ks)
@@ -266,6 +289,12 @@ class PoolMachine(RuleBasedStateMachine):
     # -------------------------------------------------------- invariants
     @invariant()
     def pool_matches_model(self):
+        assert self.pool.demoted <= set(self.lru)
+        if not self.pool.journal.removed:   # no seal due: whatever the daemon would keep still holds
+            held = set(self.pool.slab_ids())
+            for i, k in self.mirror.key_of.items():
+                if i // BPS in held and i not in self.mirror.demoted:
+                    assert self.pool.block(i).block_hash == k, (i, k)
         check_pool(self.pool, self.mirror)
         for i, r in self.ref.items():
             blk = self.pool.block(i)
@@ -275,7 +304,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert set(self.pool.slab_ids()) == {i // BPS for i in self.ref}
         valid = {slab * BPS + off: key for slab, entries in self.mirror.valid_blocks(BPS).items()
                  for off, key in entries}
-        assert valid == {i: k for i, k in self.key.items() if self.tag[i] <= self.done}
+        assert valid == {i: k for i, k in self.key.items() if self.tag[i] <= self.done and i not in self.pool.demoted}
 
 
 TestPoolStateful = PoolMachine.TestCase

@@ -124,6 +124,12 @@ def main() -> None:
         elif op == "lookup":
             with engine.lock:
                 out["hits"] = len(pool.lookup([key(cmd["prefix"], i) for i in range(cmd["n"])]))
+        elif op == "hit":        # a request on the prefix: its cached blocks turn live again
+            with engine.lock:
+                hits = pool.lookup([key(cmd["prefix"], i) for i in range(cmd["n"])])
+                pool.touch(hits)
+                live.extend(hits)
+            out["hits"] = len(hits)
         elif op == "keys":
             with engine.lock:
                 out["keys"] = sorted(k.hex() for k, _ in pool.cached_keys())
@@ -133,6 +139,7 @@ def main() -> None:
             with engine.lock:
                 out["step"] = pool.begin_step()
         elif op == "seal":       # scheduled: before it runs, the daemon hears what it rewrites
+            out["needed"] = pool.journal.removed     # a key dropped that the daemon may believe in
             engine.seal_step()
         elif op == "end_step":
             with engine.lock:
@@ -161,7 +168,7 @@ def main() -> None:
             out["reply"] = None if reply is None else p.encode(reply).hex()
         with engine.lock:
             out["state"] = {"slabs": sorted(pool.slab_ids()), "free": pool.num_free,
-                            "cached": pool.num_cached, "live": pool.num_live,
+                            "cached": pool.num_cached, "live": pool.num_live, "demoted": len(pool.demoted),
                             "mapped": sum(len(w.arena.mapped()) for w in workers),
                             "reconnects": engine.conn.reconnects, "token": engine.token.hex(),
                             "failed": getattr(engine, "failed", ""), "hash_seed": engine.hash_seed}

@@ -2,7 +2,8 @@
 
 A registered engine sends about 1 MiB messages that each tried to make the
 daemon keep more: new cache keys for the same few blocks, occupancy of slabs
-it does not hold, arbitrary counters, a huge namespace. Each is refused whole
+it does not hold, demotions of blocks over and over or of a slab it does not
+hold, arbitrary counters, a huge namespace. Each is refused whole
 or kept within what the engine holds, and the daemon's memory stays flat.
 """
 
@@ -25,6 +26,10 @@ def hostile_round(e: RawEngine, r: int) -> None:
     e.send(p.Journal(engine_id="greedy", ops=keys, occupancy={}))    # valid: re-keys its 4 blocks (no reply)
     reply = e.request(p.Journal(engine_id="greedy", ops=[], occupancy=dict.fromkeys(range(1, 50_000), (0, 0, 4))))
     assert isinstance(reply, p.Error) and reply.reason == "bad_journal"          # slabs it does not hold
+    demotions = [p.DemoteBlock(block=i % 4) if i % 2 else p.PromoteBlock(block=i % 4) for i in range(20_000)]
+    e.send(p.Journal(engine_id="greedy", ops=demotions[:19_999], occupancy={}))   # valid: its 4 blocks, no more
+    reply = e.request(p.Journal(engine_id="greedy", ops=[p.DemoteBlock(block=4 * 1000)], occupancy={}))
+    assert isinstance(reply, p.Error) and reply.reason == "bad_journal"          # a block of a slab not held
     e.sock.send(msgspec.msgpack.encode({"type": "Journal", "req_id": 9, "engine_id": "greedy", "ops": [],
                                         "occupancy": {}, "stats": {f"k{i}": i for i in range(30_000)}}))
     assert e.recv(5.0).reason == "malformed"                                      # more counters than allowed

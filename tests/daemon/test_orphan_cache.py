@@ -120,6 +120,69 @@ def test_a_dropped_key_is_acknowledged_before_the_step_that_rewrites_its_block(d
         assert hits == 4 and b.do("read")["values"] == [9]     # stale keys over rewritten KV
 
 
+def test_demoted_blocks_are_rewritten_with_no_seal_and_never_kept(daemon_factory, engines):
+    """With a reserve watermark, each journal also tells the daemon to forget
+    the next blocks to be evicted (``SlabPool.demote``): they still hit in the
+    engine, and the step that evicts and rewrites them has nothing to seal,
+    yet the daemon keeps none of them when the engine dies in that step."""
+    daemon = daemon_factory(memory="2MiB")                       # one slab of 4 blocks
+    a = engines(daemon, "a", namespace="llama-1", low_watermark=4, **KEEP)
+    assert a.do("ensure", n=4)["ok"]
+    cache_in_a_step(a, "old", 4, value=3)
+    assert a.do("flush")["state"]["demoted"] == 4                # no free block: all 4 are next to go
+    assert a.do("lookup", prefix="old", n=4)["hits"] == 4        # still this engine's cache
+    a.do("step")
+    assert a.do("alloc", n=4)["ok"]                              # evicts the 4 demoted blocks
+    assert a.do("seal")["needed"] is False                       # nothing the daemon believes in was dropped
+    a.do("write", value=9)
+    a.kill()
+    wait_for(lambda: not daemon.status()["engines"], what="a gone")
+    assert kept_blocks(daemon, "llama-1") == 0
+    b = engines(daemon, "b", namespace="llama-1", **KEEP)
+    assert b.do("ensure", n=1)["ok"]
+    assert b.do("lookup", prefix="old", n=4)["hits"] == 0
+    assert b.do("read")["values"] == [0]                         # a fresh page, not the rewritten one
+
+
+def demoted_old_and_new(daemon_factory, engines):
+    """Engine ``a`` with a reserve watermark of 4 over two full slabs: "old"
+    cached first, then "new", both in finished steps; its journal shipped,
+    which demoted the 4 least recently used: "old"."""
+    daemon = daemon_factory(memory="4MiB")                       # two slabs of 4 blocks
+    a = engines(daemon, "a", namespace="llama-1", low_watermark=4, **KEEP)
+    assert a.do("ensure", n=8)["ok"]
+    cache_in_a_step(a, "old", 4, value=3)
+    cache_in_a_step(a, "new", 4, value=5)
+    assert a.do("flush")["state"]["demoted"] == 4
+    return daemon, a
+
+
+def test_a_demoted_block_hit_again_is_kept_again_and_the_next_oldest_demoted(daemon_factory, engines):
+    daemon, a = demoted_old_and_new(daemon_factory, engines)
+    step = a.do("step")["step"]
+    assert a.do("hit", prefix="old", n=4)["hits"] == 4           # revived: stored again, in this step
+    a.do("end_step", n=step)
+    a.do("free")
+    assert a.do("flush")["state"]["demoted"] == 4                # now "new" is the least recently used
+    a.kill()
+    wait_for(lambda: not daemon.status()["engines"], what="a gone")
+    assert kept_blocks(daemon, "llama-1") == 4                   # "old"; the demoted "new" is not kept
+    b = engines(daemon, "b", namespace="llama-1", **KEEP)
+    assert b.do("ensure", n=4)["ok"]
+    assert b.do("lookup", prefix="old", n=4)["hits"] == 4
+    assert b.do("lookup", prefix="new", n=1)["hits"] == 0
+
+
+def test_a_graceful_exit_keeps_the_demoted_blocks_too(daemon_factory, engines):
+    daemon, a = demoted_old_and_new(daemon_factory, engines)
+    a.close()                        # nothing will rewrite them now: the daemon hears of them again
+    wait_for(lambda: kept_blocks(daemon, "llama-1") == 8, what="all of a's cache kept")
+    b = engines(daemon, "b", namespace="llama-1", **KEEP)
+    assert b.do("ensure", n=8)["ok"]
+    assert b.do("lookup", prefix="old", n=4)["hits"] == 4
+    assert b.do("lookup", prefix="new", n=4)["hits"] == 4
+
+
 def test_a_sealed_drop_counts_even_if_the_daemon_reads_it_after_the_engine_died(daemon_factory, engines):
     """The seal does not wait for the daemon (protocol 3): it writes the
     journal on the engine's lifeline. Here the daemon is stopped from before

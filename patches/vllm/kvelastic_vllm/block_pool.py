@@ -190,24 +190,25 @@ class ElasticBlockPool(BlockPool):
         # instance attribute (or any touch of ``__dict__``) turns CPython's
         # specialized lookups of this pool's methods in vLLM's own code
         # (``allocate_slots``, ``cache_blocks``...) into generic ones, which
-        # cost more than the whole call (``docs/benchmarks.md``).
+        # cost more than the whole call (``docs/benchmarks.md``). The answer is
+        # an int the core keeps (free + cached), not a sum made here: a new
+        # int object per call, hundreds a step, was half the pool's cost.
         core = self.core
-        free = core.num_free
-        if free < self._check_below:
-            free = self._demand()
-        return free + len(core.lru)
+        if core.num_free < self._check_below:
+            self._demand()
+        return core.num_available
 
-    def _demand(self) -> int:
-        """Free blocks for the capacity check in progress, grown first where
-        the daemon can: by the need heard (an admission), else by the most a
+    def _demand(self) -> None:
+        """Grow the pool, where the daemon can, before the capacity check in
+        progress answers: by the need heard (an admission), else by the most a
         running request's call can need (``call_blocks``)."""
         need, self._need = self.call_blocks if self._need is None else self._need, None
         try:
-            return self._grow_for(need)
+            self._grow_for(need)
         finally:
             self._check_below = self.short_below   # until the next need heard
 
-    def _grow_for(self, need: int) -> int:
+    def _grow_for(self, need: int) -> None:
         core, client = self.core, self.client
         client.apply_grants()  # a slab that arrived mid-step is usable in this step
         free = core.num_free
@@ -220,11 +221,9 @@ class ElasticBlockPool(BlockPool):
                         self.refused_demands += 1
                         self._refused_at = now
                         self.may_grow, self.short_below = False, 0   # until a step after the back-off
-                free = core.num_free
         elif free < client.reserve.low_watermark and client.can_grow():
             client.top_up()  # the I/O thread refills the reserve (an engine at its cap has none to refill)
             self.short_below = min(self.short_below, self.call_blocks)   # said once a step is enough
-        return free
 
     def get_usage(self) -> float:
         # The share of the engine's virtual range (the device budget) in live use.
