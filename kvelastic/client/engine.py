@@ -49,6 +49,10 @@ JOURNAL_INTERVAL = 0.05
 # The scheduler's poll ships the journal only once it is this many intervals
 # old: the I/O thread did not find the lock free (``poll``).
 POLL_SHIPS_AFTER = 4
+# Journals demote the next blocks to be evicted for this long after a seal:
+# an engine that evicts under pressure seals about once in this time, one
+# that does not keeps all its cache valid for the daemon.
+DEMOTE_FOR = 10.0
 JOURNAL_MAX_OPS = 20000
 # ``_flush_journal(sync=True)`` waits at most this for the daemon's Ok.
 SYNC_TIMEOUT = 1.0
@@ -133,6 +137,7 @@ class EngineClient:
         self._now = 0.0
         self._closing = False
         self._last_flush = 0.0
+        self._sealed_at = -math.inf        # the last seal written (demotion follows it: ``_flush_journal``)
         self.journal_interval = JOURNAL_INTERVAL
         self.conn = Connection(socket_path, engine_id, -1, handshake=self._register,
                                on_command=self._on_command, on_tick=self._tick,
@@ -325,10 +330,12 @@ class EngineClient:
         anything about the engine (its death, a worker's, its next message).
 
         Most steps need none, even with a full cache that evicts every step:
-        each journal shipped demotes the next blocks to be evicted
-        (``_flush_journal``), which evictions then reuse with nothing to seal."""
+        for ``DEMOTE_FOR`` after a seal, each journal shipped demotes the next
+        blocks to be evicted (``_flush_journal``), which evictions then reuse
+        with nothing to seal."""
         if self.orphan_ttl and self.pool.journal.removed and self.conn.connected.is_set():
             with self.lock:
+                self._sealed_at = time.monotonic()
                 self._flush_journal(seal=True)
 
     def wake(self) -> None:
@@ -483,13 +490,14 @@ class EngineClient:
         ``journal_interval`` later (the daemon needs them for its reclaim and
         idleness decisions, not for what a dead engine's cache holds).
 
-        Where the daemon keeps departed engines' cache, the journal first
-        demotes (``SlabPool.demote``) the least recently used cached blocks
-        until free and demoted blocks make ``low_watermark`` (a step's worth
-        and a slab): the next to be evicted, so the steps until the next
-        journal evict them with no seal, at the price of at most that many
-        blocks left out of what the daemon keeps of a crashed engine."""
-        if demote and self.orphan_ttl:
+        Where the daemon keeps departed engines' cache, and a step had to be
+        sealed in the last ``DEMOTE_FOR`` (evictions under pressure), the
+        journal first demotes (``SlabPool.demote``) the least recently used
+        cached blocks until free and demoted blocks make ``low_watermark`` (a
+        step's worth and a slab): the next to be evicted, so the steps until
+        the next journal evict them with no seal, at the price of at most
+        that many blocks left out of what the daemon keeps of a crashed engine."""
+        if demote and self.orphan_ttl and time.monotonic() - self._sealed_at < DEMOTE_FOR:
             self.pool.demote(self.reserve.low_watermark)
         batch = self.pool.take_journal(occupancy=not seal)
         if batch:

@@ -121,14 +121,17 @@ def test_a_dropped_key_is_acknowledged_before_the_step_that_rewrites_its_block(d
 
 
 def test_demoted_blocks_are_rewritten_with_no_seal_and_never_kept(daemon_factory, engines):
-    """With a reserve watermark, each journal also tells the daemon to forget
-    the next blocks to be evicted (``SlabPool.demote``): they still hit in the
-    engine, and the step that evicts and rewrites them has nothing to seal,
-    yet the daemon keeps none of them when the engine dies in that step."""
+    """Once a step had to be sealed, with a reserve watermark each journal
+    also demotes the next blocks to be evicted (``SlabPool.demote``): they
+    still hit in the engine, and the step that evicts and rewrites them has
+    nothing to seal, yet the daemon keeps none of them when the engine dies
+    in that step."""
     daemon = daemon_factory(memory="2MiB")                       # one slab of 4 blocks
     a = engines(daemon, "a", namespace="llama-1", low_watermark=4, **KEEP)
     assert a.do("ensure", n=4)["ok"]
-    cache_in_a_step(a, "old", 4, value=3)
+    cache_in_a_step(a, "first", 4, value=1)
+    assert a.do("flush")["state"]["demoted"] == 0                # no seal yet: nothing demoted
+    assert sealed_eviction(a, "old", 4, value=3)                 # evicts "first": sealed
     assert a.do("flush")["state"]["demoted"] == 4                # no free block: all 4 are next to go
     assert a.do("lookup", prefix="old", n=4)["hits"] == 4        # still this engine's cache
     a.do("step")
@@ -144,15 +147,32 @@ def test_demoted_blocks_are_rewritten_with_no_seal_and_never_kept(daemon_factory
     assert b.do("read")["values"] == [0]                         # a fresh page, not the rewritten one
 
 
+def sealed_eviction(engine, prefix: str, n: int, value: int) -> bool:
+    """``cache_in_a_step`` whose allocation evicts cached blocks the daemon
+    keeps: True if the step needed its seal."""
+    step = engine.do("step")["step"]
+    assert engine.do("alloc", n=n)["ok"]
+    engine.do("cache", prefix=prefix)
+    needed = engine.do("seal")["needed"]
+    engine.do("write", value=value)
+    engine.do("end_step", n=step)
+    engine.do("free")
+    return needed
+
+
 def demoted_old_and_new(daemon_factory, engines):
-    """Engine ``a`` with a reserve watermark of 4 over two full slabs: "old"
-    cached first, then "new", both in finished steps; its journal shipped,
-    which demoted the 4 least recently used: "old"."""
+    """Engine ``a`` with a reserve watermark of 4 over two full slabs, under
+    pressure: "old" cached first, then "new", each evicting what filled the
+    slabs before ("old"'s step sealed, and its seal demoted the rest of
+    "first", so "new"'s needed none); its journal shipped, which demoted the
+    4 least recently used: "old"."""
     daemon = daemon_factory(memory="4MiB")                       # two slabs of 4 blocks
     a = engines(daemon, "a", namespace="llama-1", low_watermark=4, **KEEP)
     assert a.do("ensure", n=8)["ok"]
-    cache_in_a_step(a, "old", 4, value=3)
-    cache_in_a_step(a, "new", 4, value=5)
+    cache_in_a_step(a, "first", 8, value=1)
+    a.do("flush")                                                # the daemon keeps them: evicting them is sealed
+    assert sealed_eviction(a, "old", 4, value=3)
+    assert not sealed_eviction(a, "new", 4, value=5)             # the rest of "first", demoted by that seal
     assert a.do("flush")["state"]["demoted"] == 4
     return daemon, a
 
