@@ -1,11 +1,12 @@
 """The per-block record and the slab that groups blocks.
 
-There is exactly one record per block. The pool reads and writes five
-attributes on it: ``block_id``, ``ref_cnt``, ``_block_hash`` and
-``_block_hash_num_tokens`` carry the same names as vLLM's ``KVCacheBlock``,
-so the vLLM adapter passes a subclass of its own block class (adding
-``slab``) as the pool's ``block_factory`` and no second copy of the state
-exists; ``slab`` points at the block's ``Slab``.
+There is exactly one record per block. The pool reads and writes seven
+attributes on it: ``block_id``, ``ref_cnt``, ``_block_hash``,
+``_block_hash_num_tokens`` and the LRU's links ``prev_free_block`` and
+``next_free_block`` carry the same names as vLLM's ``KVCacheBlock``, so the
+vLLM adapter passes a subclass of its own block class (adding ``slab``) as
+the pool's ``block_factory`` and no second copy of the state exists;
+``slab`` points at the block's ``Slab``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class Block:
     ``ref_cnt == 0`` and it has a key; *free* otherwise.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "_block_hash", "_block_hash_num_tokens", "is_null", "slab")
+    __slots__ = ("block_id", "ref_cnt", "_block_hash", "_block_hash_num_tokens", "is_null", "slab",
+                 "prev_free_block", "next_free_block")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -39,6 +41,9 @@ class Block:
         self._block_hash_num_tokens: int | None = None
         self.is_null = False
         self.slab: Slab | None = None
+        # The pool's LRU of cached blocks runs through the blocks themselves.
+        self.prev_free_block: Block | None = None
+        self.next_free_block: Block | None = None
 
     @property
     def block_hash(self) -> Hashable | None:

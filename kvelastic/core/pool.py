@@ -37,8 +37,7 @@ Cost: every operation is O(1) or O(blocks touched); ``clear_index`` and
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import NoReturn
 
 from kvelastic.core.block import Block, BlockRecord, Slab
@@ -105,9 +104,15 @@ class SlabPool:
         # bucket in [1, _min_hint) is non-empty, so best fit scans from there.
         self._by_free: list[dict[int, Slab]] = [{} for _ in range(blocks_per_slab + 1)]
         self._min_hint = 1
-        # Cached blocks in eviction order (block_id -> block), and with a TTL
-        # the time each became cached. Never rebound; read-only outside the pool.
-        self.lru: OrderedDict[int, BlockRecord] = OrderedDict()
+        # Cached blocks in eviction order, least recently used first: a
+        # doubly linked list through the blocks' own ``prev_free_block`` and
+        # ``next_free_block`` between two sentinels (vLLM's free queue does
+        # the same): putting a block in or taking it out touches it and its
+        # two neighbours and allocates nothing. With a TTL, the time each
+        # block became cached.
+        self._head: BlockRecord = Block(-1)
+        self._tail: BlockRecord = Block(-1)
+        self._head.next_free_block, self._tail.prev_free_block = self._tail, self._head
         self._cached_at: dict[int, float] = {}
         self._index = HashIndex()
         # get_cached_block(key): any block holding ``key`` (not touched), or
@@ -132,7 +137,19 @@ class SlabPool:
     # ------------------------------------------------------------ capacity
     @property
     def num_cached(self) -> int:
-        return len(self.lru)
+        return self.num_available - self.num_free
+
+    def lru_ids(self) -> list[int]:
+        """Cached block ids, least recently used first (for checks and snapshots)."""
+        return [blk.block_id for blk in self._lru_blocks()]
+
+    def _lru_blocks(self) -> Iterator[BlockRecord]:
+        """Cached blocks, least recently used first; the one just yielded may be unlinked."""
+        blk, tail = self._head.next_free_block, self._tail
+        while blk is not tail:
+            nxt = blk.next_free_block
+            yield blk
+            blk = nxt
 
     @property
     def num_slabs(self) -> int:
@@ -202,7 +219,7 @@ class SlabPool:
         wanted = {sid: self._slabs[sid] for sid in slab_ids if sid in self._slabs}
         out: dict[int, list[tuple[int, Hashable, bytes]]] = {sid: [] for sid in wanted}
         labels = self._labels
-        for blk in self.lru.values():
+        for blk in self._lru_blocks():
             slab = blk.slab
             if slab.slab_id in wanted:
                 out[slab.slab_id].append((blk.block_id - slab.slab_id * self.blocks_per_slab, blk._block_hash,
@@ -252,8 +269,10 @@ class SlabPool:
             if label:
                 self._labels[blk.block_id] = label
                 self.journal.ops.append((LABEL, blk.block_id, label))
-            self.lru[blk.block_id] = blk
-            self.lru.move_to_end(blk.block_id, last=False)
+            head = self._head       # first in the LRU: the oldest
+            first = head.next_free_block
+            blk.prev_free_block, blk.next_free_block = head, first
+            head.next_free_block = first.prev_free_block = blk
             if self.ttl:
                 self._cached_at[blk.block_id] = now
             self._adopted.add(blk.block_id)
@@ -281,7 +300,7 @@ class SlabPool:
         removed = self.journal.removed   # the slab leaves whole: none of its blocks is rewritten here
         for blk in slab.blocks:
             if blk._block_hash is not None:
-                del self.lru[blk.block_id]
+                self._unlink(blk)
                 self._cached_at.pop(blk.block_id, None)
                 self._drop_key(blk)
                 evicted += 1
@@ -303,7 +322,7 @@ class SlabPool:
         if n < 0:
             raise PoolError(f"cannot allocate a negative number of blocks ({n})")
         if n > self.num_available:
-            raise OutOfBlocks(f"asked for {n} blocks, {num_free} free + {len(self.lru)} evictable held")
+            raise OutOfBlocks(f"asked for {n} blocks, {num_free} free + {self.num_cached} evictable held")
         dirty = self.journal.dirty
         self.stats.block_ops += 1
         if n == 1 and num_free:         # a decode step, the common case: one block from the fullest slab
@@ -356,7 +375,7 @@ class SlabPool:
         """``allocate``'s second half: the ``reused`` least recently used
         cached blocks lose their keys and join ``out``, live (``_drop_key``
         inline: one call less per evicted block)."""
-        popitem, cached_at, dirty = self.lru.popitem, self._cached_at, self.journal.dirty
+        head, cached_at, dirty = self._head, self._cached_at, self.journal.dirty
         adopted, labels, index_remove = self._adopted, self._labels, self._index.remove
         # HashIndex's own map: a key held by one block is a bare entry there
         # (index.py), removed here without a call; a shared key goes through it.
@@ -364,7 +383,11 @@ class SlabPool:
         journal = self.journal
         ops, stored, on_removed, demoted = journal.ops, journal.stored, self.on_key_removed, self.demoted
         for _ in range(reused):
-            block_id, blk = popitem(last=False)
+            blk = head.next_free_block      # the least recently used, unlinked
+            nxt = blk.next_free_block
+            head.next_free_block = nxt
+            nxt.prev_free_block = head
+            block_id = blk.block_id
             if cached_at:
                 del cached_at[block_id]
             slab = blk.slab
@@ -421,10 +444,12 @@ class SlabPool:
         self.stats.block_ops += 1
         if not revived:
             return
-        lru, dirty, cached_at, adopted = self.lru, self.journal.dirty, self._cached_at, self._adopted
+        dirty, cached_at, adopted = self.journal.dirty, self._cached_at, self._adopted
         demoted = self.demoted
         for blk in revived:
-            del lru[blk.block_id]
+            prev, nxt = blk.prev_free_block, blk.next_free_block   # out of the LRU
+            prev.next_free_block = nxt
+            nxt.prev_free_block = prev
             if cached_at:
                 del cached_at[blk.block_id]
             if adopted and blk.block_id in adopted:   # a hit on KV another engine computed
@@ -447,7 +472,7 @@ class SlabPool:
         first). A block reaching 0 becomes cached if it has a key, else free."""
         if type(blocks) is not list:
             blocks = list(blocks)       # vLLM passes an iterator; a bad block's undo walks back
-        dirty, lru = self.journal.dirty, self.lru
+        dirty, tail = self.journal.dirty, self._tail
         cached_at = self._cached_at if self.ttl else None
         now = self._clock() if cached_at is not None else 0.0
         done = released = 0
@@ -473,7 +498,9 @@ class SlabPool:
                     slab.free.append(blk)
                 else:
                     slab.cached += 1
-                    lru[blk.block_id] = blk
+                    prev = tail.prev_free_block     # last in the LRU: the most recently used
+                    prev.next_free_block = tail.prev_free_block = blk
+                    blk.prev_free_block, blk.next_free_block = prev, tail
                     if cached_at is not None:
                         cached_at[blk.block_id] = now
         except AttributeError:   # a bad block: no slab, a slab not held, or not live
@@ -504,7 +531,7 @@ class SlabPool:
                     slab.free.pop()          # stack order: it is on top again
                 else:
                     slab.cached -= 1
-                    del self.lru[blk.block_id]
+                    self._unlink(blk)
                     self._cached_at.pop(blk.block_id, None)
             blk.ref_cnt += 1
         slab = getattr(bad, "slab", None)
@@ -615,7 +642,8 @@ class SlabPool:
             return 0
         demoted, ops = self.demoted, self.journal.ops
         added = 0
-        for block_id in self.lru:
+        for blk in self._lru_blocks():
+            block_id = blk.block_id
             if block_id in demoted:
                 continue
             ops.append((DEMOTE, block_id))
@@ -630,7 +658,7 @@ class SlabPool:
         caches may be kept for the next). Returns how many."""
         demoted = list(self.demoted)
         for block_id in demoted:
-            self._promote(self.lru[block_id])
+            self._promote(self.block(block_id))
         return len(demoted)
 
     def forget_demotions(self) -> None:
@@ -661,7 +689,7 @@ class SlabPool:
         """Weights changed: drop every key. Live blocks stay live (running
         requests finish), cached blocks become free, new lookups miss.
         Returns the number of cached blocks dropped."""
-        dropped = len(self.lru)
+        dropped = self.num_cached
         for slab in self._slabs.values():
             if not (slab.cached or slab.live):
                 continue
@@ -677,7 +705,7 @@ class SlabPool:
             self._rebucket(slab, old)
             self.journal.dirty.add(slab.slab_id)
         self._index.clear()
-        self.lru.clear()
+        self._head.next_free_block, self._tail.prev_free_block = self._tail, self._head
         self._cached_at.clear()
         self._adopted.clear()
         self._labels.clear()
@@ -732,8 +760,15 @@ class SlabPool:
         if self.on_key_removed is not None:
             self.on_key_removed(key)
 
+    @staticmethod
+    def _unlink(blk: BlockRecord) -> None:
+        """Take a cached block out of the LRU."""
+        prev, nxt = blk.prev_free_block, blk.next_free_block
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+
     def _evict_cached(self, blk: BlockRecord, slab: Slab) -> None:
-        del self.lru[blk.block_id]
+        self._unlink(blk)
         self._cached_at.pop(blk.block_id, None)
         self._drop_key(blk)
         old = len(slab.free)
@@ -746,8 +781,9 @@ class SlabPool:
     def _evict_oldest(self, n: int, reason: str, whole_slabs: bool,
                       older_than: float | None = None) -> int:
         evicted = 0
-        while evicted < n and self.lru:
-            block_id, blk = next(iter(self.lru.items()))
+        while evicted < n and self.num_cached:
+            blk = self._head.next_free_block
+            block_id = blk.block_id
             if older_than is not None and self._cached_at.get(block_id, 0.0) > older_than:
                 break
             slab = blk.slab
@@ -762,8 +798,9 @@ class SlabPool:
         return evicted
 
     def _enforce_limits(self, now: float) -> None:
-        if self.ttl and self.lru:
-            self._evict_oldest(len(self.lru), "ttl", whole_slabs=False, older_than=now - self.ttl)
+        cached = self.num_cached
+        if self.ttl and cached:
+            self._evict_oldest(cached, "ttl", whole_slabs=False, older_than=now - self.ttl)
         limit = self.max_cached_blocks
-        if limit is not None and len(self.lru) > limit:
-            self._evict_oldest(len(self.lru) - limit, "size_limit", whole_slabs=True)
+        if limit is not None and self.num_cached > limit:
+            self._evict_oldest(self.num_cached - limit, "size_limit", whole_slabs=True)

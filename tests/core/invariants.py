@@ -49,5 +49,5 @@ def snapshot(pool: SlabPool):
             blk = pool.block(slab_id * bps + i)
             blocks[blk.block_id] = (blk.ref_cnt, blk.block_hash)
     return (blocks, pool.occupancies(), sorted(pool.cached_keys(), key=repr),
-            list(pool.lru.items()), dict(pool._cached_at), pool.num_free, pool.num_live, set(pool.demoted),
+            pool.lru_ids(), dict(pool._cached_at), pool.num_free, pool.num_live, set(pool.demoted),
             list(pool.journal.ops), set(pool.journal.dirty), repr(pool.stats))

@@ -300,7 +300,7 @@ class PoolMachine(RuleBasedStateMachine):
             blk = self.pool.block(i)
             assert blk.ref_cnt == r
             assert blk.block_hash == self.key.get(i)
-        assert list(self.pool.lru) == self.lru
+        assert self.pool.lru_ids() == self.lru
         assert set(self.pool.slab_ids()) == {i // BPS for i in self.ref}
         valid = {slab * BPS + off: key for slab, entries in self.mirror.valid_blocks(BPS).items()
                  for off, key in entries}
