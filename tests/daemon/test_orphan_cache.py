@@ -29,18 +29,19 @@ def engine_stats(daemon, engine_id: str) -> dict:
     return next(e for e in daemon.status()["engines"] if e["engine_id"] == engine_id)["stats"]
 
 
-def cache_in_a_step(engine, prefix: str, n: int, value: int, finish: bool = True) -> int:
+def cache_in_a_step(engine, prefix: str, n: int, value: int, finish: bool = True) -> bool:
     """One model step: allocate ``n`` blocks, key them, write their KV, end the
-    step (or not: the process dies in it), free them (they stay cached)."""
+    step (or not: the process dies in it), free them (they stay cached).
+    True if the step needed its seal (its allocation evicted blocks the daemon keeps)."""
     step = engine.do("step")["step"]
     assert engine.do("alloc", n=n)["ok"]
     engine.do("cache", prefix=prefix)
-    engine.do("seal")
+    needed = engine.do("seal")["needed"]
     engine.do("write", value=value)
     if finish:
         engine.do("end_step", n=step)
         engine.do("free")
-    return step
+    return needed
 
 
 def killed_with_cache(daemon, engines, keep: bool = True):
@@ -131,7 +132,7 @@ def test_demoted_blocks_are_rewritten_with_no_seal_and_never_kept(daemon_factory
     assert a.do("ensure", n=4)["ok"]
     cache_in_a_step(a, "first", 4, value=1)
     assert a.do("flush")["state"]["demoted"] == 0                # no seal yet: nothing demoted
-    assert sealed_eviction(a, "old", 4, value=3)                 # evicts "first": sealed
+    assert cache_in_a_step(a, "old", 4, value=3)                 # evicts "first": sealed
     assert a.do("flush")["state"]["demoted"] == 4                # no free block: all 4 are next to go
     assert a.do("lookup", prefix="old", n=4)["hits"] == 4        # still this engine's cache
     a.do("step")
@@ -147,19 +148,6 @@ def test_demoted_blocks_are_rewritten_with_no_seal_and_never_kept(daemon_factory
     assert b.do("read")["values"] == [0]                         # a fresh page, not the rewritten one
 
 
-def sealed_eviction(engine, prefix: str, n: int, value: int) -> bool:
-    """``cache_in_a_step`` whose allocation evicts cached blocks the daemon
-    keeps: True if the step needed its seal."""
-    step = engine.do("step")["step"]
-    assert engine.do("alloc", n=n)["ok"]
-    engine.do("cache", prefix=prefix)
-    needed = engine.do("seal")["needed"]
-    engine.do("write", value=value)
-    engine.do("end_step", n=step)
-    engine.do("free")
-    return needed
-
-
 def demoted_old_and_new(daemon_factory, engines):
     """Engine ``a`` with a reserve watermark of 4 over two full slabs, under
     pressure: "old" cached first, then "new", each evicting what filled the
@@ -171,8 +159,8 @@ def demoted_old_and_new(daemon_factory, engines):
     assert a.do("ensure", n=8)["ok"]
     cache_in_a_step(a, "first", 8, value=1)
     a.do("flush")                                                # the daemon keeps them: evicting them is sealed
-    assert sealed_eviction(a, "old", 4, value=3)
-    assert not sealed_eviction(a, "new", 4, value=5)             # the rest of "first", demoted by that seal
+    assert cache_in_a_step(a, "old", 4, value=3)
+    assert not cache_in_a_step(a, "new", 4, value=5)             # the rest of "first", demoted by that seal
     assert a.do("flush")["state"]["demoted"] == 4
     return daemon, a
 
