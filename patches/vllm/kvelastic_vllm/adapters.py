@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvelastic_vllm.identity import local_folder
+from kvelastic_vllm.patching import keep_face
 
 log = logging.getLogger("kvelastic.vllm")
 _CHUNK = 1 << 20
@@ -81,6 +82,7 @@ FINGERPRINTS = AdapterFingerprints()
 def wrap_lora_extra_hash_keys(original: Callable[[Any], list], fingerprints: AdapterFingerprints = FINGERPRINTS):
     """vLLM's ``_gen_lora_extra_hash_keys`` (name and path), plus the content."""
 
+    @keep_face(original)
     def gen_lora_extra_hash_keys(request: Any) -> list:
         keys = original(request)
         lora = request.lora_request
@@ -97,6 +99,7 @@ def wrap_lora_extra_hash_keys(original: Callable[[Any], list], fingerprints: Ada
 def wrap_remove_lora(original: Callable[..., bool], fingerprints: AdapterFingerprints = FINGERPRINTS):
     """An adapter removed from the engine may come back with other files."""
 
+    @keep_face(original)
     def remove_lora(self: Any, lora_id: int) -> bool:
         fingerprints.forget(lora_id)
         return original(self, lora_id)

@@ -86,7 +86,7 @@ class ElasticBlockPool(BlockPool):
     # and a free queue over the whole virtual range. Records are made per slab.
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, metrics_collector: Any = None,
-                 num_hash_lookahead_tokens: int = 0, medium: str = MEDIUM_GPU) -> None:
+                 medium: str = MEDIUM_GPU, num_hash_lookahead_tokens: int = 0) -> None:
         # num_hash_lookahead_tokens: vLLM 0.33 (always by keyword); 0 in 0.32.
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.num_gpu_blocks = num_gpu_blocks
@@ -428,8 +428,21 @@ class ElasticBlockPool(BlockPool):
             self.kv_event_queue.append(AllBlocksCleared())
 
     # ------------------------------------------- features kvelastic leaves out
-    def _unsupported(self, *_args: Any, **_kwargs: Any) -> Any:
-        raise NotImplementedError("kvelastic supports attention-only models: partial-block caching, "
-                                  "hash moves and pinned host blocks (mamba, HiSparse) are not available")
+    # With vLLM's signatures (``tests/vllm/signatures.py``), refusing clearly:
+    # state-block caching (Mamba "align" mode: partial blocks, hash moves)
+    # and HiSparse's pinned blocks. ``engine._check_specs`` refuses such
+    # models at start-up, so these are reached only by a vLLM that calls
+    # them where this release did not.
+    def cache_partial_block(self, request: Any, block: KVCacheBlock, num_tokens: int, kv_cache_group_id: int,
+                            block_size: int, replace_existing_hashes: bool = False) -> BlockHashWithGroupId | None:
+        raise NotImplementedError(UNSUPPORTED)
 
-    cache_partial_block = move_block_hashes = unpin_blocks = _unsupported
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        raise NotImplementedError(UNSUPPORTED)
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Any) -> None:
+        raise NotImplementedError(UNSUPPORTED)
+
+
+UNSUPPORTED = ("kvelastic: partial-block caching, hash moves (state caches with prefix caching) and pinned "
+               "host blocks (HiSparse) are not available in the elastic block pool")

@@ -25,6 +25,8 @@ from __future__ import annotations
 from types import MethodType
 from typing import Any
 
+from kvelastic_vllm.patching import keep_face
+
 
 def hear(manager: Any, pool: Any) -> None:
     """Until ``stop_hearing``: ``manager``'s capacity checks tell ``pool`` the need and margin first."""
@@ -32,6 +34,7 @@ def hear(manager: Any, pool: Any) -> None:
     allocate_slots = type(manager).allocate_slots
     get_num_blocks_to_allocate = type(coordinator).get_num_blocks_to_allocate
 
+    @keep_face(allocate_slots)
     def allocate_slots_heard(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         # vLLM compares the need plus its watermark and reserved blocks with the free blocks.
         pool.margin = self.watermark_blocks + kwargs.get("reserved_blocks", 0)
@@ -40,6 +43,7 @@ def hear(manager: Any, pool: Any) -> None:
         finally:
             pool.margin = 0
 
+    @keep_face(get_num_blocks_to_allocate)
     def get_num_blocks_to_allocate_heard(self: Any, *args: Any, **kwargs: Any) -> int:
         need: int = get_num_blocks_to_allocate(self, *args, **kwargs)
         pool.expect(need)
@@ -65,6 +69,7 @@ def wrap_get_computed_blocks(original):
     need (an engine at its cap, or just refused by the daemon, does not grow: no hooks)."""
     from kvelastic_vllm.block_pool import ElasticBlockPool
 
+    @keep_face(original)
     def get_computed_blocks(self, *args, **kwargs):
         pool = self.block_pool
         if type(pool) is ElasticBlockPool and pool.hearing is None and pool.may_grow:

@@ -20,6 +20,7 @@ from kvelastic.core.pool import SlabPool
 from kvelastic_vllm import demand
 from kvelastic_vllm.identity import namespace_of
 from kvelastic_vllm.link import EngineLink, Geometry
+from kvelastic_vllm.patching import keep_face
 from kvelastic_vllm.state import PluginState, state
 
 # Consecutive pages a slab may take per region: a block size no page
@@ -165,6 +166,7 @@ def attach(plugin: PluginState, client: EngineClient, geometry: Geometry, low_wa
 
 
 def wrap_get_kv_cache_configs(original):
+    @keep_face(original)
     def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory, *rest):
         # *rest: vLLM 0.33 passes the global KV cache groups as well.
         first = original(vllm_config, kv_cache_specs, available_memory, *rest)
@@ -202,6 +204,7 @@ def wrap_collective_rpc(original):
 
     plugin = state()
 
+    @keep_face(original)
     def collective_rpc(self, method, *args, **kwargs):
         link = plugin.link
         if link is not None and not (isinstance(method, str) and method in READ_ONLY_RPCS):
@@ -241,6 +244,7 @@ def wrap_schedule(original):
 
     plugin = state()
 
+    @keep_face(original)
     def schedule(self, *args, **kwargs):
         link = plugin.link
         if link is None:
@@ -268,6 +272,7 @@ def wrap_update_from_output(original):
 
     plugin = state()
 
+    @keep_face(original)
     def update_from_output(self, scheduler_output, *args, **kwargs):
         link = plugin.link
         if link is None:
@@ -313,6 +318,7 @@ def wrap_scheduler_init(original):
     it passed its earlier life's count. At most one batch per step, so a
     later life always numbers above an earlier one's."""
 
+    @keep_face(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         pool = getattr(getattr(self, "kv_cache_manager", None), "block_pool", None)
@@ -336,6 +342,7 @@ def wrap_record_prefix_cache_stats(original):
 
     plugin = state()
 
+    @keep_face(original)
     def record_prefix_cache_stats(self, request, num_hits, *args, **kwargs):
         original(self, request, num_hits, *args, **kwargs)
         enabled = getattr(self, "prefix_cache_lookup_enabled", None)
@@ -354,6 +361,7 @@ def wrap_shutdown(original):
 
     plugin = state()
 
+    @keep_face(original)
     def shutdown(self, *args, **kwargs):
         link = plugin.link
         try:

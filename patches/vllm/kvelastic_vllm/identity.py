@@ -17,6 +17,8 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from kvelastic_vllm.patching import keep_face
+
 log = logging.getLogger("kvelastic.vllm")
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -130,6 +132,7 @@ def wrap_init_none_hash(original: InitNoneHash, seed: Callable[[], str]) -> Init
     the namespace's seed when the daemon gave one. vLLM's seed record
     (``_NONE_HASH_SEED``) is left alone: it is advertised to peers in clear."""
 
+    @keep_face(original)
     def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
         original(hash_fn)
         secret = seed()

@@ -22,6 +22,7 @@ import torch
 
 from kvelastic.client.worker import WorkerClient
 from kvelastic.vmm import get_backend
+from kvelastic_vllm.patching import keep_face
 from kvelastic_vllm.state import state
 
 log = logging.getLogger("kvelastic.vllm")
@@ -75,6 +76,7 @@ def wrap_allocate_kv_cache(original):
     """The engine's KV cache over the arena; any other (the profiler's
     minimal cache, which no registered engine's config describes) stock."""
 
+    @keep_face(original)
     def allocate(kv_cache_config: Any, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         if getattr(kv_cache_config, "kvelastic_engine_id", None) is None:
             log.debug("kvelastic: a KV cache of no registered engine (vLLM's profiling pass): stock allocation")
@@ -89,6 +91,7 @@ def wrap_warm_up(original):
 
     plugin = state()
 
+    @keep_face(original)
     def compile_or_warm_up_model(self, *args, **kwargs):
         client = plugin.worker
         if client is None:
@@ -139,6 +142,7 @@ def wrap_step(original):
 
     plugin = state()
 
+    @keep_face(original)
     def step(self, *args, **kwargs):
         client = plugin.worker
         if client is None:
