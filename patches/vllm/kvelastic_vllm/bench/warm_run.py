@@ -56,9 +56,13 @@ def arm_poison() -> None:
 def engine_stats(wait_for_hits: bool) -> dict:
     from kvelastic.ctl import get_status
 
+    # The engine this process started: in vLLM's default layout its EngineCore
+    # is a child process, so by the id the plugin exported (``register``).
+    engine_id = os.environ.get("KVELASTIC_ENGINE_ID")
     deadline = time.monotonic() + 5
     while True:
-        engines = [e for e in get_status(os.environ["KVELASTIC_SOCKET"])["engines"] if e["pid"] == os.getpid()]
+        engines = [e for e in get_status(os.environ["KVELASTIC_SOCKET"])["engines"]
+                   if (e["engine_id"] == engine_id if engine_id else e["pid"] == os.getpid())]
         if engines and (not wait_for_hits or engines[0]["stats"]["adopted_hits"] or time.monotonic() > deadline):
             return engines[0]["stats"]
         time.sleep(0.1)
