@@ -34,7 +34,10 @@ VLLM_ENV = {
 SERVE_FLAGS = ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--enable-prefix-caching",
                "--block-size", "32", "--max-num-seqs", "8", "--kv-cache-memory-bytes", "64M",
                "--served-model-name", "tiny"]
-VLLM = [sys.executable, "-m", "kvelastic_vllm.cli"]
+# The `vllm` command as users run it (the plugin's package installs it next to
+# the interpreter: kvelastic_vllm/cli.py), else the same CLI through the module.
+_VLLM_SCRIPT = pathlib.Path(sys.executable).with_name("vllm")
+VLLM = [str(_VLLM_SCRIPT)] if _VLLM_SCRIPT.exists() else [sys.executable, "-m", "kvelastic_vllm.cli"]
 
 
 def free_port() -> int:
