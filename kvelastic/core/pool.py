@@ -130,6 +130,12 @@ class SlabPool:
         self._adopted: set[int] = set()
         # Labels of keyed blocks (block_id -> label; see journal.py): only blocks cached with one.
         self._labels: dict[int, bytes] = {}
+        # Other keys of keyed blocks (block_id -> keys), for lookups only:
+        # vLLM's partial-block entries (a state block also reachable from a
+        # boundary inside it). Never journalled: the daemon mirrors a block's
+        # one key, under which its KV is kept and handed on; an alias leaves
+        # the index with its block's key. Invariant: only keyed blocks here.
+        self._aliases: dict[int, list[Hashable]] = {}
         # Cached blocks whose keys the daemon was told to forget (``demote``).
         # Read-only outside the pool; never rebound.
         self.demoted: set[int] = set()
@@ -189,8 +195,29 @@ class SlabPool:
         return slab.blocks[block_id % self.blocks_per_slab]
 
     def cached_keys(self) -> list[tuple[Hashable, int]]:
-        """(key, block_id) for every index entry; for checks and snapshots."""
-        return list(self._index.items())
+        """(key, block_id) for every keyed block's key, aliases aside (what the
+        daemon mirrors); for checks, snapshots and a resync."""
+        if not self._aliases:
+            return list(self._index.items())
+        return [(key, block_id) for key, block_id in self._index.items() if self.block(block_id)._block_hash == key]
+
+    def keys_of(self, blk: BlockRecord) -> list[Hashable]:
+        """Every key that reaches ``blk``: its key, then its aliases."""
+        if blk._block_hash is None:
+            return []
+        return [blk._block_hash, *self._aliases.get(blk.block_id, ())]
+
+    def alias(self, blk: BlockRecord, key: Hashable) -> bool:
+        """Make a keyed block reachable under ``key`` too (lookups only, never
+        journalled). False if ``key`` already reaches it."""
+        self._check_held([blk])
+        if blk._block_hash is None:
+            raise BlockNotCached(f"block {blk.block_id} has no key: an alias needs one")
+        if key == blk._block_hash or key in self._aliases.get(blk.block_id, ()):
+            return False
+        self._index.insert(key, blk)
+        self._aliases.setdefault(blk.block_id, []).append(key)
+        return True
 
     def take_journal(self, occupancy: bool = True) -> JournalBatch:
         """The journal so far; ``occupancy=False``: its ops alone (``Journal.take``)."""
@@ -382,6 +409,7 @@ class SlabPool:
         entries = self._index._map
         journal = self.journal
         ops, stored, on_removed, demoted = journal.ops, journal.stored, self.on_key_removed, self.demoted
+        aliases = self._aliases
         for _ in range(reused):
             blk = head.next_free_block      # the least recently used, unlinked
             nxt = blk.next_free_block
@@ -413,6 +441,8 @@ class SlabPool:
             blk._block_hash = blk._block_hash_num_tokens = None
             if on_removed is not None:
                 on_removed(key)
+            if aliases and block_id in aliases:
+                self._drop_aliases(blk)
             blk.ref_cnt = 1
             slab.cached -= 1
             dirty.add(slab.slab_id)
@@ -705,6 +735,7 @@ class SlabPool:
             self._rebucket(slab, old)
             self.journal.dirty.add(slab.slab_id)
         self._index.clear()
+        self._aliases.clear()
         self._head.next_free_block, self._tail.prev_free_block = self._tail, self._head
         self._cached_at.clear()
         self._adopted.clear()
@@ -759,6 +790,14 @@ class SlabPool:
         blk._block_hash = blk._block_hash_num_tokens = None
         if self.on_key_removed is not None:
             self.on_key_removed(key)
+        if self._aliases and blk.block_id in self._aliases:
+            self._drop_aliases(blk)
+
+    def _drop_aliases(self, blk: BlockRecord) -> None:
+        for key in self._aliases.pop(blk.block_id):
+            self._index.remove(key, blk)
+            if self.on_key_removed is not None:
+                self.on_key_removed(key)
 
     @staticmethod
     def _unlink(blk: BlockRecord) -> None:

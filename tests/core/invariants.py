@@ -31,6 +31,12 @@ def check_pool(pool: SlabPool, mirror: Mirror | None = None) -> None:
     # every index entry points at a held block that holds that key
     for key, block_id in index:
         assert pool.block(block_id).block_hash == key
+    # aliases: only keyed blocks have them, and the index reaches the block under each
+    entries = set(pool._index.items())
+    for block_id, aliases in pool._aliases.items():
+        assert pool.block(block_id).block_hash is not None and aliases
+        assert all((key, block_id) in entries for key in aliases)
+    assert len(entries) == len(index) + sum(map(len, pool._aliases.values()))
     if pool.max_cached_blocks is not None:
         assert pool.num_cached <= pool.max_cached_blocks
     if mirror is not None:

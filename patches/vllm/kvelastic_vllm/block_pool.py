@@ -30,6 +30,7 @@ The null block is block 0 of the first slab, allocated once and never freed
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Hashable, Iterable, Sequence
@@ -100,6 +101,7 @@ class ElasticBlockPool(BlockPool):
         self._reuse_watchers: dict = {}
         self._group_suffix: dict[int, bytes] = {}   # group id -> its key suffix (get_cached_block)
         self.announcer = Announcer(medium)   # adopted blocks, announced once reachable (``announce.py``)
+        self._quiet = False   # ``move_block_hashes`` in progress: its removals are no news
         self.link = state().engine()
         self.core = self.link.pool
         self.client = self.link.client
@@ -414,6 +416,8 @@ class ElasticBlockPool(BlockPool):
         self.announcer.flush(self.kv_event_queue)
 
     def _key_removed(self, key: Hashable) -> None:
+        if self._quiet:
+            return   # an entry moving to another block (``move_block_hashes``): still live
         self._announce_adopted()   # a block announced after its removal would live on in routers
         # The core pool is generic in its keys; this one's are what cache_full_blocks stored.
         hashed = cast(BlockHashWithGroupId, key)
@@ -427,22 +431,85 @@ class ElasticBlockPool(BlockPool):
             self.announcer.clear()
             self.kv_event_queue.append(AllBlocksCleared())
 
-    # ------------------------------------------- features kvelastic leaves out
-    # With vLLM's signatures (``tests/vllm/signatures.py``), refusing clearly:
-    # state-block caching (Mamba "align" mode: partial blocks, hash moves)
-    # and HiSparse's pinned blocks. ``engine._check_specs`` refuses such
-    # models at start-up, so these are reached only by a vLLM that calls
-    # them where this release did not.
+    # ------------------------------------------------- state-block caching
+    # vLLM caches Mamba and linear-attention state blocks ("align" mode, the
+    # default with prefix caching) through partial-block entries and hash
+    # moves. A block's first key is its key in the core pool (journalled,
+    # mirrored, kept); a further entry for the same block is an alias there
+    # (lookups only), which leaves with the block's key, as stock's secondary
+    # hashes leave with its primary. Same decisions as stock's ``BlockPool``
+    # (``tests/vllm/test_state_caching.py`` drives both in lockstep).
     def cache_partial_block(self, request: Any, block: KVCacheBlock, num_tokens: int, kv_cache_group_id: int,
                             block_size: int, replace_existing_hashes: bool = False) -> BlockHashWithGroupId | None:
-        raise NotImplementedError(UNSUPPORTED)
+        if block.is_null:
+            return None
+        assert block_size % self.hash_block_size == 0
+        # The entry is the prefix's chained hash at ``num_tokens`` (a multiple of the hash block size).
+        units = num_tokens // self.hash_block_size
+        hashed = units * self.hash_block_size
+        assert 0 < units <= len(request.block_hashes)
+        block_hash = request.block_hashes[units - 1]
+        key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+        with self._held():
+            core = self.core
+            already = key in core.keys_of(block)
+            if replace_existing_hashes or (not already and block.block_hash is not None and
+                                           block.block_hash_num_tokens is not None and
+                                           block.block_hash_num_tokens < hashed):
+                core.uncache([block])          # every entry of the block goes (its KV is rewritten)
+                already = False
+            if block.block_hash is None:
+                core.cache([block], [key], num_tokens=[hashed])
+            elif not already:
+                core.alias(block, key)
+        if self.enable_kv_cache_events and not already:
+            from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+            parent = request.block_hashes[units - 2] if units > 1 else None
+            start = (units - 1) * self.hash_block_size
+            extra, _ = generate_block_hash_extra_keys(request, start, num_tokens, 0)
+            event = self._build_block_stored_event(
+                request, block_hashes=[maybe_convert_block_hash(block_hash)],
+                parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
+                start_token_idx=start, end_token_idx=num_tokens, block_size=num_tokens - start,
+                kv_cache_group_id=kv_cache_group_id, extra_keys_list=[extra])
+            with self.lock:
+                self.kv_event_queue.append(event)
+        return key
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
-        raise NotImplementedError(UNSUPPORTED)
+        """``src_block``'s entries now reach ``dst_block`` (a private copy the
+        request's next writes leave alone); as stock, no events: the entries
+        stay live, only their block changed."""
+        assert dst_block.block_hash is None
+        with self._held():
+            core = self.core
+            keys, num_tokens = core.keys_of(src_block), src_block.block_hash_num_tokens
+            if not keys:
+                return
+            self._quiet = True
+            try:
+                core.uncache([src_block])
+            finally:
+                self._quiet = False
+            core.cache([dst_block], [keys[0]], num_tokens=None if num_tokens is None else [num_tokens])
+            for key in keys[1:]:
+                core.alias(dst_block, key)
 
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drop every entry of ``block`` (vLLM rewrites it in place next)."""
+        if self.metrics_collector:
+            self.metrics_collector.on_block_evicted(block)
+        with self._held():
+            return self.core.uncache([block]) > 0
+
+    def _held(self) -> Any:
+        """The pool's lock, unless the scheduler's step holds it already."""
+        return contextlib.nullcontext() if self.in_step else self.lock
+
+    # ------------------------------------------- features kvelastic leaves out
+    # HiSparse's pinned blocks, with vLLM's signature (``tests/vllm/signatures.py``),
+    # refused clearly; ``engine._check_specs`` refuses its caches at start-up.
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Any) -> None:
-        raise NotImplementedError(UNSUPPORTED)
-
-
-UNSUPPORTED = ("kvelastic: partial-block caching, hash moves (state caches with prefix caching) and pinned "
-               "host blocks (HiSparse) are not available in the elastic block pool")
+        raise NotImplementedError("kvelastic: pinned host blocks (HiSparse) are not available in the elastic "
+                                  "block pool")

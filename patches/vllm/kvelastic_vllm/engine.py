@@ -30,8 +30,7 @@ MAX_PAGES_PER_REGION = 64
 log = logging.getLogger("kvelastic.vllm")
 
 
-def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int, model: str = "this model",
-                prefix_caching: bool = False) -> Geometry:
+def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int, model: str = "this model") -> Geometry:
     """Check that vLLM's layout maps onto pages and derive the slab geometry.
 
     vLLM keeps the whole KV cache in one backing allocation and describes it
@@ -42,7 +41,7 @@ def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int, model: s
     block at a time. So a slab is the same block range in every region, as
     for one group: layer-outer, a page per region; block-outer, one page
     holding whole blocks."""
-    _check_specs(kv_cache_config, model, prefix_caching)
+    _check_specs(kv_cache_config, model)
     tensors = kv_cache_config.kv_cache_tensors
     t = tensors[0]
     shapes = {(x.size, x.block_stride, x.layer_stride) for x in tensors}
@@ -74,14 +73,16 @@ def geometry_of(kv_cache_config: Any, page_size: int, num_workers: int, model: s
     return Geometry(t.block_stride, regions, bps, run * page_size * regions * max(1, num_workers) // bps, run)
 
 
-def _check_specs(kv_cache_config: Any, model: str, prefix_caching: bool = False) -> None:
+def _check_specs(kv_cache_config: Any, model: str) -> None:
     """Attention caches (full, sliding window, chunked local, MLA, ...) and
     state caches (``MambaSpec``: Mamba, linear attention, short convolutions)
     live in the same elastic pages: vLLM gives every group blocks of one page
     size in one backing allocation, and a state block is a block like any
     other (live while its request runs, cached only where vLLM caches it).
     Anything else (HiSparse's caches, allocated apart) is refused at
-    start-up, saying what to do."""
+    start-up, saying what to do. With prefix caching on, vLLM caches state
+    blocks too (``block_pool.py``: partial entries and hash moves), and so
+    does the elastic pool."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
 
     for group in kv_cache_config.kv_cache_groups:
@@ -92,14 +93,25 @@ def _check_specs(kv_cache_config: Any, model: str, prefix_caching: bool = False)
             raise RuntimeError(f"kvelastic: {model} keeps a {type(other).__name__} cache, which vLLM allocates "
                                "apart from its KV cache tensors and kvelastic does not back: run it without "
                                "KVELASTIC_ENABLE (see docs/models.md)")
-        state = next((s for s in specs if isinstance(s, MambaSpec)), None)
-        if state is not None and prefix_caching:
-            # vLLM caches state blocks by moving block hashes and caching
-            # partial blocks (BlockPool.move_block_hashes, cache_partial_block),
-            # which the elastic pool does not do.
-            raise RuntimeError(f"kvelastic: {model} keeps a {type(state).__name__} state cache; kvelastic backs it "
-                               "without prefix caching only: run vLLM with --no-enable-prefix-caching, or without "
-                               "KVELASTIC_ENABLE (see docs/models.md)")
+
+
+def caches_state(kv_cache_config: Any, prefix_caching: bool) -> bool:
+    """vLLM caches state blocks (Mamba, linear attention) with prefix caching
+    on: through partial-block entries, whose prefix length (vLLM's
+    ``block_hash_num_tokens``) its Mamba manager reads at every hit. A key
+    alone does not carry it, so such an engine's blocks are never handed to
+    or adopted from another engine (it registers private: its cache is its
+    own, and is not kept after it exits)."""
+    from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+
+    if not prefix_caching:
+        return False
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        specs = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        if any(isinstance(s, MambaSpec) for s in specs):
+            return True
+    return False
 
 
 def reserve_watermark(max_num_batched_tokens: int, block_size: int, blocks_per_slab: int, groups: int = 1) -> int:
@@ -130,7 +142,11 @@ def register(vllm_config: Any, kv_cache_configs: list, plugin: PluginState) -> E
     architecture = ",".join(getattr(vllm_config.model_config.hf_config, "architectures", None) or ["this model"])
     # Pipeline stages hold different layers: a slab has as many regions as the largest stage needs.
     caching = bool(vllm_config.cache_config.enable_prefix_caching)
-    geometries = [geometry_of(c, config.page_size, num_workers, architecture, caching) for c in kv_cache_configs]
+    state_caching = caches_state(kv_cache_configs[0], caching)
+    if state_caching and not config.private_cache:
+        log.info("kvelastic: engine %s caches state blocks (%s with prefix caching): its cache stays its own "
+                 "(no hand-on, not kept after it exits)", engine_id, architecture)
+    geometries = [geometry_of(c, config.page_size, num_workers, architecture) for c in kv_cache_configs]
     if len({g.block_stride for g in geometries}) != 1:
         raise RuntimeError(f"kvelastic: {architecture}'s workers lay out KV blocks of different sizes "
                            f"({sorted({g.block_stride for g in geometries})}); run it without KVELASTIC_ENABLE")
@@ -148,7 +164,7 @@ def register(vllm_config: Any, kv_cache_configs: list, plugin: PluginState) -> E
                           pages_per_region=geometry.pages_per_region, num_workers=num_workers,
                           block_bytes=geometry.block_bytes, min_bytes=config.engine_min_memory,
                           max_bytes=config.engine_max_memory, low_watermark=0, key_group_suffix=True,
-                          private=config.private_cache)
+                          private=config.private_cache or state_caching)
     client.start(timeout=30.0)
     link = attach(plugin, client, geometry, low)
     log.info("kvelastic: engine %s registered: %d blocks of virtual capacity (%d slabs of %d blocks), "
