@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -28,12 +29,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A Unix socket path holds at most 107 bytes; the daemon's longest is the
+# socket's plus ".kv-events-replay". pytest-xdist's temporary folders
+# (.../popen-gw0/test_a_long_name0/) can pass that.
+MAX_SOCKET_DIR = 107 - len("/kvelastic.sock.kv-events-replay")
+
+
+def short_dir(tmp: pathlib.Path) -> pathlib.Path:
+    """``tmp``, or a folder under /tmp of its own when ``tmp`` is too long for a socket."""
+    if len(str(tmp)) <= MAX_SOCKET_DIR:
+        return tmp
+    return pathlib.Path(tempfile.mkdtemp(prefix="kve-"))
+
+
 class DaemonProcess:
     def __init__(self, tmp: pathlib.Path, memory: str = "64MiB", metrics: bool = True, nofile: int = 0,
                  **env: str) -> None:
         """``nofile``: the daemon's descriptor limit (soft and hard), 0: as inherited."""
         self.nofile = nofile
-        self.socket = str(tmp / "kvelastic.sock")
+        self.socket = str(short_dir(tmp) / "kvelastic.sock")
         self.metrics_port = free_port() if metrics else 0
         self.log_path = tmp / "daemon.log"
         self.env = dict(os.environ, KVELASTIC_SOCKET=self.socket, KVELASTIC_MEMORY=memory,

