@@ -56,7 +56,7 @@ lint: setup
 # where the time goes.
 TEST_WORKERS ?= 2
 test: setup lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=25 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-vllm-* build *.egg-info

@@ -70,3 +70,16 @@ def plugin_runs(tmp_path_factory) -> dict:
     finally:
         daemon.stop()
     return runs
+
+
+# The slowest folders first (real vLLM engines, routers): under pytest-xdist
+# the short tests then fill the workers' gaps at the end instead of one long
+# engine test running alone last. A stable sort: each module stays together.
+SLOW_FIRST = ("tests/vllm/", "tests/routing/", "tests/observability/")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        return next((i for i, folder in enumerate(SLOW_FIRST) if item.nodeid.startswith(folder)), len(SLOW_FIRST))
+
+    items.sort(key=rank)

@@ -1,9 +1,12 @@
 """``weights_run.py`` in a process of its own, driven line by line: the
 engine the weight, model and mode tests compare with stock vLLM.
 
-vLLM's default layout (the EngineCore in a process of its own, as ``LLM()``
-and every RL framework run it) unless ``in_process``: only for a command
-that reads the engine's objects (``warm-up``)."""
+An engine through kvelastic runs in vLLM's default layout (the EngineCore in
+a process of its own, as ``LLM()`` and every RL framework run it), unless
+``in_process``: only for a command that reads the engine's objects
+(``warm-up``, ``poison``). Stock vLLM, the oracle the tests compare with,
+runs in-process unless told otherwise: its tokens and hits are the same in
+either layout, and it starts in half the time (one process, not three)."""
 
 import json
 import os
@@ -19,9 +22,9 @@ class Engine:
 
     script: list[str] = [str(SCRIPT)]      # what the interpreter runs (a subclass may run another driver)
 
-    def __init__(self, model, daemon=None, *args: str, in_process: bool = False, **env: str) -> None:
+    def __init__(self, model, daemon=None, *args: str, in_process: bool | None = None, **env: str) -> None:
         full = {**os.environ, **env}
-        full["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        full["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if (daemon is None if in_process is None else in_process) else "1"
         if daemon is not None:
             full.update(KVELASTIC_ENABLE="1", KVELASTIC_SOCKET=daemon.socket)
         else:

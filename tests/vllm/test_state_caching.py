@@ -101,7 +101,7 @@ def run(sched, stream, salt: int, hash_block_size: int) -> list:
 @pytest.mark.parametrize("attention_bs,state_bs", [(64, 64), (32, 64), (64, 32)],
                          ids=["one-size", "finer-attention", "finer-state"])
 # No shrinking: each example runs two schedulers and a demand; a failure prints its streams whole.
-@settings(max_examples=12, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
+@settings(max_examples=5, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(first=st.lists(request_spec, min_size=1, max_size=6), second=st.lists(request_spec, min_size=1, max_size=6))
 def test_state_caching_schedules_and_hits_as_stock_also_after_a_reclaim(daemon, hybrid_model, attention_bs, state_bs,
