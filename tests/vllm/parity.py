@@ -19,6 +19,15 @@ BS = 16
 _ids = itertools.count()
 
 
+def cold_daemon(tmp_path_factory, memory: str):
+    """A module's daemon that keeps no cache between examples (each engine starts cold, as stock does)."""
+    from tests.daemon_proc import DaemonProcess
+
+    proc = DaemonProcess(tmp_path_factory.mktemp("daemon"), memory=memory, KVELASTIC_ORPHAN_CACHE_TTL="0").start()
+    yield proc
+    proc.stop()
+
+
 def engine_blocks() -> int:
     from kvelastic_vllm.state import state
 

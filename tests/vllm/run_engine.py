@@ -23,8 +23,9 @@ class Engine:
     script: list[str] = [str(SCRIPT)]      # what the interpreter runs (a subclass may run another driver)
 
     def __init__(self, model, daemon=None, *args: str, in_process: bool | None = None, **env: str) -> None:
-        full = {**os.environ, **env}
-        full["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if (daemon is None if in_process is None else in_process) else "1"
+        if in_process is None:
+            in_process = daemon is None          # stock in-process, kvelastic in vLLM's default layout
+        full = {**os.environ, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
         if daemon is not None:
             full.update(KVELASTIC_ENABLE="1", KVELASTIC_SOCKET=daemon.socket)
         else:

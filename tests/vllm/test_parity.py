@@ -16,18 +16,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvelastic_vllm.bench.tinymodel import build_tiny_llama
-from tests.daemon_proc import DaemonProcess
-from tests.vllm.parity import BS, admit, elastic_engine, engine_blocks, manager, request, scheduler, step
+from tests.vllm.parity import BS, admit, cold_daemon, elastic_engine, engine_blocks, manager, request, scheduler, step
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    # Each example's engine starts cold, as stock does: no cache kept between them.
-    proc = DaemonProcess(tmp_path_factory.mktemp("daemon"), memory="256MiB", KVELASTIC_ORPHAN_CACHE_TTL="0").start()
-    yield proc
-    proc.stop()
+    yield from cold_daemon(tmp_path_factory, "256MiB")
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.daemon.engines import EngineProcess
-from tests.daemon_proc import DaemonProcess, wait_for
-from tests.vllm.parity import elastic_engine, engine_blocks, request, step
+from tests.daemon_proc import wait_for
+from tests.vllm.parity import cold_daemon, elastic_engine, engine_blocks, request, step
 
 pytestmark = pytest.mark.vllm
 BPS = 4            # blocks per slab in the elastic engine
@@ -29,9 +29,7 @@ SLABS = 16         # its capacity: 64 blocks, as the stock pool's
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    proc = DaemonProcess(tmp_path_factory.mktemp("daemon"), memory="64MiB", KVELASTIC_ORPHAN_CACHE_TTL="0").start()
-    yield proc
-    proc.stop()
+    yield from cold_daemon(tmp_path_factory, "64MiB")
 
 
 @pytest.fixture(scope="module")
