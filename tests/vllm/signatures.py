@@ -24,8 +24,7 @@ from typing import Any
 def face(fn: Any) -> dict[str, Any]:
     sig = inspect.signature(fn)
     return {"name": getattr(fn, "__name__", None), "qualname": getattr(fn, "__qualname__", None),
-            "signature": str(sig), "hints": {k: str(v) for k, v in inspect.get_annotations(
-                inspect.unwrap(fn)).items()}}
+            "signature": str(sig), "hints": {k: str(v) for k, v in inspect.get_annotations(fn).items()}}
 
 
 def callers_view(fn: Any) -> list[tuple[str, str, str]]:
