@@ -73,8 +73,8 @@ VLLM_RELEASES ?= 0.29 0.30 0.31 0.32
 # Stock tokens and prefix hits through kvelastic, the block pool on vLLM's own
 # scheduler, the plugin's patches, LoRA block keys and the hybrid model families.
 VLLM_TESTS    ?= tests/vllm/test_plugin.py tests/vllm/test_block_pool.py tests/vllm/test_offline.py \
-	tests/vllm/test_parity.py "tests/vllm/test_weight_changes.py::test_two_adapters_in_one_engine_never_share_blocks" \
-	"tests/vllm/test_weight_changes.py::test_a_lora_adapter_rewritten_in_place_never_meets_its_old_blocks" \
+	tests/vllm/test_parity.py \
+	"tests/vllm/test_weight_changes.py::test_lora_adapters_never_share_blocks_and_a_rewritten_one_never_meets_its_old_blocks" \
 	"tests/vllm/test_models.py::test_a_family_gives_stock_tokens_and_hits_also_after_a_reclaim"
 RVENV  := $(if $(filter 0.32,$(VLLM)),$(VENV),.venv-vllm-$(VLLM))
 ifneq ($(filter test-vllm,$(MAKECMDGOALS)),)

@@ -1,3 +1,5 @@
+import pathlib
+
 import pytest
 
 from tests.daemon_proc import DaemonProcess
@@ -40,19 +42,37 @@ PLUGIN_PLAIN = {"KVELASTIC_PREFIX_CACHE_MAX_SIZE": "1"}     # one byte: no block
 
 
 @pytest.fixture(scope="session")
-def plugin_runs(tmp_path_factory) -> dict:
+def plugin_runs(tmp_path_factory, worker_id) -> dict:
     """``{"plain"|"tuned": {"engine": status entry, "none_hash": hex}, "hash_secret": bytes,
-    "model": path}``."""
+    "model": path}``. Once a session: under pytest-xdist the first worker that
+    needs them runs them and the others read its results (a file lock)."""
     pytest.importorskip("vllm")
     import json
+
+    from filelock import FileLock
+
+    if worker_id == "master":
+        return _plugin_runs(tmp_path_factory.mktemp("plugin"))
+    shared = tmp_path_factory.getbasetemp().parent           # one folder for all workers of this session
+    with FileLock(str(shared / "plugin-runs.lock")):
+        saved = shared / "plugin-runs.json"
+        if not saved.is_file():
+            runs = _plugin_runs(shared / "plugin")
+            saved.write_text(json.dumps({**runs, "model": str(runs["model"]),
+                                         "hash_secret": runs["hash_secret"].hex()}))
+    runs = json.loads(saved.read_text())
+    return {**runs, "model": pathlib.Path(runs["model"]), "hash_secret": bytes.fromhex(runs["hash_secret"])}
+
+
+def _plugin_runs(tmp: pathlib.Path) -> dict:
+    import json
     import os
-    import pathlib
     import subprocess
     import sys
 
     from kvelastic_vllm.bench.tinymodel import build_tiny_llama
 
-    tmp = tmp_path_factory.mktemp("plugin")
+    tmp.mkdir(parents=True, exist_ok=True)
     model = build_tiny_llama(tmp / "tiny-llama")
     daemon = DaemonProcess(tmp, memory="256MiB", KVELASTIC_HOST_DEVICES="2").start()
     script = pathlib.Path(__file__).resolve().parent / "vllm" / "settings_run.py"

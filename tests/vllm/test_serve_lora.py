@@ -18,7 +18,7 @@ from kvelastic_vllm.bench.vllm_serve import VllmServer
 from kvelastic_vllm.bench.warm_run import QUESTIONS, SYSTEM
 from tests.daemon_proc import DaemonProcess
 from tests.vllm.adapters import write_adapter
-from tests.vllm.run_engine import Engine
+from tests.vllm.run_engine import Stock
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # The workload's prompts reach 1,620 tokens: the server takes 2,048, as weights_run.py's engine.
@@ -33,12 +33,7 @@ def post(server: VllmServer, path: str, body: dict) -> bytes:
 
 def completions(server: VllmServer, model: str) -> list[list[int]]:
     """The workload of ``weights_run.py`` (greedy, 16 tokens each), through the server."""
-    out = []
-    for question in QUESTIONS:
-        body = {"model": model, "prompt": SYSTEM + question, "max_tokens": 16, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}
-        out.append(json.loads(post(server, "/v1/completions", body))["choices"][0]["token_ids"])
-    return out
+    return [server.token_ids(SYSTEM + question, model=model) for question in QUESTIONS]
 
 
 def test_adapters_loaded_and_unloaded_through_the_server(tmp_path, tiny_model):
@@ -46,7 +41,7 @@ def test_adapters_loaded_and_unloaded_through_the_server(tmp_path, tiny_model):
     expected = {}
     for seed in (1, 2):
         write_adapter(adapter, tiny_model, seed=seed)
-        stock = Engine(tiny_model, None, "--lora")
+        stock = Stock(tiny_model, "--lora")
         expected[seed] = stock.do(f"lora a {adapter}")["tokens"]
         stock.exit()
     assert expected[1] != expected[2]

@@ -5,8 +5,10 @@ the plugin, one process per engine life, a real daemon.
 One chain of engine lives on one daemon, each step checked against stock
 vLLM's greedy tokens (the same script with the plugin off):
 kill -9 -> restart (warm) -> graceful exit -> restart (warm) -> killed in
-the middle of a step -> restart: nothing of that step adopted; then engines
-of another tenant salt, another model and changed weights adopt nothing.
+the middle of a step -> restart: nothing of that step adopted; then an engine
+of the same folder with changed weights adopts nothing. That another tenant
+salt or another model is another namespace is ``test_identity.py``'s (an
+engine adopts only its namespace's blocks: ``tests/daemon/test_orphan_cache.py``).
 """
 
 import pathlib
@@ -53,19 +55,11 @@ def until_kept(daemon) -> dict[str, int]:
                     what="the engine gone and its cache kept")
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from kvelastic_vllm.bench.tinymodel import Shape, build_tiny_llama
+def test_the_cache_outlives_its_engine_and_nobody_else_gets_it(daemon_factory, tmp_path):
+    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
 
-    root = tmp_path_factory.mktemp("models")
-    return {"tiny": build_tiny_llama(root / "tiny-llama"),
-            # Another model with the same KV geometry: only its namespace differs.
-            "other": build_tiny_llama(root / "other-llama", Shape(intermediate=384))}
-
-
-def test_the_cache_outlives_its_engine_and_nobody_else_gets_it(daemon_factory, models):
-    model = models["tiny"]
-    stock = Engine(model)
+    model = build_tiny_llama(tmp_path / "tiny-llama")      # its own: the test rewrites its weights
+    stock = run_engine.Stock(model)
     expected, unrelated = stock.do("workload")["tokens"], stock.do("unrelated")["tokens"]
     stock.exit()
 
@@ -106,18 +100,13 @@ def test_the_cache_outlives_its_engine_and_nobody_else_gets_it(daemon_factory, m
     fourth.exit()
     held = until_kept(daemon)[namespace]
 
-    def adopts_nothing(engine_model, **env) -> None:
-        engine = Engine(engine_model, daemon, KVELASTIC_ENGINE_ID="stranger", **env)
-        got = engine.do("workload")
-        stats = engine.do("stats")
-        engine.exit()
-        assert stats["adopted_blocks"] == 0 and got["hits"] < before["hits"], (env, stats, got["hits"])
-        assert kept(daemon).get(namespace) == held      # still kept for its own namespace
-
-    adopts_nothing(model, KVELASTIC_TENANT_SALT="tenant-b")
-    adopts_nothing(models["other"])
     rewrite_weights(model)                              # the same folder, other weights
-    adopts_nothing(model)
+    stranger = Engine(model, daemon, KVELASTIC_ENGINE_ID="stranger")
+    got = stranger.do("workload")
+    stats = stranger.do("stats")
+    stranger.exit()
+    assert stats["adopted_blocks"] == 0 and got["hits"] < before["hits"], (stats, got["hits"])
+    assert kept(daemon).get(namespace) == held          # still kept for its own namespace
 
 
 def rewrite_weights(model: pathlib.Path) -> None:

@@ -16,11 +16,11 @@ pytest.importorskip("vllm")
 
 from tests.daemon_proc import wait_for
 from tests.vllm.adapters import write_adapter
-from tests.vllm.run_engine import Engine
+from tests.vllm.run_engine import Engine, Stock
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def stock(model, *commands: str, args: tuple[str, ...] = ()) -> list[dict]:
-    engine = Engine(model, None, *args)
+    engine = Stock(model, *args)
     out = [engine.do(c) for c in commands]
     engine.exit()
     return out
@@ -48,6 +48,13 @@ def model(tmp_path_factory):
 
 
 def test_weights_updated_in_memory_never_reach_the_checkpoints_engines(daemon_factory, model):
+    """Two engine lives: an RL engine whose weights a worker extension
+    updates (its cache is never kept), then an engine of the checkpoint (cold,
+    as stock; its own cache is kept, and an invalidation with no engine
+    running drops it). That a kept cache makes the next engine warm is
+    ``test_warm_restart.py``'s; an engine adopts only kept blocks
+    (``tests/daemon/test_orphan_cache.py``), so "kept is empty" is "the next
+    engine starts cold"."""
     base, _, updated, updated_again = stock(model, "workload", "update 7", "workload", "workload")
     assert differ(base["tokens"], updated["tokens"]) == len(base["tokens"])   # the update changes every completion
     assert updated_again["tokens"] == updated["tokens"] and updated_again["hits"] > 0
@@ -73,68 +80,46 @@ def test_weights_updated_in_memory_never_reach_the_checkpoints_engines(daemon_fa
     assert fresh.do("stats")["adopted_blocks"] == 0
     fresh.exit()
     namespace, blocks = next(iter(until_kept(daemon).items()))
-    assert blocks > 0 and "~" not in namespace
-
-    # Control: without an update in between, the next engine does start warm.
-    warm = Engine(model, daemon, KVELASTIC_ENGINE_ID="rl")
-    repeat = warm.do("workload")
-    assert repeat["tokens"] == base["tokens"] and repeat["hits"] > 0
-    assert warm.do("stats")["adopted_blocks"] > 0
-    warm.exit()
-    until_kept(daemon)
+    assert blocks > 0 and "~" not in namespace          # the checkpoint's engine: its cache is kept
 
     # Invalidation reaches the kept cache with no engine running.
     out = subprocess.run([sys.executable, "-m", "kvelastic", "invalidate", namespace], env=daemon.env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "0 running engine(s)" in out.stdout, out.stdout + out.stderr
     assert kept(daemon) == {}
-    cold = Engine(model, daemon, KVELASTIC_ENGINE_ID="rl")
-    got = cold.do("workload")
-    assert got["tokens"] == base["tokens"] and got["hits"] == base["hits"]  # as cold as stock's first run
-    assert cold.do("stats")["adopted_blocks"] == 0
-    cold.exit()
 
 
-def test_a_lora_adapter_rewritten_in_place_never_meets_its_old_blocks(daemon_factory, model, tmp_path):
-    adapter = tmp_path / "adapter"
-    write_adapter(adapter, model, seed=1)
-    old, = stock(model, f"lora a {adapter}", args=("--lora",))
-    write_adapter(adapter, model, seed=2)                   # retrained, written over the same folder
-    new, = stock(model, f"lora a {adapter}", args=("--lora",))
-    assert differ(old["tokens"], new["tokens"]) == len(old["tokens"])
-
-    write_adapter(adapter, model, seed=1)
-    daemon = daemon_factory(memory="64MiB", KVELASTIC_IDLE_GRACE="1s")
-    first = Engine(model, daemon, "--lora", KVELASTIC_ENGINE_ID="lora")
-    assert first.do(f"lora a {adapter}")["tokens"] == old["tokens"]
-    first.exit()
-    until_kept(daemon)
-
-    # The same adapter content after a restart: its blocks still match (kept cache works for LoRA).
-    second = Engine(model, daemon, "--lora", KVELASTIC_ENGINE_ID="lora")
-    same = second.do(f"lora a {adapter}")
-    assert same["tokens"] == old["tokens"] and same["hits"] > old["hits"]   # more than a cold run's own sharing
-    second.exit()
-    until_kept(daemon)
-
-    write_adapter(adapter, model, seed=2)                   # same name, same path, other weights
-    third = Engine(model, daemon, "--lora", KVELASTIC_ENGINE_ID="lora")
-    got = third.do(f"lora a {adapter}")
-    assert got["tokens"] == new["tokens"] and got["hits"] == new["hits"]     # as cold as stock's first run
-    third.exit()
-
-
-def test_two_adapters_in_one_engine_never_share_blocks(daemon_factory, model, tmp_path):
-    """Requests of two adapters (and of none) side by side: stock's tokens and
-    hits for each, so no block of one adapter serves another."""
-    one, two = write_adapter(tmp_path / "one", model, seed=3), write_adapter(tmp_path / "two", model, seed=4)
-    commands = ["workload", f"lora one {one}", f"lora two {two}", f"lora one {one}", "workload"]
+def test_lora_adapters_never_share_blocks_and_a_rewritten_one_never_meets_its_old_blocks(
+        daemon_factory, model, tmp_path):
+    """Two engine lives over adapters ``a`` and ``k``. The first runs requests
+    of both adapters and of none side by side: stock's tokens and hits for
+    each, so no block of one adapter serves another. Then ``a`` is retrained
+    and written over its folder (same name, same path, other weights): the
+    second engine gets stock's tokens for it, as cold as stock's first run,
+    while ``k``, unchanged, starts warm from the first engine's kept cache
+    (the control: kept cache works for LoRA)."""
+    a, k = write_adapter(tmp_path / "a", model, seed=1), write_adapter(tmp_path / "k", model, seed=3)
+    commands = ["workload", f"lora a {a}", f"lora k {k}", f"lora a {a}", "workload"]
     expected = stock(model, *commands, args=("--lora",))
     assert differ(expected[1]["tokens"], expected[2]["tokens"]) == len(expected[1]["tokens"])
     assert differ(expected[0]["tokens"], expected[1]["tokens"]) == len(expected[0]["tokens"])
+    write_adapter(a, model, seed=2)                     # retrained, written over the same folder
+    new, = stock(model, f"lora a {a}", args=("--lora",))
+    assert differ(expected[1]["tokens"], new["tokens"]) == len(new["tokens"])
 
-    daemon = daemon_factory(memory="64MiB")
-    engine = Engine(model, daemon, "--lora", KVELASTIC_ENGINE_ID="two-adapters")
-    got = [engine.do(c) for c in commands]
-    engine.exit()
+    write_adapter(a, model, seed=1)
+    daemon = daemon_factory(memory="64MiB", KVELASTIC_IDLE_GRACE="1s")
+    first = Engine(model, daemon, "--lora", KVELASTIC_ENGINE_ID="lora")
+    got = [first.do(c) for c in commands]
+    first.exit()
     assert [(r["tokens"], r["hits"]) for r in got] == [(r["tokens"], r["hits"]) for r in expected]
+    until_kept(daemon)
+
+    write_adapter(a, model, seed=2)                     # same name, same path, other weights
+    second = Engine(model, daemon, "--lora", KVELASTIC_ENGINE_ID="lora")
+    rewritten = second.do(f"lora a {a}")
+    assert rewritten["tokens"] == new["tokens"] and rewritten["hits"] == new["hits"]   # as cold as stock's
+    same = second.do(f"lora k {k}")
+    assert same["tokens"] == expected[2]["tokens"] and same["hits"] > expected[2]["hits"]   # warm: kept
+    assert second.do("stats")["adopted_blocks"] > 0
+    second.exit()

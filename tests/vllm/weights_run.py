@@ -16,7 +16,9 @@ speculative decoding; ``--pp2``: two pipeline stages, each a worker process
 Prints ``READY`` once the engine is up, then runs one command per input line,
 each answered by a ``RESULT`` line (JSON), like ``bench/warm_run.py``:
 - ``workload``: the prefix-heavy workload of ``warm_run`` (a long shared
-  system prompt, six questions): greedy tokens, prefix-cache hits and queries.
+  system prompt, six questions): greedy tokens, prefix-cache hits and queries;
+  ``unrelated``: ``warm_run``'s prompt that shares nothing with it;
+  ``prompts JSON``: the prompts of a JSON list, likewise.
 - ``lora NAME PATH``: the same workload under the adapter in PATH (needs
   ``--lora``); NAME keeps one adapter id for the life of the process.
 - ``update SEED``: new ``k_proj``/``v_proj`` weights, fixed by SEED, loaded in
@@ -30,6 +32,11 @@ each answered by a ``RESULT`` line (JSON), like ``bench/warm_run.py``:
 - ``stats``: this engine's counters in the kvelastic daemon (``KVELASTIC_ENABLE=1``).
 - ``warm-up``: how many arena slots the worker's warm-up backed with scratch.
 End of input: the process exits.
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/vllm/weights_run.py --many
+
+Engines one after another in one process (``serve_many``): stock vLLM, the
+oracle the tests compare with (``run_engine.Stock``).
 """
 
 import json
@@ -39,7 +46,7 @@ import sys
 import time
 
 from kvelastic_vllm.bench.tinymodel import INIT_STD
-from kvelastic_vllm.bench.warm_run import QUESTIONS, SYSTEM, engine_stats
+from kvelastic_vllm.bench.warm_run import QUESTIONS, SYSTEM, UNRELATED, engine_stats
 
 HERE = pathlib.Path(__file__).resolve().parent
 MAX_LORA_RANK = 16   # vLLM accepts 1, 8, 16, 32, ...: adapters of rank 8 or 16 load
@@ -127,61 +134,112 @@ def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False
                enable_lora=lora, max_lora_rank=MAX_LORA_RANK, max_loras=2)   # LoRA settings unused without it
 
 
-def main() -> None:
-    from vllm import SamplingParams
-    from vllm.lora.request import LoRARequest
+class Session:
+    """One engine of ``make_llm`` and the commands it answers (the module docstring)."""
 
-    flags = sys.argv[2:]
-    llm = make_llm(sys.argv[1], lora="--lora" in flags, compiled="--compiled" in flags or "--pp2" in flags,
-                   ngram="--ngram" in flags, pp2="--pp2" in flags, prefix_cache="--no-prefix-cache" not in flags,
-                   tp2="--tp2" in flags, bf16="--bf16" in flags, cpu_mla="--cpu-mla" in flags)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    lora_ids: dict[str, int] = {}
+    def __init__(self, model: str, flags: list[str]) -> None:
+        from vllm import SamplingParams
 
-    def counter(name: str) -> float:
-        return next(m.value for m in llm.get_metrics() if m.name == name)
+        self.llm = make_llm(model, lora="--lora" in flags, compiled="--compiled" in flags or "--pp2" in flags,
+                            ngram="--ngram" in flags, pp2="--pp2" in flags,
+                            prefix_cache="--no-prefix-cache" not in flags, tp2="--tp2" in flags,
+                            bf16="--bf16" in flags, cpu_mla="--cpu-mla" in flags)
+        self.params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        self.lora_ids: dict[str, int] = {}
 
-    def run(lora_request=None) -> dict:
-        hits, queries = counter("vllm:prefix_cache_hits"), counter("vllm:prefix_cache_queries")
+    def counter(self, name: str) -> float:
+        return next(m.value for m in self.llm.get_metrics() if m.name == name)
+
+    def run(self, prompts: list[str], lora_request=None) -> dict:
+        hits, queries = self.counter("vllm:prefix_cache_hits"), self.counter("vllm:prefix_cache_queries")
         started = time.monotonic()
-        outs = llm.generate([SYSTEM + q for q in QUESTIONS], params, use_tqdm=False, lora_request=lora_request)
+        outs = self.llm.generate(prompts, self.params, use_tqdm=False, lora_request=lora_request)
         return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
                 "seconds": time.monotonic() - started,
-                "hits": counter("vllm:prefix_cache_hits") - hits,
-                "queries": counter("vllm:prefix_cache_queries") - queries}
+                "hits": self.counter("vllm:prefix_cache_hits") - hits,
+                "queries": self.counter("vllm:prefix_cache_queries") - queries}
 
-    print("READY", flush=True)
-    for line in sys.stdin:
+    def do(self, line: str) -> dict:
+        from vllm.lora.request import LoRARequest
+
+        llm = self.llm
         command, *args = line.split()
         if command == "workload":
-            out = run()
-        elif command == "lora":
+            return self.run([SYSTEM + q for q in QUESTIONS])
+        if command == "unrelated":            # one prompt that shares nothing with the workload
+            return self.run([UNRELATED])
+        if command == "prompts":              # the rest of the line: a JSON list of prompts
+            return self.run(json.loads(line.split(maxsplit=1)[1]))
+        if command == "lora":
             name, path = args
-            out = run(LoRARequest(name, lora_ids.setdefault(name, len(lora_ids) + 1), path))
-        elif command == "update":
+            return self.run([SYSTEM + q for q in QUESTIONS],
+                            LoRARequest(name, self.lora_ids.setdefault(name, len(self.lora_ids) + 1), path))
+        if command == "update":
             loaded = llm.collective_rpc("kvelastic_update_kv_weights", args=(int(args[0]),))
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
-            out = {"ok": True, "loaded": loaded[0]}
-        elif command == "rpc":                # positional and keyword arguments, through the front end
-            out = {"result": llm.collective_rpc("kvelastic_echo", args=(3, "x"), kwargs={"scale": 2})}
-        elif command == "reload":             # vLLM's own weight-update path, from a checkpoint on disk
+            return {"ok": True, "loaded": loaded[0]}
+        if command == "rpc":                  # positional and keyword arguments, through the front end
+            return {"result": llm.collective_rpc("kvelastic_echo", args=(3, "x"), kwargs={"scale": 2})}
+        if command == "reload":               # vLLM's own weight-update path, from a checkpoint on disk
             llm.collective_rpc("reload_weights", kwargs={"weights_path": args[0]})
-            out = {"ok": llm.reset_prefix_cache()}
-        elif command == "reset":
-            out = {"ok": llm.reset_prefix_cache()}
-        elif command == "sleep":              # vLLM resets the prefix cache; the CPU worker keeps its memory
+            return {"ok": llm.reset_prefix_cache()}
+        if command == "reset":
+            return {"ok": llm.reset_prefix_cache()}
+        if command == "sleep":                # vLLM resets the prefix cache; the CPU worker keeps its memory
             llm.sleep(level=int(args[0]))
-            out = {"awake": llm.wake_up()}
-        elif command == "stats":
-            out = engine_stats(wait_for_hits=True)
-        elif command == "warm-up":            # the worker in this process (in-process engine core)
+            return {"awake": llm.wake_up()}
+        if command == "stats":
+            return engine_stats(wait_for_hits=True)
+        if command == "warm-up":              # the worker in this process (in-process engine core)
             from kvelastic_vllm.state import state
 
             worker = state().worker
-            out = {"scratch_slots": worker.warm_up_slots if worker else None}
+            return {"scratch_slots": worker.warm_up_slots if worker else None}
+        raise ValueError(f"unknown command {command!r}")
+
+    def close(self) -> None:
+        """Shut the engine down and free what it held, so that another can
+        start in this process (vLLM's in-process layout only)."""
+        import gc
+
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        cleanup_dist_env_and_memory()
+        gc.collect()
+
+
+def serve_many() -> None:
+    """``--many``: engines one after another in this one process, each opened
+    by ``open MODEL FLAG...`` and shut down by ``close``; any other line goes
+    to the open engine. The tests' stock oracle (``run_engine.Stock``): vLLM's
+    imports, most of an engine's start on these CPUs, are paid once."""
+    session: Session | None = None
+    print("READY", flush=True)
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "open":
+            assert session is None, "open while an engine is open"
+            session = Session(args[0], args[1:])
+            out: dict = {"ok": True}
+        elif command == "close":
+            assert session is not None, "close with no engine open"
+            session.close()
+            session, out = None, {"ok": True}
         else:
-            raise ValueError(f"unknown command {command!r}")
+            assert session is not None, f"{command!r} with no engine open"
+            out = session.do(line)
         print("RESULT " + json.dumps(out), flush=True)
+
+
+def main() -> None:
+    if sys.argv[1] == "--many":
+        return serve_many()
+    session = Session(sys.argv[1], sys.argv[2:])
+    print("READY", flush=True)
+    for line in sys.stdin:
+        print("RESULT " + json.dumps(session.do(line)), flush=True)
 
 
 if __name__ == "__main__":

@@ -94,12 +94,19 @@ class VllmServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def complete(self, prompt: str, max_tokens: int = 16, timeout: float = 120.0) -> dict[str, Any]:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    def complete(self, prompt: str, max_tokens: int = 16, timeout: float = 120.0, model: str = "tiny",
+                 **extra: Any) -> dict[str, Any]:
+        """A greedy completion of ``max_tokens`` (``extra``: more fields of the request's body)."""
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                **extra}
         req = urllib.request.Request(self.base + "/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
+
+    def token_ids(self, prompt: str, model: str = "tiny", max_tokens: int = 16) -> list[int]:
+        """The greedy completion's token ids: what ``LLM.generate`` returns for the same prompt."""
+        return self.complete(prompt, max_tokens, model=model, return_token_ids=True)["choices"][0]["token_ids"]
 
     def metrics(self) -> str:
         return http_get(self.base + "/metrics")
