@@ -57,11 +57,24 @@ class Stock:
     """Stock vLLM over ``model`` with ``weights_run``'s ``flags``: an engine
     of this worker's oracle process (``weights_run.py --many``), with the
     interface of ``Engine``. ``exit`` shuts it down; an engine a failed test
-    left open is shut down by the next ``Stock``."""
+    left open is shut down by the next ``Stock``.
+
+    vLLM keeps some state per process across engines (each adds a prefix to
+    its log lines; after a dozen engines one failed to start here, in the
+    CPU worker's kernel-override binding), so an oracle serves
+    ``_Oracle.ENGINES`` engines, and an engine that fails to start in a used
+    oracle is started again in a fresh one: what a fresh process does is
+    what stock vLLM does."""
 
     def __init__(self, model, *flags: str) -> None:
         self.oracle = _Oracle.get()
-        self.oracle.open(str(model), flags)
+        try:
+            self.oracle.open(str(model), flags)
+        except AssertionError:
+            if self.oracle.opened == 1:
+                raise                            # a fresh oracle: stock vLLM itself fails
+            self.oracle = _Oracle.get()
+            self.oracle.open(str(model), flags)
 
     def do(self, command: str) -> dict:
         return self.oracle.ask(command)
@@ -75,10 +88,14 @@ class _Oracle:
     Its log goes to a file: a pipe nobody reads would fill and stop it."""
 
     current: _Oracle | None = None
+    ENGINES = 8                              # engines an oracle opens before a fresh one takes over
 
     @classmethod
     def get(cls) -> _Oracle:
-        if cls.current is None or cls.current.proc.poll() is not None:
+        old = cls.current
+        if old is None or old.proc.poll() is not None or old.opened >= cls.ENGINES:
+            if old is not None:
+                old.stop()
             cls.current = cls()
         return cls.current
 
@@ -88,6 +105,7 @@ class _Oracle:
         self.proc = subprocess.Popen([sys.executable, str(SCRIPT), "--many"], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
         self.open_engine = False
+        self.opened = 0
         _read(self.proc, "READY", self._log_tail)
         atexit.register(self.stop)
 
@@ -105,6 +123,7 @@ class _Oracle:
     def open(self, model: str, flags: tuple[str, ...]) -> None:
         if self.open_engine:
             self.close()
+        self.opened += 1
         self.ask(" ".join(["open", model, *flags]))
         self.open_engine = True
 
@@ -113,6 +132,8 @@ class _Oracle:
         self.ask("close")
 
     def stop(self) -> None:
+        if self.log.closed:
+            return
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
