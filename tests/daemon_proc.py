@@ -56,16 +56,31 @@ class DaemonProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 15.0) -> DaemonProcess:
+        for _ in range(4):
+            started = self.log_path.stat().st_size if self.log_path.exists() else 0
+            if self._start(timeout):
+                return self
+            # The free port it was given was taken before the daemon bound it
+            # (another test's process, under pytest-xdist): another port.
+            if "Address already in use" not in self.log()[started:] or not self.metrics_port:
+                break
+            self.metrics_port = free_port()
+            self.env["KVELASTIC_METRICS_PORT"] = str(self.metrics_port)
+        raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+
+    def _start(self, timeout: float) -> bool:
+        """Whether the daemon came up (False: it exited)."""
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "daemon"], env=self.env,
                                      stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=self._limits)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+                self._log.close()
+                return False
             try:
                 self.request(p.Status(), timeout=0.5)
-                return self
+                return True
             except TimeoutError:
                 pass
         raise RuntimeError(f"daemon did not come up:\n{self.log()}")

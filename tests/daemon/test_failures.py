@@ -43,7 +43,9 @@ def test_daemon_kill_9_and_restart(tmp_path, engines):
         assert not a.do("ensure", n=40, timeout=1)["ok"]          # no daemon: no growth, no crash
         daemon.stop()
         daemon = DaemonProcess(tmp_path).start()
-        wait_for(lambda: held(daemon, "a") == 3 * SLAB, timeout=10, what="re-registration")
+        # Registered, then its index re-sent on the lifeline (a journal after the handshake).
+        wait_for(lambda: held(daemon, "a") == 3 * SLAB and daemon.status()["engines"][0]["cached_blocks"] == 6,
+                 timeout=10, what="re-registration and the index re-sent")
         s = daemon.status()
         assert s["pages"]["adopted"] == 3 and s["engines"][0]["cached_blocks"] == 6
         assert a.state()["reconnects"] >= 1
