@@ -62,7 +62,7 @@ class DaemonProcess:
                 return self
             # The free port it was given was taken before the daemon bound it
             # (another test's process, under pytest-xdist): another port.
-            if "Address already in use" not in self.log()[started:] or not self.metrics_port:
+            if b"Address already in use" not in self.log_path.read_bytes()[started:] or not self.metrics_port:
                 break
             self.metrics_port = free_port()
             self.env["KVELASTIC_METRICS_PORT"] = str(self.metrics_port)

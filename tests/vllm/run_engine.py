@@ -26,27 +26,22 @@ SCRIPT = pathlib.Path(__file__).resolve().parent / "weights_run.py"
 
 
 class Engine:
-    """``weights_run.py`` in its own process: stock vLLM, or through the plugin with ``daemon``."""
+    """``weights_run.py`` in its own process, through the plugin and ``daemon``."""
 
     script: list[str] = [str(SCRIPT)]      # what the interpreter runs (a subclass may run another driver)
 
-    def __init__(self, model, daemon=None, *args: str, in_process: bool | None = None, **env: str) -> None:
-        if in_process is None:
-            in_process = daemon is None          # stock in-process, kvelastic in vLLM's default layout
-        full = {**os.environ, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
-        if daemon is not None:
-            full.update(KVELASTIC_ENABLE="1", KVELASTIC_SOCKET=daemon.socket)
-        else:
-            full["KVELASTIC_ENABLE"] = "0"
+    def __init__(self, model, daemon, *args: str, in_process: bool = False, **env: str) -> None:
+        full = {**os.environ, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1",
+                "KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": daemon.socket}
         self.proc = subprocess.Popen([sys.executable, *self.script, str(model), *args], env=full, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self._read("READY")
 
     def _read(self, prefix: str) -> str:
-        return _read(self.proc, prefix, lambda: self.proc.stderr.read())
+        return _read(self.proc, prefix, self.proc.stderr.read)
 
     def do(self, command: str) -> dict:
-        return _ask(self.proc, command, lambda: self.proc.stderr.read())
+        return _ask(self.proc, command, self.proc.stderr.read)
 
     def exit(self) -> None:
         self.proc.stdin.close()

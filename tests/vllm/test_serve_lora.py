@@ -7,9 +7,6 @@ name must give the new adapter's tokens (stock vLLM's, from a fresh engine),
 never blocks of the old one: the plugin keys LoRA blocks by the adapter's
 content and forgets a fingerprint when vLLM removes the adapter."""
 
-import json
-import urllib.request
-
 import pytest
 
 pytest.importorskip("vllm")
@@ -23,12 +20,6 @@ from tests.vllm.run_engine import Stock
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # The workload's prompts reach 1,620 tokens: the server takes 2,048, as weights_run.py's engine.
 LORA_FLAGS = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--max-model-len", "2048"]
-
-
-def post(server: VllmServer, path: str, body: dict) -> bytes:
-    req = urllib.request.Request(server.base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return r.read()
 
 
 def completions(server: VllmServer, model: str) -> list[list[int]]:
@@ -53,12 +44,12 @@ def test_adapters_loaded_and_unloaded_through_the_server(tmp_path, tiny_model):
         "KVELASTIC_METRICS_PORT": "0", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
     try:
         server.start()
-        post(server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(adapter)})
+        server.post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(adapter)})
         assert completions(server, "a") == expected[1]
         assert completions(server, "a") == expected[1]          # again, now from its own cache
-        post(server, "/v1/unload_lora_adapter", {"lora_name": "a"})
+        server.post("/v1/unload_lora_adapter", {"lora_name": "a"})
         write_adapter(adapter, tiny_model, seed=2)               # retrained, into the same folder
-        post(server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(adapter)})
+        server.post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(adapter)})
         assert completions(server, "a") == expected[2], "blocks of the unloaded adapter served the new one"
         entry = next(e for e in daemon.status()["engines"] if e["engine_id"] == "lora-server")
         assert entry["slabs"] >= 1

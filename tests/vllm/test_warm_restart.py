@@ -29,7 +29,7 @@ class Engine(run_engine.Engine):
 
     script = ["-m", "kvelastic_vllm.bench.warm_run"]
 
-    def __init__(self, model, daemon=None, *args: str, **env: str) -> None:
+    def __init__(self, model, daemon, *args: str, **env: str) -> None:
         # In-process: ``poison`` reaches into the model runner (a step killed
         # after its keys reached the daemon, before its KV was written).
         super().__init__(model, daemon, *args, in_process=True, **env)

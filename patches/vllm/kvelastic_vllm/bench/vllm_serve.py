@@ -99,10 +99,13 @@ class VllmServer:
         """A greedy completion of ``max_tokens`` (``extra``: more fields of the request's body)."""
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                 **extra}
-        req = urllib.request.Request(self.base + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+        return json.loads(self.post("/v1/completions", body, timeout))
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> bytes:
+        """POST ``body`` as JSON to the server's ``path``; the reply's bytes."""
+        req = urllib.request.Request(self.base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+            return r.read()
 
     def token_ids(self, prompt: str, model: str = "tiny", max_tokens: int = 16) -> list[int]:
         """The greedy completion's token ids: what ``LLM.generate`` returns for the same prompt."""
