@@ -20,6 +20,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import IO
 
 SCRIPT = pathlib.Path(__file__).resolve().parent / "weights_run.py"
@@ -138,11 +139,20 @@ class _Oracle:
         self.log.close()
 
 
+ANSWER_TIMEOUT = 600.0   # s: the longest start or command (a compiled engine on a loaded 2-core machine: ~150 s)
+
+
 def _read(proc: subprocess.Popen, prefix: str, log) -> str:
-    """The rest of the next line of ``proc``'s output that starts with ``prefix``."""
-    for line in proc.stdout:
-        if line.startswith(prefix):
-            return line[len(prefix):].strip()
+    """The rest of the next line of ``proc``'s output that starts with ``prefix``.
+    A process silent for ``ANSWER_TIMEOUT`` is killed: the read ends, and the test fails with its log."""
+    watchdog = threading.Timer(ANSWER_TIMEOUT, proc.kill)
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+    finally:
+        watchdog.cancel()
     proc.wait(timeout=60)
     raise AssertionError(f"engine exited with {proc.returncode}:\n{log()[-4000:]}")
 
