@@ -15,10 +15,11 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvelastic_vllm.bench.tinymodel import build_tiny_llama
-from kvelastic_vllm.bench.vllm_serve import VllmServer, counter
+from kvelastic_vllm.bench.vllm_serve import counter
 from tests.daemon_proc import DaemonProcess, wait_for
 from tests.observability.dashboard import expand, load_dashboard, panels
 from tests.observability.prometheus_proc import PrometheusProcess, find
+from tests.vllm.forked import ForkedServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMETHEUS = find("prometheus")
@@ -37,7 +38,7 @@ def test_dashboard_hit_rate_equals_vllms_own(tmp_path):
     daemon = DaemonProcess(tmp_path, memory="128MiB").start()
     server = prom = None
     try:
-        server = VllmServer(model, tmp_path / "vllm.log", env={
+        server = ForkedServer(model, tmp_path / "vllm.log", env={
             "KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": daemon.socket, "KVELASTIC_ENGINE_ID": "chat",
             "KVELASTIC_METRICS_PORT": "0"}).start()
         daemon_target, vllm_target = f"127.0.0.1:{daemon.metrics_port}", f"127.0.0.1:{server.port}"

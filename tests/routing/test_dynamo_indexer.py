@@ -66,9 +66,9 @@ def test_dynamo_indexer_tracks_an_engine_through_kvelastic(short_tmp, tiny_model
     why = available()
     if why:
         pytest.skip(f"Dynamo's indexer cannot run here: {why}")
-    from kvelastic_vllm.bench.vllm_serve import VllmServer
     from tests.daemon.engines import EngineProcess
     from tests.daemon_proc import DaemonProcess
+    from tests.vllm.forked import ForkedServer
 
     t_start = time.monotonic()
     tmp = short_tmp
@@ -80,7 +80,7 @@ def test_dynamo_indexer_tracks_an_engine_through_kvelastic(short_tmp, tiny_model
     try:
         indexer = DynamoIndexer(tmp / "indexer.log").start()
         node_events = Subscriber(f"ipc://{daemon.socket}.kv-events", topic=b"kv@e1@")
-        server = VllmServer(tiny_model, tmp / "vllm.log", flags=["--kv-events-config", json.dumps(events_cfg)],
+        server = ForkedServer(tiny_model, tmp / "vllm.log", flags=["--kv-events-config", json.dumps(events_cfg)],
                             env={"KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": daemon.socket,
                                  "KVELASTIC_ENGINE_ID": "e1", "KVELASTIC_METRICS_PORT": "0"}).start()
         vllm_events = Subscriber(endpoint)
@@ -216,8 +216,8 @@ def test_dynamo_indexer_stays_exact_through_a_kill_and_warm_restart_and_a_daemon
     if why:
         pytest.skip(f"Dynamo's indexer cannot run here: {why}")
     from kvelastic_vllm.bench.route import router
-    from kvelastic_vllm.bench.vllm_serve import VllmServer
     from tests.daemon_proc import DaemonProcess
+    from tests.vllm.forked import ForkedServer
 
     tmp = short_tmp
     endpoint, replay = f"ipc://{tmp}/ev.sock", f"ipc://{tmp}/ev-replay.sock"
@@ -259,7 +259,7 @@ def test_dynamo_indexer_stays_exact_through_a_kill_and_warm_restart_and_a_daemon
     try:
         indexer = DynamoIndexer(tmp / "indexer.log").start()
         node_events = Subscriber(f"ipc://{daemon.socket}.kv-events", topic=b"kv@e1@")
-        server = VllmServer(tiny_model, tmp / "vllm.log", flags=flags, env=env).start()
+        server = ForkedServer(tiny_model, tmp / "vllm.log", flags=flags, env=env).start()
         vllm_events = Subscriber(endpoint)
         routing_base = routing.enter_context(
             router(tmp, indexer.loopback_url(), [f"{INSTANCE}={server.base},{endpoint},{replay}"]))
@@ -273,7 +273,7 @@ def test_dynamo_indexer_stays_exact_through_a_kill_and_warm_restart_and_a_daemon
         server.kill()
         wait_for(lambda: daemon.status()["orphans"], 30, "the daemon keeping e1's cache")
         port = server.port
-        server = VllmServer(tiny_model, tmp / "vllm-2.log", flags=flags, env=env)
+        server = ForkedServer(tiny_model, tmp / "vllm-2.log", flags=flags, env=env)
         server.port, server.base = port, f"http://127.0.0.1:{port}"    # where the router knows it
         server.start()
         wait_for(lambda: registered_again(routing_base) >= 1, 30, "the router registering the engine again")
@@ -347,8 +347,8 @@ def test_dynamo_indexer_stays_exact_through_a_hand_off_and_an_invalidation(short
     if why:
         pytest.skip(f"Dynamo's indexer cannot run here: {why}")
     from kvelastic import protocol as p
-    from kvelastic_vllm.bench.vllm_serve import VllmServer
     from tests.daemon_proc import DaemonProcess
+    from tests.vllm.forked import ForkedServer
 
     tmp = short_tmp
     rng = random.Random(13)
@@ -358,18 +358,18 @@ def test_dynamo_indexer_stays_exact_through_a_hand_off_and_an_invalidation(short
 
     daemon = DaemonProcess(tmp, memory="8MiB", KVELASTIC_IDLE_GRACE="1s").start()  # two slabs of 128 blocks
     indexer = None
-    servers: dict[int, VllmServer] = {}
+    servers: dict[int, ForkedServer] = {}
     subs: list[Subscriber] = []
     node: dict[int, Subscriber] = {}
     events: dict[int, Subscriber] = {}
 
-    def start(instance: int) -> VllmServer:
+    def start(instance: int) -> ForkedServer:
         endpoint, replay = f"ipc://{tmp}/ev{instance}.sock", f"ipc://{tmp}/ev{instance}-replay.sock"
         cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
                "replay_endpoint": replay, "topic": "kv"}
         node[instance] = Subscriber(f"ipc://{daemon.socket}.kv-events", topic=f"kv@e{instance}@".encode())
         subs.append(node[instance])
-        server = VllmServer(tiny_model, tmp / f"vllm-{instance}.log", flags=["--kv-events-config", json.dumps(cfg)],
+        server = ForkedServer(tiny_model, tmp / f"vllm-{instance}.log", flags=["--kv-events-config", json.dumps(cfg)],
                             env={"KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": daemon.socket,
                                  "KVELASTIC_ENGINE_ID": f"e{instance}", "KVELASTIC_METRICS_PORT": "0"})
         servers[instance] = server.start()
@@ -402,7 +402,7 @@ def test_dynamo_indexer_stays_exact_through_a_hand_off_and_an_invalidation(short
             told = {i: tuple(len(s) for s in views(i)) for i in instances}
             raise AssertionError(f"{exc}: (daemon, indexer, vLLM events) per engine {told}") from None
 
-    def hit(server: VllmServer, prompt: list[int]) -> float:
+    def hit(server: ForkedServer, prompt: list[int]) -> float:
         _, before = server.prefix_cache()
         server.complete(prompt, max_tokens=1)  # type: ignore[arg-type]
         return server.prefix_cache()[1] - before

@@ -4,7 +4,9 @@ engine the weight, model and mode tests compare with stock vLLM.
 An engine through kvelastic (``Engine``) runs in vLLM's default layout (the
 EngineCore in a process of its own, as ``LLM()`` and every RL framework run
 it), unless ``in_process``: only for a command that reads the engine's
-objects (``warm-up``, ``poison``). Stock vLLM, the oracle the tests compare
+objects (``warm-up``, ``poison``). Its engine processes are forked, as vLLM
+starts them on a GPU (``forked.py``), unless ``forked=False``: spawned, as
+vLLM's CPU build starts them (``test_default_layout.py``). Stock vLLM, the oracle the tests compare
 with (``Stock``), runs in one process per pytest worker that opens engines
 one after another in-process: its tokens and hits are those of a fresh
 process in any layout (each engine starts with an empty cache and the
@@ -31,10 +33,12 @@ class Engine:
 
     script: list[str] = [str(SCRIPT)]      # what the interpreter runs (a subclass may run another driver)
 
-    def __init__(self, model, daemon, *args: str, in_process: bool = False, **env: str) -> None:
+    def __init__(self, model, daemon, *args: str, in_process: bool = False, forked: bool = True,
+                 **env: str) -> None:
         full = {**os.environ, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1",
                 "KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": daemon.socket}
-        self.proc = subprocess.Popen([sys.executable, *self.script, str(model), *args], env=full, text=True,
+        starter = ["-m", "tests.vllm.forked"] if forked and not in_process else []
+        self.proc = subprocess.Popen([sys.executable, *starter, *self.script, str(model), *args], env=full, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self._read("READY")
 

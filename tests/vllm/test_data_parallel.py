@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvelastic_vllm.bench.tinymodel import build_tiny_llama
-from kvelastic_vllm.bench.vllm_serve import VllmServer
 from tests.daemon_proc import wait_for
+from tests.vllm.forked import ForkedServer
 from tests.vllm.run_engine import Stock
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -27,7 +27,7 @@ def test_each_data_parallel_rank_is_an_engine_and_tokens_equal_stock(tmp_path, d
     assert len({t for tokens in expected for t in tokens}) >= 8, "the model must give varied tokens"
 
     daemon = daemon_factory(memory="128MiB")
-    server = VllmServer(model, tmp_path / "dp.log", flags=["--data-parallel-size", "2"],
+    server = ForkedServer(model, tmp_path / "dp.log", flags=["--data-parallel-size", "2"],
                         env={"KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": daemon.socket,
                              "KVELASTIC_ENGINE_ID": "dp"}).start(timeout=300)
     try:

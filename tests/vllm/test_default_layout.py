@@ -12,7 +12,9 @@ the same sequence of calls.
 - ``get_metrics`` (every workload's hits and queries are read through it).
 The Step 12b guarantee in this layout (an in-memory update never reaches an
 engine of the checkpoint) is ``test_weight_changes.py``'s first test, whose
-engines run in this layout too (``run_engine.Engine``).
+engines run in this layout too (``run_engine.Engine``), forked as on a GPU.
+This test's engine is started as vLLM's CPU build starts it (spawned
+processes that import vLLM and load the plugin afresh): nothing changed.
 """
 
 import pytest
@@ -52,7 +54,7 @@ def test_rl_calls_through_the_front_end_give_stock_results(daemon_factory, model
         "reload_weights must load the trained checkpoint, whose tokens all differ"
 
     daemon = daemon_factory(memory="64MiB")
-    engine = Engine(model, daemon, KVELASTIC_ENGINE_ID="rl")
+    engine = Engine(model, daemon, forked=False, KVELASTIC_ENGINE_ID="rl")
     got = []
     try:
         for command in commands:

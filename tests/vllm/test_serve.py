@@ -19,9 +19,10 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvelastic_vllm.bench.tinymodel import build_tiny_llama
-from kvelastic_vllm.bench.vllm_serve import VllmServer, counter
+from kvelastic_vllm.bench.vllm_serve import counter
 from tests.daemon.books import held
 from tests.daemon_proc import DaemonProcess, MiB, wait_for
+from tests.vllm.forked import ForkedServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -36,7 +37,7 @@ def test_two_vllm_instances_share_one_daemon(tmp_path, tiny_model):
     servers = []
     try:
         def serve(engine_id):
-            server = VllmServer(tiny_model, tmp_path / f"{engine_id}.log", env={
+            server = ForkedServer(tiny_model, tmp_path / f"{engine_id}.log", env={
                 "KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": daemon.socket, "KVELASTIC_ENGINE_ID": engine_id,
                 "KVELASTIC_PREFIX_CACHE_TTL": "2s", "KVELASTIC_METRICS_PORT": "0"})
             servers.append(server)

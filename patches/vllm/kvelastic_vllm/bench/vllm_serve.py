@@ -58,8 +58,9 @@ def counter(metrics: str, name: str) -> float:
 
 class VllmServer:
     def __init__(self, model: pathlib.Path, log_path: pathlib.Path, env: dict[str, str] | None = None,
-                 flags: list[str] | None = None) -> None:
+                 flags: list[str] | None = None, command: list[str] | None = None) -> None:
         self.model = model
+        self.command = command or VLLM           # the `vllm` command (the tests may start it another way)
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, **VLLM_ENV, **(env or {})}
@@ -69,7 +70,7 @@ class VllmServer:
 
     def start(self, timeout: float = 240.0) -> VllmServer:
         self._log = open(self.log_path, "ab")
-        cmd = [*VLLM, "serve", str(self.model), "--host", "127.0.0.1", "--port", str(self.port), *SERVE_FLAGS,
+        cmd = [*self.command, "serve", str(self.model), "--host", "127.0.0.1", "--port", str(self.port), *SERVE_FLAGS,
                *self.flags]
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
