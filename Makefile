@@ -24,14 +24,14 @@ setup: $(STAMP)
 
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 
-$(STAMP): pyproject.toml patches/vllm/pyproject.toml $(VLLM_LOCK) Makefile
+$(STAMP): pyproject.toml patches/vllm/pyproject.toml tools/pyproject.toml $(VLLM_LOCK) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip wheel 2>&1 | grep -v '^WARNING: Location' || true
 	$(PY) -c 'import torch' 2>/dev/null || $(PIP) "$(TORCH)" 2>&1 | grep -v '^WARNING: Location' || true
 	$(PIP) --no-deps -r $(VLLM_LOCK) 2>&1 | grep -v '^WARNING: Location' || true
 	$(PIP) --no-deps "$(DYNAMO)" 2>&1 | grep -v '^WARNING: Location' || true
-	$(PIP) -e '.[test]' -e patches/vllm 2>&1 | grep -v '^WARNING: Location' || true
-	$(PY) -c 'import kvelastic, kvelastic_vllm, vllm, torch, zmq, msgspec, prometheus_client, pytest, hypothesis, yaml, matplotlib, mypy'
+	$(PIP) -e '.[test]' -e patches/vllm -e tools 2>&1 | grep -v '^WARNING: Location' || true
+	$(PY) -c 'import kvelastic, kvelastic_vllm, kvelastic_tools, vllm, torch, zmq, msgspec, prometheus_client, pytest, hypothesis, yaml, matplotlib, mypy'
 	$(VENV)/bin/ruff --version >/dev/null
 	@# The observability tests scrape the daemon with a real Prometheus (Debian's package).
 	command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
@@ -116,5 +116,5 @@ gpu-wheels:
 	@du -sh $(GPU_WHEELS)
 
 gpu-check:
-	PYTHONPATH=$(CURDIR):$(CURDIR)/patches/vllm$${PYTHONPATH:+:$$PYTHONPATH} \
-		$(GPU_PYTHON) -m kvelastic.gpucheck --wheels $(GPU_WHEELS)
+	PYTHONPATH=$(CURDIR):$(CURDIR)/patches/vllm:$(CURDIR)/tools$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(GPU_PYTHON) -m kvelastic_tools.gpucheck --wheels $(GPU_WHEELS)

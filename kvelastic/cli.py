@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from kvelastic import __version__, bench
+from kvelastic import __version__, benchmarks
 from kvelastic.errors import ConfigError
 
 
@@ -15,17 +15,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.scale is not None and args.name != "sim":
         print(f"kvelastic bench: --scale applies to the sim benchmark only, not {args.name!r}", file=sys.stderr)
         return 2
-    if args.scale is not None:
-        from kvelastic.bench import sim
-
-        result = sim.run(quick=args.quick, scale=args.scale)
-    else:
-        try:
-            result = bench.run(args.name, quick=args.quick)
-        except KeyError:
-            print(f"kvelastic bench: unknown benchmark {args.name!r}; "
-                  f"choose one of: {', '.join(sorted(bench.available()))}", file=sys.stderr)
-            return 2
+    options = {"scale": args.scale} if args.scale is not None else {}
+    try:
+        result = benchmarks.run(args.name, quick=args.quick, **options)
+    except benchmarks.UnknownBenchmark:
+        known = sorted(benchmarks.available())
+        print(f"kvelastic bench: unknown benchmark {args.name!r}; "
+              + (f"choose one of: {', '.join(known)}" if known else
+                 "none is installed (they come with the tools package, tools/: `make setup` installs it)"),
+              file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:
@@ -155,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser("bench", help="run a benchmark against its baseline")
-    p.add_argument("name", help=f"one of: {', '.join(sorted(bench.available()))}")
+    p.add_argument("name", help=f"one of: {', '.join(sorted(benchmarks.available())) or 'none installed'}")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.add_argument("--quick", action="store_true", help="a shorter run (used by the test suite)")
     p.add_argument("--scale", choices=("seeds", "node"), default=None,

@@ -18,7 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvelastic.core.stats import EVICTION_REASONS
-from kvelastic.protocol import Reason, StatusReport
+from kvelastic.protocol import Reason
+from kvelastic.status_report import StatusReport
 
 PREFIX = "kvelastic"
 # Every reason the daemon rejects a message for, so each counter exists from

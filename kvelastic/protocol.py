@@ -16,6 +16,10 @@ pages. A client opens that channel with a ``Hello`` (who it is);
 a worker sends its ``Mapped`` and ``Unmapped`` back on it (``<u32 size>``
 then the message; ZMQ still takes them too), an engine nothing; its closing
 tells the daemon the peer is gone.
+
+Below it: ``names.py`` (the bounds on names), ``status_report.py`` (what
+``Status`` answers). Beside it: ``kv_events.py``, the KV events the daemon
+publishes in vLLM's wire format.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from kvelastic.core.journal import (
     SlabOp,
     StepOp,
 )
+from kvelastic.names import Name, ShownName
+from kvelastic.status_report import StatusReport
 
 # 2: a worker's commands and acks on its page channel; 3: an engine's journal on its lifeline;
 # 4: demoted blocks in the journal (DemoteBlock, PromoteBlock)
@@ -102,9 +108,6 @@ class Reason(str, enum.Enum):
 
 # Bounds on what a client may send: everything the daemon keeps per engine is
 # proportional to what it holds, not to what it says.
-Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]       # engine ids, namespaces
-# A name as the daemon shows it: a tenant's carries ``@uid<N>`` (``daemon/tenancy.py``).
-ShownName = Annotated[str, msgspec.Meta(min_length=1, max_length=160)]
 Key = Annotated[bytes, msgspec.Meta(max_length=256)]                    # a prefix-cache key
 # A key's label (core/journal.py): opaque to the daemon, at most 4 KiB (a
 # block's token ids and parent hash, as the vLLM adapter packs them; a larger
@@ -457,83 +460,6 @@ class UnmapSlab(Msg):
     offsets: list[int]
 
 
-class MemoryStatus(msgspec.Struct, kw_only=True):
-    held: int                    # by engines (cached is part of it)
-    cached: int                  # in engines' evictable prefix blocks
-    free: int                    # pages created, free in the daemon
-    unallocated: int             # budget not created yet
-    orphaned: int = 0            # departed engines' cache kept for their namespace
-
-
-class PageCounts(msgspec.Struct, kw_only=True):
-    created: int
-    free: int
-    adopted: int                 # exist only in engines (after a daemon restart)
-    quarantined: int = 0         # of failed engines: never lent again while their processes live
-
-
-class DeviceStatus(msgspec.Struct, kw_only=True):
-    device: str
-    backend: str
-    budget_bytes: int
-    memory: MemoryStatus
-    pages: PageCounts
-    slab_moves: int = 0          # slabs given up by one engine for another's demand
-    thrash: int = 0              # moves back to an engine within THRASH_WINDOW of a move away from it
-    # Blocks of kept cache (departed engines') dropped, by eviction reason:
-    # ttl, reclaim (memory for a demand), invalidate.
-    kept_evictions: dict[str, int] = {}
-
-
-class EngineStatus(msgspec.Struct, kw_only=True):
-    engine_id: ShownName
-    namespace: ShownName
-    pid: int
-    device: str
-    workers: int
-    slabs: int
-    slab_bytes: int
-    held_bytes: int
-    cached_bytes: int
-    live_blocks: int
-    cached_blocks: int
-    min_bytes: int
-    max_bytes: int
-    grants: int
-    returns: int
-    reclaims: int
-    stats: dict[str, int]        # the engine's cumulative pool counters (lookups, hits, evictions_*)
-    idle: bool = False           # no activity for the idle grace: reserve decayed, never grows
-    starved_seconds: float = 0.0 # how long its demand has gone unmet (0: it has not)
-    private: bool = False        # its cache is its own (weights that may change in memory)
-    worker_devices: dict[str, str] = {}   # rank (as text, as JSON has it) -> the device its pages live on
-
-
-class OrphanStatus(msgspec.Struct, kw_only=True):
-    """Cache of one namespace kept after its engines left (warm start)."""
-    namespace: ShownName
-    device: str
-    slabs: int
-    blocks: int                  # valid cached blocks in them
-    bytes: int
-    oldest_seconds: float        # age of the oldest (it expires at the orphan TTL)
-
-
-class StatusReport(msgspec.Struct, kw_only=True):
-    """The daemon's state as ``status``, ``top`` and ``/metrics`` show it; the
-    top-level memory and pages add up every device's."""
-
-    device: str
-    backend: str
-    page_size: int
-    budget_bytes: int
-    memory: MemoryStatus
-    pages: PageCounts
-    devices: list[DeviceStatus]
-    engines: list[EngineStatus]
-    orphans: list[OrphanStatus] = []
-
-
 class StatusReply(Msg):
     status: StatusReport
 
@@ -544,49 +470,6 @@ Message = (
     | Ok | Error | Invalidated | Registered | Granted | Reclaim | Failed | ClearIndex | MapSlab | UnmapSlab
     | StatusReply
 )
-
-# ------------------------------------------- KV events, in vLLM's wire format
-# Same names, fields and encoding as vllm.distributed.kv_events, so a router
-# decodes the daemon's stream with vLLM's own classes. Published on a ZMQ PUB
-# socket as (topic, 8-byte big-endian sequence number, msgpack KVEventBatch),
-# with vLLM's replay protocol on a ROUTER socket; topic ``kv@ENGINE@NAMESPACE``.
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    group_idx: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
-    ts: float
-    events: list[KVEvent]
-    data_parallel_rank: int | None = None
-
-
-def kv_events_topic(engine_id: str, namespace: str) -> bytes:
-    return f"kv@{engine_id}@{namespace}".encode()
-
 
 def fd_socket_path(socket_path: str) -> str:
     """The AF_UNIX page channel lives beside the ZMQ socket."""

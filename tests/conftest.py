@@ -70,7 +70,7 @@ def _plugin_runs(tmp: pathlib.Path) -> dict:
     import subprocess
     import sys
 
-    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+    from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
 
     tmp.mkdir(parents=True, exist_ok=True)
     model = build_tiny_llama(tmp / "tiny-llama")

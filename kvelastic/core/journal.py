@@ -81,7 +81,7 @@ class JournalBatch:
 
 
 class Journal:
-    __slots__ = ("ops", "dirty", "removed", "stored", "begun", "done", "_marked", "_done_sent")
+    __slots__ = ("ops", "dirty", "removed", "stored", "demoted", "begun", "done", "_marked", "_done_sent")
 
     def __init__(self) -> None:
         # Ops of this batch; None where a STORE was cancelled (``stored``).
@@ -100,10 +100,56 @@ class Journal:
         # pool appends STORE ops with their place here, and looks its REMOVE
         # ops up; CLEAR forgets them (a REMOVE after it follows a new STORE).
         self.stored: dict[int, int] = {}
+        # Cached blocks the daemon was told to forget (``DEMOTE``), until
+        # their key leaves or they are promoted. Invariant: never a block in
+        # ``stored`` (only blocks cached before this batch are demoted).
+        # Read-only outside the journal; never rebound.
+        self.demoted: set[int] = set()
         self.begun = 0               # the last step begun
         self.done = 0                # every step up to this one finished
         self._marked = 0             # the last STEP op written
         self._done_sent = 0          # the last DONE op written
+
+    # Keys: the one place the cancellation rule is written.
+    def store(self, key: Hashable, block_id: int) -> None:
+        """``block_id`` now holds ``key`` (after ``mark_store``)."""
+        self.stored[block_id] = len(self.ops)
+        self.ops.append((STORE, key, block_id))
+
+    def drop(self, key: Hashable, block_id: int) -> None:
+        """``block_id`` no longer holds ``key``. Stored in this batch: the
+        STORE is cancelled (``stored``), no news to seal. Demoted: the daemon
+        keeps none of its KV already, so its REMOVE needs no seal. Else the
+        REMOVE must be sealed before the block is written again."""
+        at = self.stored.pop(block_id, None)
+        if at is not None:
+            self.ops[at] = None
+            return
+        self.ops.append((REMOVE, key, block_id))
+        if self.demoted and block_id in self.demoted:
+            self.demoted.remove(block_id)
+        else:
+            self.removed = True
+
+    def clear(self) -> None:
+        """Every key dropped: a REMOVE from now on follows a STORE after the CLEAR."""
+        self.ops.append((CLEAR,))
+        self.stored.clear()
+        self.demoted.clear()
+        self.removed = True
+
+    def demote(self, block_id: int) -> bool:
+        """Tell the daemon a cached block's KV need not be kept; False if it already was."""
+        if block_id in self.demoted:
+            return False
+        self.ops.append((DEMOTE, block_id))
+        self.demoted.add(block_id)
+        return True
+
+    def promote(self, block_id: int) -> None:
+        """A demoted block was hit: its KV counts as kept again."""
+        self.demoted.discard(block_id)
+        self.ops.append((PROMOTE, block_id))
 
     # Steps: the pool calls ``mark_store`` before it appends STORE ops.
     def begin_step(self) -> int:

@@ -50,6 +50,7 @@ from kvelastic.daemon.report import Reporting
 from kvelastic.daemon.requests import GrowRequest, Handoff, ReclaimRequest, ReturnRequest, Timing
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag
 from kvelastic.daemon.tenancy import Credential
+from kvelastic.kv_events import AllBlocksCleared, kv_events_topic
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -390,7 +391,7 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
         if self.events:
             events = journal_events(m.ops, engine.block_tokens, engine.key_group_suffix, self.medium)
             if events:
-                self._out.append(fx.Publish(p.kv_events_topic(engine.engine_id, engine.namespace), tuple(events)))
+                self._out.append(fx.Publish(kv_events_topic(engine.engine_id, engine.namespace), tuple(events)))
         engine.last_seen = self._now
         return p.Ok() if m.sync else None
 
@@ -567,8 +568,8 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
         for rid in [rid for rid, rec in self.reclaims.items() if rec.engine_id == engine.engine_id]:
             self.reclaims.pop(rid).grow.reclaims.discard(rid)
         if self.events:  # its prefix cache is gone with it
-            self._out.append(fx.Publish(p.kv_events_topic(engine.engine_id, engine.namespace),
-                                        (p.AllBlocksCleared(),)))
+            self._out.append(fx.Publish(kv_events_topic(engine.engine_id, engine.namespace),
+                                        (AllBlocksCleared(),)))
         self.departing[engine.serial] = engine
 
     def _drop(self, engine: EngineRecord, why: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvelastic import protocol as p
+from kvelastic.kv_events import KVEvent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Publish:
     """KV events of one engine's prefix cache (vLLM's format)."""
 
     topic: bytes
-    events: tuple[p.KVEvent, ...]
+    events: tuple[KVEvent, ...]
 
 
 @dataclasses.dataclass(frozen=True)

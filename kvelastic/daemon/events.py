@@ -31,6 +31,7 @@ import msgspec
 import zmq
 
 from kvelastic import protocol as p
+from kvelastic.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 
 log = logging.getLogger("kvelastic.daemon")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -91,10 +92,10 @@ class KVEventPublisher:
         self.abandoned = 0            # replays dropped because their requester stopped reading
         self._logged_at: dict[str, float] = {}
 
-    def publish(self, topic: bytes, events: list[p.KVEvent]) -> None:
+    def publish(self, topic: bytes, events: list[KVEvent]) -> None:
         if not events:
             return
-        payload = self._encoder.encode(p.KVEventBatch(ts=time.time(), events=events))
+        payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events))
         seq = self._seq
         self._seq += 1
         if len(self._buffer) == self._buffer.maxlen:
@@ -239,20 +240,20 @@ class KVEventPublisher:
                 pass
 
 
-def journal_events(ops: Sequence[p.JournalOp], block_tokens: int, group_suffix: bool, medium: str) -> list[p.KVEvent]:
+def journal_events(ops: Sequence[p.JournalOp], block_tokens: int, group_suffix: bool, medium: str) -> list[KVEvent]:
     """A journal's index changes as vLLM events (``key`` = hash + 4-byte group
     id for vLLM engines, an opaque hash otherwise)."""
-    events: list[p.KVEvent] = []
+    events: list[KVEvent] = []
     for op in ops:
         if isinstance(op, (p.StoreKey, p.RemoveKey)):
             key = op.key
             block_hash, group = (key[:-4], int.from_bytes(key[-4:], "big")) if group_suffix else (key, None)
             if isinstance(op, p.StoreKey):
-                events.append(p.BlockStored(block_hashes=[block_hash], parent_block_hash=None, token_ids=[],
+                events.append(BlockStored(block_hashes=[block_hash], parent_block_hash=None, token_ids=[],
                                             block_size=block_tokens, lora_id=None, medium=medium,
                                             lora_name=None, group_idx=group))
             else:
-                events.append(p.BlockRemoved(block_hashes=[block_hash], medium=medium, group_idx=group))
+                events.append(BlockRemoved(block_hashes=[block_hash], medium=medium, group_idx=group))
         elif isinstance(op, p.ClearKeys):
-            events.append(p.AllBlocksCleared())
+            events.append(AllBlocksCleared())
     return events

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 from kvelastic import protocol as p
 from kvelastic.daemon.state import SlabShape
+from kvelastic.status_report import OrphanStatus
 
 
 @dataclasses.dataclass(eq=False)
@@ -95,12 +96,12 @@ class OrphanCache:
     def pages_on(self, device: str) -> list[int]:
         return [pg for o in self.slabs for pg, d in zip(o.pages, o.page_devices) if d == device]
 
-    def status(self, now: float, page_size: int) -> list[p.OrphanStatus]:
-        by: dict[tuple[str, str], p.OrphanStatus] = {}
+    def status(self, now: float, page_size: int) -> list[OrphanStatus]:
+        by: dict[tuple[str, str], OrphanStatus] = {}
         for o in self.slabs:
             row = by.get((o.namespace, o.shape.device))
             if row is None:
-                row = by[(o.namespace, o.shape.device)] = p.OrphanStatus(
+                row = by[(o.namespace, o.shape.device)] = OrphanStatus(
                     namespace=o.namespace, device=o.shape.device, slabs=0, blocks=0, bytes=0, oldest_seconds=0.0)
             row.slabs += 1
             row.blocks += len(o.cached)

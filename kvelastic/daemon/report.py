@@ -5,11 +5,11 @@ A mixin of ``Allocator`` (``allocator.py``); read-only over its books.
 
 from __future__ import annotations
 
-from kvelastic import protocol as p
 from kvelastic.daemon.arbiter import Rules, is_idle
 from kvelastic.daemon.orphans import OrphanCache
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase
 from kvelastic.errors import require
+from kvelastic.status_report import EngineStatus, MemoryStatus, PageCounts, StatusReport
 
 
 class Reporting:
@@ -25,7 +25,7 @@ class Reporting:
     thrash: dict[str, int]
     _now: float
 
-    def status(self) -> p.StatusReport:
+    def status(self) -> StatusReport:
         held = dict.fromkeys(self.pools, 0)
         cached = dict.fromkeys(self.pools, 0)
         quarantined = dict.fromkeys(self.pools, 0)
@@ -43,7 +43,7 @@ class Reporting:
         for e in self.engines.values():
             e_cached = e.cached_bytes()
             cached[e.device] += e_cached
-            engines.append(p.EngineStatus(
+            engines.append(EngineStatus(
                 engine_id=e.engine_id, namespace=e.namespace, pid=e.pid, device=e.device,
                 workers=len(e.workers), slabs=len(e.slabs), slab_bytes=e.slab_bytes,
                 held_bytes=e.held_bytes(), cached_bytes=e_cached,
@@ -60,12 +60,12 @@ class Reporting:
             d.slab_moves, d.thrash = self.moves[d.device], self.thrash[d.device]
             d.memory.orphaned = len(self.orphans.pages_on(d.device)) * self.page_size
             d.kept_evictions = self.orphans.evictions_on(d.device)
-        return p.StatusReport(
+        return StatusReport(
             device=devices[0].device, backend=self.backend, page_size=self.page_size,
             budget_bytes=sum(d.budget_bytes for d in devices),
-            memory=p.MemoryStatus(**{k: sum(getattr(d.memory, k) for d in devices)
+            memory=MemoryStatus(**{k: sum(getattr(d.memory, k) for d in devices)
                                      for k in ("held", "cached", "free", "unallocated", "orphaned")}),
-            pages=p.PageCounts(**{k: sum(getattr(d.pages, k) for d in devices)
+            pages=PageCounts(**{k: sum(getattr(d.pages, k) for d in devices)
                                   for k in ("created", "free", "adopted", "quarantined")}),
             devices=devices, engines=engines, orphans=self.orphans.status(self._now, self.page_size))
 

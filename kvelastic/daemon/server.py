@@ -31,6 +31,7 @@ from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.tenancy import Credential, Tenancy
 from kvelastic.errors import require
 from kvelastic.metrics import DaemonMetrics
+from kvelastic.status_report import StatusReport
 from kvelastic.vmm.errors import FdChannelError, VmmError
 
 log = logging.getLogger("kvelastic.daemon")
@@ -382,7 +383,7 @@ class Daemon:
         return []
 
     # -------------------------------------------------------------- status
-    def status(self) -> p.StatusReport:
+    def status(self) -> StatusReport:
         return self.snapshot
 
     def check(self) -> None:

@@ -28,6 +28,7 @@ from collections.abc import ItemsView, Iterator, KeysView, MutableMapping, Value
 from kvelastic import protocol as p
 from kvelastic.core.journal import ADD_SLAB, JournalBatch, Mirror
 from kvelastic.errors import require
+from kvelastic.status_report import DeviceStatus, MemoryStatus, PageCounts
 
 
 class Phase(enum.Enum):
@@ -346,12 +347,12 @@ class PagePool:
             free[page] = owner
 
     def status(self, name: str, backend: str, held: int, cached: int, page_size: int,
-               quarantined: int) -> p.DeviceStatus:
-        return p.DeviceStatus(
+               quarantined: int) -> DeviceStatus:
+        return DeviceStatus(
             device=name, backend=backend, budget_bytes=self.budget_pages * page_size,
-            memory=p.MemoryStatus(held=held, cached=cached, free=len(self.free) * page_size,
+            memory=MemoryStatus(held=held, cached=cached, free=len(self.free) * page_size,
                                   unallocated=max(0, (self.budget_pages - self.in_use) * page_size)),
-            pages=p.PageCounts(created=self.created, free=len(self.free), adopted=self.adopted,
+            pages=PageCounts(created=self.created, free=len(self.free), adopted=self.adopted,
                                quarantined=quarantined))
 
     def check(self, in_slabs: list[int], adopted: int) -> None:

@@ -1,6 +1,9 @@
 """The layout keeps its promises: no import circles among product modules
-(type-only imports count: a type is a dependency all the same), and every
-link of the README and of docs/ leads to a file that exists.
+(type-only imports count: a type is a dependency all the same); the
+runtime (``kvelastic``, ``kvelastic_vllm``) apart from the tools
+(``kvelastic_tools``): no runtime module imports them, and the runtime's
+wheel carries none of them; every link of the README and of docs/ leads to
+a file that exists.
 
 A package's ``__init__`` importing its own submodules is its face, not a
 circle: those edges are left out.
@@ -11,15 +14,21 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = {"kvelastic": ROOT / "kvelastic", "kvelastic_vllm": ROOT / "patches" / "vllm" / "kvelastic_vllm"}
+RUNTIME = {"kvelastic": ROOT / "kvelastic", "kvelastic_vllm": ROOT / "patches" / "vllm" / "kvelastic_vllm"}
+TOOLS = {"kvelastic_tools": ROOT / "tools" / "kvelastic_tools"}
+PACKAGES = {**RUNTIME, **TOOLS}
 
 
-def modules() -> dict[str, pathlib.Path]:
-    """Dotted name -> file, for every module of the product packages."""
+def modules(packages: dict[str, pathlib.Path] = PACKAGES) -> dict[str, pathlib.Path]:
+    """Dotted name -> file, for every module of ``packages`` (the product's)."""
     found = {}
-    for package, folder in PACKAGES.items():
+    for package, folder in packages.items():
         for path in sorted(folder.rglob("*.py")):
             parts = [package, *path.relative_to(folder).with_suffix("").parts]
             if parts[-1] == "__init__":
@@ -104,6 +113,36 @@ def test_no_import_circles_among_product_modules() -> None:
     graph = {name: imports_of(name, path, set(found)) for name, path in found.items()}
     assert len(graph) > 100
     assert circles(graph) == [], "import circles: shared records belong in a module below their users"
+
+
+def test_no_runtime_module_imports_the_tools() -> None:
+    found = modules()
+    runtime = modules(RUNTIME)
+    assert len(runtime) > 60 and len(found) > len(runtime) + 40
+    reaching = {name: sorted(t for t in imports_of(name, path, set(found)) if t.split(".")[0] in TOOLS)
+                for name, path in runtime.items()}
+    assert {name: tools for name, tools in reaching.items() if tools} == {}
+
+
+def test_the_runtimes_wheels_carry_no_tool(tmp_path: pathlib.Path) -> None:
+    """The wheels a node installs (the daemon's, the plugin's), built from
+    their ``pyproject.toml``: no simulator, benchmark, fuzzer or GPU kit."""
+    for project, package in ((ROOT, "kvelastic"), (ROOT / "patches" / "vllm", "kvelastic_vllm")):
+        source, out = tmp_path / package / "source", tmp_path / package / "wheel"   # setuptools builds in place
+        shutil.copytree(project, source, ignore=lambda folder, names: [
+            n for n in names if n in {"__pycache__", "build", "tests", "docs", "tools", "patches", "grafana"}
+            or n.endswith(".egg-info") or n.startswith(".")])
+        done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                               "--disable-pip-version-check", "-w", str(out), str(source)],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        [wheel] = out.glob("*.whl")
+        names = zipfile.ZipFile(wheel).namelist()
+        code = [n for n in names if n.endswith(".py")]
+        assert code and all(n.split("/")[0] in RUNTIME for n in code), names
+        tools = [n for n in code if re.search(r"(^|/)(sim|bench|vllm_bench|gpucheck|fuzz\w*)(/|\.py$)", n)]
+        assert tools == [], tools
+        assert len(code) == len(modules({n.split("/")[0]: RUNTIME[n.split("/")[0]] for n in code}))
 
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

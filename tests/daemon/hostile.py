@@ -33,6 +33,7 @@ import time
 import zmq
 
 from kvelastic import protocol as p
+from kvelastic.kv_events import KVEventBatch
 from tests.daemon.engines import EngineProcess
 
 try:
@@ -272,12 +273,12 @@ def rejected_total(daemon) -> float:
     return total
 
 
-def kv_event_batches(socket_path: str, timeout: float = 5.0) -> list[tuple[bytes, int, p.KVEventBatch]]:
+def kv_event_batches(socket_path: str, timeout: float = 5.0) -> list[tuple[bytes, int, KVEventBatch]]:
     """Every KV event batch the daemon still keeps (default endpoints), through
     its replay socket: ``(topic, seq, batch)`` in order."""
     import msgspec
 
-    decoder = msgspec.msgpack.Decoder(p.KVEventBatch)
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"ipc://{socket_path}.kv-events-replay")

@@ -6,6 +6,7 @@ model step; moves and thrash are counted on /metrics."""
 import time
 
 from kvelastic import protocol as p
+from kvelastic.status_report import EngineStatus
 from tests.daemon.books import parse_metrics, value
 from tests.daemon_proc import wait_for
 
@@ -13,7 +14,7 @@ SLAB = 2 << 20
 GRACE = 0.5
 
 
-def engine_status(daemon, engine_id: str) -> p.EngineStatus | None:
+def engine_status(daemon, engine_id: str) -> EngineStatus | None:
     report = daemon.request(p.Status()).status
     return next((e for e in report.engines if e.engine_id == engine_id), None)
 

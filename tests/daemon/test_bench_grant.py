@@ -1,4 +1,4 @@
-from kvelastic.bench import grant
+from kvelastic_tools.bench import grant
 
 
 def test_grant_bench_quick_reports_every_figure():

@@ -10,6 +10,7 @@ or kept within what the engine holds, and the daemon's memory stays flat.
 import msgspec
 
 from kvelastic import protocol as p
+from kvelastic.kv_events import BlockRemoved
 from tests.daemon.hostile import RawEngine, register_message
 
 
@@ -67,7 +68,7 @@ def test_the_kv_event_replay_history_is_bounded_in_bytes():
     ctx = zmq.Context.instance()
     pub = KVEventPublisher(ctx, "inproc://bounds-pub", "inproc://bounds-replay", buffer=10_000)
     try:
-        batch = [p.BlockRemoved(block_hashes=[bytes(32)] * 20_000, medium="CPU")]   # about 700 kB each
+        batch = [BlockRemoved(block_hashes=[bytes(32)] * 20_000, medium="CPU")]   # about 700 kB each
         for _ in range(60):
             pub.publish(b"kv@greedy@ns", batch)
         kept = sum(len(payload) for _, _, payload in pub._buffer)

@@ -1,4 +1,4 @@
-"""The structure-aware fuzzer (``kvelastic.fuzz``) against a real daemon
+"""The structure-aware fuzzer (``kvelastic_tools.fuzz``) against a real daemon
 (Step 7): no frame or page-channel connection crashes it, hangs it, or grows
 it, every refusal is counted, and a legitimate engine beside the fuzz keeps
 its slabs, its data and its status, and still grows, serves and shrinks.
@@ -15,12 +15,13 @@ import os
 import msgspec
 import pytest
 
-from kvelastic import fuzz
 from kvelastic import protocol as p
-from kvelastic.bench import fuzzdrive as fd
-from kvelastic.bench.daemon import fd_count, rss_bytes
 from kvelastic.daemon.server import _UNDECODABLE
-from kvelastic.fuzzvalues import ValueBuilder
+from kvelastic.status_report import DeviceStatus, MemoryStatus, PageCounts, StatusReport
+from kvelastic_tools import fuzz
+from kvelastic_tools.bench import fuzzdrive as fd
+from kvelastic_tools.bench.daemon import fd_count, rss_bytes
+from kvelastic_tools.fuzzvalues import ValueBuilder
 from tests.daemon.hostile import Driver, rejected_total
 from tests.daemon_proc import wait_for
 
@@ -166,7 +167,7 @@ BUDGET = 64 * MiB
 
 
 def test_sequence_plans_are_seeded_reuse_ids_and_reach_every_step():
-    from kvelastic.bench import fuzzseq
+    from kvelastic_tools.bench import fuzzseq
 
     seq = fuzz.Sequences(5, PAGE, BUDGET, victims=(LEGIT,))
     plans = list(itertools.islice(seq.sessions(0), 400))
@@ -202,10 +203,10 @@ def test_sequence_plans_are_seeded_reuse_ids_and_reach_every_step():
 
 def test_books_count_a_page_that_has_no_place():
     def report(created, free, held, orphaned=0, adopted=0):
-        memory = p.MemoryStatus(held=held * PAGE, cached=0, free=free * PAGE, unallocated=0, orphaned=orphaned * PAGE)
-        pages = p.PageCounts(created=created, free=free, adopted=adopted)
-        device = p.DeviceStatus(device="0", backend="host", budget_bytes=BUDGET, memory=memory, pages=pages)
-        return p.StatusReport(device="0", backend="host", page_size=PAGE, budget_bytes=BUDGET, memory=memory,
+        memory = MemoryStatus(held=held * PAGE, cached=0, free=free * PAGE, unallocated=0, orphaned=orphaned * PAGE)
+        pages = PageCounts(created=created, free=free, adopted=adopted)
+        device = DeviceStatus(device="0", backend="host", budget_bytes=BUDGET, memory=memory, pages=pages)
+        return StatusReport(device="0", backend="host", page_size=PAGE, budget_bytes=BUDGET, memory=memory,
                               pages=pages, devices=[device], engines=[])
 
     assert fd.books(report(10, 4, 4, 2))["unbooked"] == 0
@@ -219,7 +220,7 @@ def test_hostile_sequences_lose_no_page_and_hang_nothing():
     depart, extreme values, late and missing acks, impostors, kill -9: the
     daemon neither crashes nor hangs, every page keeps a place all along, none
     is held once everyone left, and the legitimate engine is untouched."""
-    from kvelastic.bench import fuzzseq
+    from kvelastic_tools.bench import fuzzseq
 
     out = fuzzseq.run(quick=True, seed=2024)
     counts = out["counts"]

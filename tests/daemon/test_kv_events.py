@@ -11,7 +11,8 @@ import zmq
 
 from kvelastic import protocol as p
 from kvelastic.daemon import events
-from kvelastic.figures import percentile
+from kvelastic.kv_events import AllBlocksCleared, BlockStored
+from kvelastic_tools.figures import percentile
 from tests.daemon.engines import EngineProcess
 from tests.daemon.hostile import RawEngine, StatusProbe, kv_event_batches, register_message
 from tests.daemon_proc import wait_for
@@ -225,7 +226,7 @@ def test_a_replay_flood_does_not_hold_up_the_loop(daemon_factory):
         assert [seq for _, seq, _ in after] == list(range(len(after))) and len(after) >= HISTORY
         for i, (topic, _, batch) in enumerate(after[:HISTORY]):
             (event,) = batch.events
-            assert topic == b"kv@history@hostile" and isinstance(event, p.BlockStored), (i, topic, event)
+            assert topic == b"kv@history@hostile" and isinstance(event, BlockStored), (i, topic, event)
             assert event.block_hashes == [history_key(i)], (i, event)
         assert daemon.proc.poll() is None
     finally:
@@ -275,7 +276,7 @@ def publisher(tmp_path):
 
 def publish(pub, batches: int) -> None:
     for _ in range(batches):
-        pub.publish(b"kv@e@ns", [p.AllBlocksCleared()])
+        pub.publish(b"kv@e@ns", [AllBlocksCleared()])
 
 
 def ask(sock: zmq.Socket, start: int = 0) -> None:

@@ -24,6 +24,7 @@ import zmq
 
 from kvelastic import protocol as p
 from kvelastic.config import VARIABLES
+from kvelastic.status_report import DeviceStatus, EngineStatus
 from tests.daemon.engines import EngineProcess, with_engine_token
 from tests.daemon.hostile import Driver, RawEngine, kv_event_batches, register_message, tenant_script
 from tests.daemon_proc import DaemonProcess, wait_for
@@ -86,11 +87,11 @@ def probe(name: str):
     return register
 
 
-def engine_status(daemon: DaemonProcess, engine_id: str) -> p.EngineStatus | None:
+def engine_status(daemon: DaemonProcess, engine_id: str) -> EngineStatus | None:
     return next((e for e in daemon.request(p.Status()).status.engines if e.engine_id == engine_id), None)
 
 
-def device(daemon: DaemonProcess) -> p.DeviceStatus:
+def device(daemon: DaemonProcess) -> DeviceStatus:
     return daemon.request(p.Status()).status.devices[0]
 
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def figures() -> dict[str, Any]:
     env = dict(os.environ, KVELASTIC_LOG_LEVEL="warning")
-    done = subprocess.run([sys.executable, "-m", "kvelastic.gpucheck.cudabench", "host"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "kvelastic_tools.gpucheck.cudabench", "host"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])

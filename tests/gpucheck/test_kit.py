@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvelastic.gpucheck.pytests import FLOW_TESTS
+from kvelastic_tools.gpucheck.pytests import FLOW_TESTS
 from tests.vmm.gpu import CUDA_OK
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def test_make_gpu_check_in_host_mode_passes_parts_2_3_and_says_no_gpu_for_1_4(tm
 @pytest.mark.skipif(CUDA_OK, reason="this machine has a usable CUDA GPU")
 def test_asking_for_cuda_without_a_gpu_fails_every_part_with_the_reason(tmp_path: Path) -> None:
     env = dict(os.environ, OUT=str(tmp_path), KVELASTIC_BACKEND="cuda", KVELASTIC_GPUCHECK_PARTS="1,2,3,4")
-    done = subprocess.run([sys.executable, "-m", "kvelastic.gpucheck"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "kvelastic_tools.gpucheck"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
     report = json.loads((tmp_path / "gpu-report.json").read_text())
@@ -83,7 +83,7 @@ def test_asking_for_cuda_without_a_gpu_fails_every_part_with_the_reason(tmp_path
 
 def test_only_the_selected_parts_run(tmp_path: Path) -> None:
     env = dict(os.environ, OUT=str(tmp_path), KVELASTIC_BACKEND="host", KVELASTIC_GPUCHECK_PARTS="1")
-    done = subprocess.run([sys.executable, "-m", "kvelastic.gpucheck"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "kvelastic_tools.gpucheck"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     parts = json.loads((tmp_path / "gpu-report.json").read_text())["parts"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvelastic.gpucheck import proc, pytests, report, wheels
+from kvelastic_tools.gpucheck import proc, pytests, report, wheels
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvelastic_vllm.bench.tinymodel import build_tiny_llama
-from kvelastic_vllm.bench.vllm_serve import counter
+from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
+from kvelastic_tools.vllm_bench.vllm_serve import counter
 from tests.daemon_proc import DaemonProcess, wait_for
 from tests.observability.dashboard import expand, load_dashboard, panels
 from tests.observability.prometheus_proc import PrometheusProcess, find

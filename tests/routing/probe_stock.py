@@ -11,10 +11,10 @@ import sys
 import tempfile
 import time
 
-from kvelastic_vllm.bench.dynamo_indexer import DynamoIndexer
-from kvelastic_vllm.bench.kv_events import Subscriber, dump_hashes, wait_for
-from kvelastic_vllm.bench.tinymodel import build_tiny_llama
-from kvelastic_vllm.bench.vllm_serve import VllmServer
+from kvelastic_tools.vllm_bench.dynamo_indexer import DynamoIndexer
+from kvelastic_tools.vllm_bench.kv_events import Subscriber, dump_hashes, wait_for
+from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
+from kvelastic_tools.vllm_bench.vllm_serve import VllmServer
 
 BLOCK = 32
 

@@ -32,9 +32,9 @@ import time
 
 import pytest
 
-from kvelastic_vllm.bench.dynamo_indexer import DynamoIndexer, available
-from kvelastic_vllm.bench.kv_events import CacheModel, Subscriber, dump_hashes, ext_hash, wait_for
-from kvelastic_vllm.bench.kv_events import replay as replay_batches
+from kvelastic_tools.vllm_bench.dynamo_indexer import DynamoIndexer, available
+from kvelastic_tools.vllm_bench.kv_events import CacheModel, Subscriber, dump_hashes, ext_hash, wait_for
+from kvelastic_tools.vllm_bench.kv_events import replay as replay_batches
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -57,7 +57,7 @@ def short_tmp():
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     pytest.importorskip("vllm")
-    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+    from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 
@@ -215,7 +215,7 @@ def test_dynamo_indexer_stays_exact_through_a_kill_and_warm_restart_and_a_daemon
     why = available()
     if why:
         pytest.skip(f"Dynamo's indexer cannot run here: {why}")
-    from kvelastic_vllm.bench.route import router
+    from kvelastic_tools.vllm_bench.route import router
     from tests.daemon_proc import DaemonProcess
     from tests.vllm.forked import ForkedServer
 
@@ -246,7 +246,7 @@ def test_dynamo_indexer_stays_exact_through_a_kill_and_warm_restart_and_a_daemon
                f"daemon-indexer {len(t - d)}"
 
     def registered_again(base: str) -> float:
-        from kvelastic_vllm.bench.vllm_serve import counter, http_get
+        from kvelastic_tools.vllm_bench.vllm_serve import counter, http_get
 
         return counter(http_get(base + "/metrics"), "kvelastic_router_registrations_total")
 

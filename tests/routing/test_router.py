@@ -16,8 +16,8 @@ import tempfile
 
 import pytest
 
-from kvelastic_vllm.bench.dynamo_indexer import available
-from kvelastic_vllm.bench.kv_events import wait_for
+from kvelastic_tools.vllm_bench.dynamo_indexer import available
+from kvelastic_tools.vllm_bench.kv_events import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -26,10 +26,10 @@ def test_router_sends_each_request_where_its_longest_prefix_is(tmp_path_factory)
     why = available()
     if why:
         pytest.skip(f"Dynamo's indexer cannot run here: {why}")
-    from kvelastic_vllm.bench import route_load as load
-    from kvelastic_vllm.bench import vllm_serve
-    from kvelastic_vllm.bench.route import Cluster
-    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+    from kvelastic_tools.vllm_bench import route_load as load
+    from kvelastic_tools.vllm_bench import vllm_serve
+    from kvelastic_tools.vllm_bench.route import Cluster
+    from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
     from tests.vllm.forked import VLLM_FORKED
 
     model = build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")

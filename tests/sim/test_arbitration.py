@@ -4,7 +4,7 @@ warm cache), reserve against demand, idle engines, hold-down and thrash."""
 
 from kvelastic import protocol as p
 from kvelastic.daemon.requests import Timing
-from kvelastic.sim.world import BLOCKS_PER_SLAB, SimEngine, World
+from kvelastic_tools.sim.world import BLOCKS_PER_SLAB, SimEngine, World
 
 GRACE = 1.0
 HOLD = 2.0

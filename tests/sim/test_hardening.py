@@ -14,10 +14,10 @@ import pytest
 
 from kvelastic import protocol as p
 from kvelastic.daemon.allocator import Allocator
-from kvelastic.sim.engine import BUSY
-from kvelastic.sim.guard import SimAbort
-from kvelastic.sim.run import SIM_TIMING, run_seed
-from kvelastic.sim.world import World
+from kvelastic_tools.sim.engine import BUSY
+from kvelastic_tools.sim.guard import SimAbort
+from kvelastic_tools.sim.run import SIM_TIMING, run_seed
+from kvelastic_tools.sim.world import World
 
 CI_SEEDS = 300
 COVERAGE_SEEDS = 100

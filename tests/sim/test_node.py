@@ -1,4 +1,4 @@
-"""The node-scale simulation (``kvelastic.sim.node``) in its quick form: a
+"""The node-scale simulation (``kvelastic_tools.sim.node``) in its quick form: a
 quarter node (8 engines, 20 GiB in 2 MiB pages, a quarter of the load) for a
 day compressed into 96 simulated seconds, with the real ``Allocator``, real
 ``SlabPool``s and the client's ``ReservePolicy``, against the same trace on a
@@ -10,8 +10,8 @@ import os
 import pytest
 
 from kvelastic import cli
-from kvelastic.bench import sim as bench_sim
-from kvelastic.sim import traces
+from kvelastic_tools.bench import sim as bench_sim
+from kvelastic_tools.sim import traces
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Deterministic simulation of a node (kvelastic.sim): the real allocator and
+"""Deterministic simulation of a node (kvelastic_tools.sim): the real allocator and
 real engine pools under faults, every invariant checked after every step.
 Engines number their model steps and seal them as the client does; they die
 at any point of a step and come back under the same name (a warm start that
@@ -20,8 +20,8 @@ from kvelastic.daemon import allocator as allocator_mod
 from kvelastic.daemon.allocator import Allocator
 from kvelastic.daemon.orphans import OrphanCache
 from kvelastic.daemon.requests import Timing
-from kvelastic.sim import engine as engine_mod
-from kvelastic.sim.run import SIM_TIMING, run_seed
+from kvelastic_tools.sim import engine as engine_mod
+from kvelastic_tools.sim.run import SIM_TIMING, run_seed
 
 CI_SEEDS = 300
 STEPS = 300

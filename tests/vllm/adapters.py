@@ -43,7 +43,7 @@ def write_adapter(path: pathlib.Path, model: pathlib.Path, seed: int, rank: int 
     import torch
     from safetensors.torch import save_file
 
-    from kvelastic_vllm.bench.tinymodel import INIT_STD
+    from kvelastic_tools.vllm_bench.tinymodel import INIT_STD
 
     path, model = pathlib.Path(path), pathlib.Path(model)
     config = json.loads((model / "config.json").read_text())

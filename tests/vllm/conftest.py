@@ -3,8 +3,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """The tiny random-weight Llama (``kvelastic_vllm.bench.tinymodel``), built once a session."""
+    """The tiny random-weight Llama (``kvelastic_tools.vllm_bench.tinymodel``), built once a session."""
     pytest.importorskip("transformers")
-    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+    from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")

@@ -3,7 +3,7 @@ transformers configs, for ``test_models.py``.
 
     path = build_family("gemma3", tmp_path)
 
-The tokenizer is the tiny Llama's (``kvelastic_vllm.bench.tinymodel``);
+The tokenizer is the tiny Llama's (``kvelastic_tools.vllm_bench.tinymodel``);
 weights are N(0, 0.5) like it, so greedy decoding walks through varied
 tokens, norms sit at their neutral value (Gemma scales by 1 + w, so 0), and
 the special tokens' output rows are zero. Each family keeps what makes its
@@ -77,7 +77,7 @@ def build_family(name: str, root: pathlib.Path) -> pathlib.Path:
     import torch
     from transformers import AutoTokenizer
 
-    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+    from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
 
     path = pathlib.Path(root) / name
     if (path / "config.json").exists():

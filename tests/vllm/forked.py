@@ -21,7 +21,7 @@ import pathlib
 import runpy
 import sys
 
-from kvelastic_vllm.bench.vllm_serve import VllmServer
+from kvelastic_tools.vllm_bench.vllm_serve import VllmServer
 
 # `vllm` (the plugin's CLI) through this module: `vllm serve` with forked engine processes.
 VLLM_FORKED = [sys.executable, "-m", "tests.vllm.forked", "-m", "kvelastic_vllm.cli"]

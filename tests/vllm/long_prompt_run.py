@@ -15,7 +15,7 @@ import random
 import sys
 import time
 
-from kvelastic_vllm.bench.vllm_serve import VLLM_ENV
+from kvelastic_tools.vllm_bench.vllm_serve import VLLM_ENV
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from kvelastic_vllm.bench.vllm_pool import PAGE, admit, elastic, manager, request  # noqa: F401
+from kvelastic_tools.vllm_bench.vllm_pool import PAGE, admit, elastic, manager, request  # noqa: F401
 
 BS = 16
 _ids = itertools.count()

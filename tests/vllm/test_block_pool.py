@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvelastic_vllm.bench.vllm_pool import admit, elastic, manager, request
+from kvelastic_tools.vllm_bench.vllm_pool import admit, elastic, manager, request
 
 pytestmark = pytest.mark.vllm
 BS = 16

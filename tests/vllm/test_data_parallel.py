@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
 from tests.daemon_proc import wait_for
 from tests.vllm.forked import ForkedServer
 from tests.vllm.run_engine import Stock

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+    from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("layout") / "tiny-llama")
 

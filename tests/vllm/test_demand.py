@@ -8,8 +8,8 @@ pytest.importorskip("vllm")
 
 from kvelastic.client.engine import EngineClient
 from kvelastic.core.pool import SlabPool
+from kvelastic_tools.vllm_bench.vllm_pool import PAGE, admit, elastic, manager, request
 from kvelastic_vllm import demand
-from kvelastic_vllm.bench.vllm_pool import PAGE, admit, elastic, manager, request
 from kvelastic_vllm.state import state
 
 pytestmark = pytest.mark.vllm

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from kvelastic_vllm.bench import elastic
-from kvelastic_vllm.bench import elastic_load as load
+from kvelastic_tools.vllm_bench import elastic
+from kvelastic_tools.vllm_bench import elastic_load as load
 
 MiB = 1 << 20
 
@@ -95,7 +95,7 @@ def test_summary_and_plot(tmp_path):
     assert out["preemptions"] == 2 and out["preemptions_per_engine"] == [2, None, 0]
     assert out["prefix_cache_hit_rate"] == 0.25 and len(out["ttft_p99_ms_by_phase"]) == 3
     png = tmp_path / "elastic.png"
-    elastic_plot = pytest.importorskip("kvelastic_vllm.bench.elastic_plot")
+    elastic_plot = pytest.importorskip("kvelastic_tools.vllm_bench.elastic_plot")
     elastic_plot.plot(str(png), workload, modes, 16 * MiB)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

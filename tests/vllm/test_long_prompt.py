@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvelastic_vllm.bench.tinymodel import WIDE, build_tiny_llama
+from kvelastic_tools.vllm_bench.tinymodel import WIDE, build_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 HERE = pathlib.Path(__file__).resolve().parent

@@ -131,7 +131,7 @@ def test_compiled_and_speculative_engines_give_stock_tokens_and_never_share_kept
     give stock's tokens and hits; and the kept cache of a compiled engine is
     not adopted by an eager one with speculative decoding (other kernels,
     other KV bytes: they are other namespaces)."""
-    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+    from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
 
     model = build_tiny_llama(families / "tiny-llama")
     stock_compiled = Stock(model, "--compiled")
@@ -178,7 +178,7 @@ def two_ranks_on_two_devices(daemon_factory, families, flag: str, engine_id: str
     """Two workers of one engine (``flag``: --pp2 or --tp2) on a daemon of two
     host devices, rank r on device r: each holds half the engine's memory, and
     two workloads give stock's tokens and hits with the same two ranks."""
-    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+    from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
 
     model = build_tiny_llama(families / "tiny-llama")
     stock = Stock(model, flag)

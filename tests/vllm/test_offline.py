@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 HERE = pathlib.Path(__file__).resolve().parent

@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
 from tests.vllm.parity import BS, admit, cold_daemon, elastic_engine, engine_blocks, manager, request, scheduler, step
 
 pytestmark = pytest.mark.vllm

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvelastic_vllm.bench.vllm_serve import VLLM_ENV, free_port, http_get
+from kvelastic_tools.vllm_bench.vllm_serve import VLLM_ENV, free_port, http_get
 from tests.daemon_proc import short_dir, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

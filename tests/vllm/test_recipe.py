@@ -17,13 +17,13 @@ HERE = pathlib.Path(__file__).resolve().parent
 def tiny_model(tmp_path_factory) -> pathlib.Path:
     pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
-    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+    from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
 def test_tiny_model_is_cached_and_varied(tiny_model):
-    from kvelastic_vllm.bench.tinymodel import build_tiny_llama, check_varied_greedy
+    from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama, check_varied_greedy
 
     stamp = tiny_model / "kvelastic-tiny.json"
     mtime = stamp.stat().st_mtime_ns

@@ -43,7 +43,7 @@ def taken(model, daemon, **env) -> dict:
 
 
 def test_a_replica_takes_over_the_cache_of_another(daemon_factory, tmp_path_factory):
-    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+    from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
 
     model = build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
     daemon = daemon_factory(memory="8MiB", KVELASTIC_IDLE_GRACE="1s")   # two slabs of 2 layers x 2 MiB

@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvelastic_vllm.bench.tinymodel import build_tiny_llama
-from kvelastic_vllm.bench.vllm_serve import counter
+from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
+from kvelastic_tools.vllm_bench.vllm_serve import counter
 from tests.daemon.books import held
 from tests.daemon_proc import DaemonProcess, MiB, wait_for
 from tests.vllm.forked import ForkedServer

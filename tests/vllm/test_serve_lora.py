@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvelastic_vllm.bench.vllm_serve import VllmServer
-from kvelastic_vllm.bench.warm_run import QUESTIONS, SYSTEM
+from kvelastic_tools.vllm_bench.vllm_serve import VllmServer
+from kvelastic_tools.vllm_bench.warm_run import QUESTIONS, SYSTEM
 from tests.daemon_proc import DaemonProcess
 from tests.vllm.adapters import write_adapter
 from tests.vllm.run_engine import Stock

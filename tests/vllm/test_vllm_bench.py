@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvelastic_vllm.bench import vllm_sched
+from kvelastic_tools.vllm_bench import vllm_sched
 
 pytestmark = pytest.mark.vllm
 

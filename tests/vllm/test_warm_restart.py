@@ -25,9 +25,9 @@ WARM_SHARE = 0.9       # the issue's bar: >= 90% of the hits before the restart
 
 
 class Engine(run_engine.Engine):
-    """``kvelastic_vllm.bench.warm_run`` (the script ``bench warm`` runs) in its own process."""
+    """``kvelastic_tools.vllm_bench.warm_run`` (the script ``bench warm`` runs) in its own process."""
 
-    script = ["-m", "kvelastic_vllm.bench.warm_run"]
+    script = ["-m", "kvelastic_tools.vllm_bench.warm_run"]
 
     def __init__(self, model, daemon, *args: str, **env: str) -> None:
         # In-process: ``poison`` reaches into the model runner (a step killed
@@ -56,7 +56,7 @@ def until_kept(daemon) -> dict[str, int]:
 
 
 def test_the_cache_outlives_its_engine_and_nobody_else_gets_it(daemon_factory, tmp_path):
-    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+    from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "tiny-llama")      # its own: the test rewrites its weights
     stock = run_engine.Stock(model)

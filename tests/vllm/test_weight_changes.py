@@ -42,7 +42,7 @@ def differ(a: list[list[int]], b: list[list[int]]) -> int:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from kvelastic_vllm.bench.tinymodel import build_tiny_llama
+    from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("weights") / "tiny-llama")
 

@@ -45,8 +45,8 @@ import pathlib
 import sys
 import time
 
-from kvelastic_vllm.bench.tinymodel import INIT_STD
-from kvelastic_vllm.bench.warm_run import QUESTIONS, SYSTEM, UNRELATED, engine_stats
+from kvelastic_tools.vllm_bench.tinymodel import INIT_STD
+from kvelastic_tools.vllm_bench.warm_run import QUESTIONS, SYSTEM, UNRELATED, engine_stats
 
 HERE = pathlib.Path(__file__).resolve().parent
 MAX_LORA_RANK = 16   # vLLM accepts 1, 8, 16, 32, ...: adapters of rank 8 or 16 load
@@ -113,7 +113,7 @@ def make_llm(model: str, lora: bool, compiled: bool = False, ngram: bool = False
              prefix_cache: bool = True, tp2: bool = False, bf16: bool = False, cpu_mla: bool = False):
     """``offline_llm``'s engine (which takes no extra engine arguments), plus
     the worker extension and, with ``lora``, LoRA support."""
-    from kvelastic_vllm.bench.vllm_serve import VLLM_ENV
+    from kvelastic_tools.vllm_bench.vllm_serve import VLLM_ENV
 
     for key, value in VLLM_ENV.items():
         os.environ.setdefault(key, value)

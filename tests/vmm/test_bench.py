@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvelastic.bench import vmm
+from kvelastic_tools.bench import vmm
 
 
 def test_quick_host_bench_reports_every_field() -> None:

@@ -26,7 +26,7 @@ mv "$venv.requirements.tmp" "$venv/requirements.txt"
 pip --upgrade pip wheel
 "$venv/bin/python" -c 'import torch' 2>/dev/null || pip "$torch"
 pip --no-deps -r "$venv/requirements.txt"
-pip -e "$here/../../..[test]" -e "$here/.."
+pip -e "$here/../../..[test]" -e "$here/.." -e "$here/../../../tools"
 # What pip's metadata check finds, less what is left out or pinned on purpose (no CPU builds of
 # torchvision/torchaudio/torchcodec; triton; Dynamo's indexer, --no-deps as in make setup) and its
 # platform note: nothing else may remain.

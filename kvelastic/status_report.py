@@ -1,0 +1,87 @@
+"""The daemon's state as ``kvelastic status``, ``top`` and ``/metrics`` show
+it: the answer to a ``Status`` request (``protocol.StatusReply``), built by
+``daemon/report.py``. Byte counts are bytes; the top-level memory and pages
+add up every device's."""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvelastic.names import ShownName
+
+
+class MemoryStatus(msgspec.Struct, kw_only=True):
+    held: int                    # by engines (cached is part of it)
+    cached: int                  # in engines' evictable prefix blocks
+    free: int                    # pages created, free in the daemon
+    unallocated: int             # budget not created yet
+    orphaned: int = 0            # departed engines' cache kept for their namespace
+
+
+class PageCounts(msgspec.Struct, kw_only=True):
+    created: int
+    free: int
+    adopted: int                 # exist only in engines (after a daemon restart)
+    quarantined: int = 0         # of failed engines: never lent again while their processes live
+
+
+class DeviceStatus(msgspec.Struct, kw_only=True):
+    device: str
+    backend: str
+    budget_bytes: int
+    memory: MemoryStatus
+    pages: PageCounts
+    slab_moves: int = 0          # slabs given up by one engine for another's demand
+    thrash: int = 0              # moves back to an engine within THRASH_WINDOW of a move away from it
+    # Blocks of kept cache (departed engines') dropped, by eviction reason:
+    # ttl, reclaim (memory for a demand), invalidate.
+    kept_evictions: dict[str, int] = {}
+
+
+class EngineStatus(msgspec.Struct, kw_only=True):
+    engine_id: ShownName
+    namespace: ShownName
+    pid: int
+    device: str
+    workers: int
+    slabs: int
+    slab_bytes: int
+    held_bytes: int
+    cached_bytes: int
+    live_blocks: int
+    cached_blocks: int
+    min_bytes: int
+    max_bytes: int
+    grants: int
+    returns: int
+    reclaims: int
+    stats: dict[str, int]        # the engine's cumulative pool counters (lookups, hits, evictions_*)
+    idle: bool = False           # no activity for the idle grace: reserve decayed, never grows
+    starved_seconds: float = 0.0 # how long its demand has gone unmet (0: it has not)
+    private: bool = False        # its cache is its own (weights that may change in memory)
+    worker_devices: dict[str, str] = {}   # rank (as text, as JSON has it) -> the device its pages live on
+
+
+class OrphanStatus(msgspec.Struct, kw_only=True):
+    """Cache of one namespace kept after its engines left (warm start)."""
+    namespace: ShownName
+    device: str
+    slabs: int
+    blocks: int                  # valid cached blocks in them
+    bytes: int
+    oldest_seconds: float        # age of the oldest (it expires at the orphan TTL)
+
+
+class StatusReport(msgspec.Struct, kw_only=True):
+    """The daemon's state as ``status``, ``top`` and ``/metrics`` show it; the
+    top-level memory and pages add up every device's."""
+
+    device: str
+    backend: str
+    page_size: int
+    budget_bytes: int
+    memory: MemoryStatus
+    pages: PageCounts
+    devices: list[DeviceStatus]
+    engines: list[EngineStatus]
+    orphans: list[OrphanStatus] = []
