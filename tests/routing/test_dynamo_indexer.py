@@ -62,6 +62,21 @@ def tiny_model(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
+def wait_for_indexer_subscribed(indexer: DynamoIndexer, endpoint: str) -> None:
+    """Until the indexer's subscriber is connected to vLLM's event publisher,
+    read from the kernel's table of AF_UNIX sockets in the indexer's network
+    namespace (an accepted connection lives in its connector's namespace and
+    carries the listener's path)."""
+    path = " " + endpoint.removeprefix("ipc://")
+    assert indexer.proc is not None
+
+    def connected() -> bool:
+        with open(f"/proc/{indexer.proc.pid}/net/unix") as table:
+            return any(line.rstrip().endswith(path) and line.split()[5] == "03" for line in table)
+
+    wait_for(connected, 30, f"the indexer subscribed to {endpoint}")
+
+
 def test_dynamo_indexer_tracks_an_engine_through_kvelastic(short_tmp, tiny_model, request):
     why = available()
     if why:
@@ -85,8 +100,10 @@ def test_dynamo_indexer_tracks_an_engine_through_kvelastic(short_tmp, tiny_model
                                  "KVELASTIC_ENGINE_ID": "e1", "KVELASTIC_METRICS_PORT": "0"}).start()
         vllm_events = Subscriber(endpoint)
         # Batches published before the indexer's SUB connected are replayed
-        # (from sequence 0) when the first live batch shows the gap.
+        # (from sequence 0) when the first live batch shows the gap: the
+        # prompts wait for it to connect, or none of their batches might be live.
         indexer.register(INSTANCE, endpoint, MODEL, BLOCK, replay)
+        wait_for_indexer_subscribed(indexer, endpoint)
 
         def truth() -> set[int]:
             """The engine's cached blocks per the daemon (its journal), as vLLM's 64-bit event hashes."""
@@ -263,6 +280,7 @@ def test_dynamo_indexer_stays_exact_through_a_kill_and_warm_restart_and_a_daemon
         vllm_events = Subscriber(endpoint)
         routing_base = routing.enter_context(
             router(tmp, indexer.loopback_url(), [f"{INSTANCE}={server.base},{endpoint},{replay}"]))
+        wait_for_indexer_subscribed(indexer, endpoint)
         prompts = [tokens(3 * BLOCK + 10) for _ in range(4)]
         for prompt in prompts:
             server.complete(prompt, max_tokens=4)  # type: ignore[arg-type]
@@ -376,6 +394,7 @@ def test_dynamo_indexer_stays_exact_through_a_hand_off_and_an_invalidation(short
         events[instance] = Subscriber(endpoint, replay_endpoint=replay)   # from the engine's start
         subs.append(events[instance])
         indexer.register(instance, endpoint, MODEL, BLOCK, replay)
+        wait_for_indexer_subscribed(indexer, endpoint)
         return server
 
     def truth(instance: int) -> set[int]:
