@@ -226,6 +226,17 @@ class Mirror:
         self.blocks_per_slab = 0
         self._in_slab: dict[int, dict[int, None]] = {}
 
+    # Which slabs the engine holds is the daemon's word: besides ``apply``
+    # (the journal's ADD_SLAB, REMOVE_SLAB and occupancy), only these change ``slabs``.
+    def hold(self, slab_id: int, occupancy: Occupancy) -> None:
+        """The daemon granted the slab (or, after its restart, adopted it)."""
+        live, cached, free = occupancy
+        self.slabs[slab_id] = (live, cached, free)
+
+    def release(self, slab_id: int) -> None:
+        """The slab left the engine (unmapping), or was never the engine's to name."""
+        self.slabs.pop(slab_id, None)
+
     def apply(self, batch: JournalBatch) -> None:
         # The daemon applies every engine's journal: its two common ops first,
         # with the mirror's maps bound once (one op costs what its dict work does).

@@ -35,17 +35,17 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from kvelastic import protocol as p
-from kvelastic.core.journal import JournalBatch, Op
-from kvelastic.core.stats import COUNTER_NAMES
 from kvelastic.daemon import effects as fx
+from kvelastic.daemon import journal_intake
 from kvelastic.daemon.arbiter import Rules, pick_victims
+from kvelastic.daemon.channels import OpenChannels
 from kvelastic.daemon.events import journal_events
 from kvelastic.daemon.growth import Growth
 from kvelastic.daemon.handoff import CacheHandoff
 from kvelastic.daemon.invalidation import CacheScope
 from kvelastic.daemon.orphans import OrphanCache
 from kvelastic.daemon.registration import Registration
-from kvelastic.daemon.rejected import Rejected
+from kvelastic.daemon.rejected import RefusalLog, Rejected
 from kvelastic.daemon.report import Reporting
 from kvelastic.daemon.requests import GrowRequest, Handoff, ReclaimRequest, ReturnRequest, Timing
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag
@@ -95,13 +95,11 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
         self._started = 0
         self.reclaims: dict[int, ReclaimRequest] = {}
         self.returns: dict[tuple[bytes, int], ReturnRequest] = {}   # by (client, Return req_id)
-        # Open page channels and lifelines: (engine id, rank) -> {token shown in the hello: count}.
-        # A worker's process counts as alive only through channels that showed its engine's secret.
-        self.peers: dict[tuple[str, int], dict[bytes, int]] = {}
+        self.channels = OpenChannels()     # which processes of each engine are alive
         self._token_source = token_source
         self.hash_secret = secrets.token_bytes(32) if hash_secret is None else hash_secret
         self._next_req = 1 << 32
-        self._logged: set[tuple[p.Reason, str, bytes]] = set()
+        self.refusals = RefusalLog()
         self.max_engines = max_engines
         self._next_page = 0
         self._now = 0.0
@@ -127,7 +125,7 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
             reply = handler(self, identity, msg)
         except Rejected as exc:
             engine_id = getattr(msg, "engine_id", "-")
-            self._log_once(exc.reason, engine_id, identity, "rejected %s from engine %s: %s (%s)",
+            self.refusals.warn(exc.reason, engine_id, identity, "rejected %s from engine %s: %s (%s)",
                            type(msg).__name__, engine_id, exc, exc.reason.value)
             self._out.append(fx.Rejected(exc.reason))
             reply = p.Error(reason=exc.reason.value, message=str(exc))
@@ -138,19 +136,8 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
 
     def reject(self, identity: bytes, reason: p.Reason, message: str, req_id: int = 0) -> list[fx.Effect]:
         """A frame that could not be decoded: the loop's verdict, counted here too."""
-        self._log_once(reason, "-", identity, "rejected a frame: %s (%s)", message, reason.value)
+        self.refusals.warn(reason, "-", identity, "rejected a frame: %s (%s)", message, reason.value)
         return [fx.Rejected(reason), fx.Send(identity, p.Error(req_id=req_id, reason=reason.value, message=message))]
-
-    def _log_once(self, reason: p.Reason, engine_id: str, identity: bytes, fmt: str, *args: object) -> None:
-        """One line per kind of refusal, engine and sender: a flood does not
-        flood the log (every refusal is still counted in the metric)."""
-        seen = (reason, engine_id, identity)
-        if seen in self._logged:
-            return
-        if len(self._logged) > 4096:
-            self._logged.clear()
-        self._logged.add(seen)
-        log.warning(fmt, *args)
 
     def _operator(self, what: str) -> None:
         """Refuse ``what`` unless the sender holds the operator's credential."""
@@ -165,8 +152,7 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
 
     def peer_opened(self, engine_id: str, rank: int, now: float, token: bytes = b"") -> list[fx.Effect]:
         self._now = now
-        tokens = self.peers.setdefault((engine_id, rank), {})
-        tokens[token] = tokens.get(token, 0) + 1
+        self.channels.opened(engine_id, rank, token)
         self._progress_grows()
         return self._take()
 
@@ -175,18 +161,12 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
         Only a channel that showed a record's secret speaks for it: closing
         one that did not (an impostor's, whatever rank it named) changes nothing."""
         self._now = now
-        key = (engine_id, rank)
-        tokens = self.peers[key]
-        tokens[token] -= 1
-        if not tokens[token]:
-            del tokens[token]
-        if not tokens:
-            del self.peers[key]
+        self.channels.closed(engine_id, rank, token)
         for gone in self.departed(engine_id):
-            if gone.token == token and not self._alive(gone, rank):
+            if gone.token == token and not self.channels.alive(gone, rank):
                 self._settle_departed(gone)      # nothing of that process maps its pages now
         engine = self.engines.get(engine_id)
-        if engine is None or engine.token != token or self._alive(engine, rank):
+        if engine is None or engine.token != token or self.channels.alive(engine, rank):
             return self._take()     # not its secret, or another channel of that process is still open
         # A worker that never finished registering (it came back before its
         # engine after a daemon restart) takes nothing with it.
@@ -195,10 +175,6 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
             engine.workers.pop(rank, None)
             self._drop(engine, f"{who} disconnected")
         return self._take()
-
-    def _alive(self, engine: EngineRecord, rank: int) -> bool:
-        """A channel of that process is open: one that showed the engine's secret."""
-        return self.peers.get((engine.engine_id, rank), {}).get(engine.token, 0) > 0
 
     def channel_failed(self, engine_id: str, rank: int, why: str, now: float) -> list[fx.Effect]:
         """Page descriptors could not be sent to a worker in time: the engine is failed."""
@@ -260,7 +236,7 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
                 # A stalled engine is not a dead one: while its lifeline is
                 # open its process lives and maps its pages, and unmapping
                 # them under it would crash it. Only the lifeline's end drops it.
-                if not self._alive(engine, -1):
+                if not self.channels.alive(engine, -1):
                     self._drop(engine, f"no heartbeat for {now - engine.last_seen:.1f} s and no lifeline")
                     continue
                 if not engine.unresponsive:
@@ -370,59 +346,14 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
         if m.engine_id not in self.engines:
             for gone in self.departed(m.engine_id):
                 if gone.identity == identity and not gone.failed:
-                    return self._on_departed_journal(gone, m)
+                    journal_intake.accept_departed(gone, m)
+                    return p.Ok() if m.sync else None
         engine = self._own_engine(identity, m.engine_id)
-        self._check_journal_blocks(engine, m)
-        unknown = set(m.stats) - COUNTER_NAMES
-        if unknown:
-            raise Rejected(p.Reason.BAD_JOURNAL, f"unknown counters {sorted(unknown)[:3]}")
-        for slab_id, occ in m.occupancy.items():
-            if not self._journal_may_name(engine, slab_id):
-                raise Rejected(p.Reason.BAD_JOURNAL, f"occupancy of slab {slab_id}, which engine "
-                                                     f"{engine.engine_id} does not hold")
-            if len(occ) != 3 or sum(occ) != engine.blocks_per_slab or min(occ) < 0:
-                raise Rejected(p.Reason.BAD_JOURNAL, f"slab {slab_id}: occupancy {occ} does not add up to "
-                                              f"{engine.blocks_per_slab} blocks")
-        ops = [op.core() for op in m.ops]
-        if m.stats.get("block_ops", engine.stats["block_ops"]) != engine.stats["block_ops"]:
-            engine.active_at = self._now      # blocks allocated, touched or freed: not slabs coming and going
-        engine.apply_journal(JournalBatch(ops, m.occupancy), self._now)
-        engine.stats.update(m.stats)
+        journal_intake.accept(engine, m, self._now)
         if self.events:
             events = journal_events(m.ops, engine.block_tokens, engine.key_group_suffix, self.medium)
             if events:
                 self._out.append(fx.Publish(kv_events_topic(engine.engine_id, engine.namespace), tuple(events)))
-        engine.last_seen = self._now
-        return p.Ok() if m.sync else None
-
-    @staticmethod
-    def _journal_may_name(engine: EngineRecord, slab_id: int) -> bool:
-        """A slab granted to the engine (held, or on its way back): never one
-        it was not granted, so the mirror stays as large as what it holds."""
-        slab = engine.slabs.get(slab_id)
-        return slab is not None and slab.phase is not Phase.MAPPING
-
-    @classmethod
-    def _check_journal_blocks(cls, engine: EngineRecord, m: p.Journal) -> None:
-        """Decoding checked every op's shape and types; what is left to check
-        whole, before anything is applied, is that they name granted slabs."""
-        for op in m.ops:
-            slab_id = op.block // engine.blocks_per_slab \
-                if isinstance(op, (p.StoreKey, p.RemoveKey, p.DemoteBlock, p.PromoteBlock)) else \
-                op.slab if isinstance(op, (p.AddSlab, p.RemoveSlab)) else None
-            if slab_id is not None and not cls._journal_may_name(engine, slab_id):
-                raise Rejected(p.Reason.BAD_JOURNAL, f"{type(op).__name__} names slab {slab_id}, which engine "
-                                                     f"{engine.engine_id} does not hold")
-
-    def _on_departed_journal(self, engine: EngineRecord, m: p.Journal) -> p.Msg | None:
-        """The journal of an engine the daemon dropped while its process may
-        still run steps (one of its workers died first), on the connection it
-        registered: its keys and steps still reach the mirror, so the cache
-        kept once its slabs are unmapped leaves out a block such a step
-        rewrote (its seal is answered). Nothing else of it counts any more."""
-        self._check_journal_blocks(engine, m)
-        keys: list[Op] = [op.core() for op in m.ops if not isinstance(op, (p.AddSlab, p.RemoveSlab))]
-        engine.mirror.apply(JournalBatch(keys, {}))
         return p.Ok() if m.sync else None
 
     # ====================================================== return / reclaim
@@ -500,9 +431,9 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
 
     def _start_unmap(self, engine: EngineRecord, slab: SlabRecord) -> None:
         engine.begin_unmap(slab, {rank for rank in range(engine.num_workers)
-                          if rank in engine.workers and self._alive(engine, rank)},
+                          if rank in engine.workers and self.channels.alive(engine, rank)},
                          self._now + self.timing.ack_timeout)
-        engine.mirror.slabs.pop(slab.slab_id, None)
+        engine.mirror.release(slab.slab_id)
         slab.asked = set(slab.waiting)
         for rank in sorted(slab.waiting):
             self._command(engine.workers[rank],
@@ -604,7 +535,7 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
         engine.failed = True
         log.error("engine %s failed (%s): %d slab(s) quarantined until its processes are gone",
                   engine.engine_id, why, len(engine.slabs))
-        alive = self._alive_ranks(engine)
+        alive = self.channels.alive_ranks(engine)
         for slab in engine.slabs.values():
             # Waits for its processes to go (or a late ack of an unmap it was
             # asked for), never for a deadline; ranks that acked are done.
@@ -616,7 +547,7 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
         """Slabs of a departed engine wait only for workers that still exist
         (a failed engine's: every worker alive when it failed, until it is
         gone or acknowledged an unmap it was asked for)."""
-        alive = self._alive_ranks(engine)
+        alive = self.channels.alive_ranks(engine)
         for slab in list(engine.slabs.values()):
             slab.waiting &= alive
             if not slab.waiting:
@@ -624,19 +555,13 @@ class Allocator(Registration, Growth, CacheHandoff, CacheScope, Reporting):
         if not engine.slabs and self.departing.get(engine.serial) is engine:
             del self.departing[engine.serial]
 
-    def _alive_ranks(self, engine: EngineRecord) -> set[int]:
-        return {rank for rank in range(engine.num_workers) if self._alive(engine, rank)}
-
     def _release_stale(self) -> None:
         """Idle work: free pages of owners no longer registered go back to the
         driver (or the kernel), a batch per tick."""
         live = {owner_tag(e) for e in self.engines.values()}
         for device, pool in self.pools.items():
-            stale = [pg for pg, owner in pool.free.items() if owner and owner not in live][:64]
+            stale = pool.take_orphaned(live, 64)
             if stale:
-                for page_id in stale:
-                    del pool.free[page_id]
-                pool.created -= len(stale)
                 self._out.append(fx.ReleasePages(device, tuple(stale)))
 
     # ================================================================ output

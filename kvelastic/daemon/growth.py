@@ -312,7 +312,7 @@ class Growth:
             self._start_unmap(engine, slab)
         else:
             engine.mark_held(slab)
-            engine.mirror.slabs[slab.slab_id] = (0, 0, engine.blocks_per_slab)
+            engine.mirror.hold(slab.slab_id, (0, 0, engine.blocks_per_slab))
             engine.active[slab.slab_id] = self._now
             engine.grants += 1
             if req is not None:

@@ -84,7 +84,7 @@ class CacheHandoff:
         """The engine is leaving (not failed): each held slab is to be kept
         as cache of its namespace once no process maps it, with the blocks
         then valid. Until then the departing engine's journals still reach
-        its mirror (``_on_departed_journal``): a worker dies first and the
+        its mirror (``journal_intake.accept_departed``): a worker dies first and the
         engine may run steps before it follows, whose dropped keys must
         count. Returns the slabs marked."""
         if self.timing.orphan_ttl <= 0 or engine.failed or engine.private:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from kvelastic import protocol as p
 from kvelastic.core.stats import COUNTER_NAMES
 from kvelastic.daemon.arbiter import Rules
+from kvelastic.daemon.channels import OpenChannels
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord
@@ -37,13 +38,13 @@ class Registration:
     _token_source: Callable[[], bytes]
     hash_secret: bytes
     timing: Timing
+    channels: OpenChannels
 
     _serial: int
 
     if TYPE_CHECKING:  # the allocator's methods it calls
         def _operator(self, what: str) -> None: ...
         def _engine(self, engine_id: str) -> EngineRecord: ...
-        def _alive(self, engine: EngineRecord, rank: int) -> bool: ...
         def _progress_grows(self) -> None: ...
 
     def _on_register_engine(self, identity: bytes, m: p.RegisterEngine) -> p.Msg:
@@ -105,8 +106,7 @@ class Registration:
         for slab_id in held:         # re-register after a daemon restart: adopt what it holds
             engine.slabs[slab_id] = SlabRecord(slab_id, [], [], Phase.HELD, set(), adopted_pages=slab_pages)
             pool.adopted += slab_pages
-            live, cached, free = m.occupancy.get(slab_id, (0, 0, m.blocks_per_slab))
-            engine.mirror.slabs[slab_id] = (live, cached, free)
+            engine.mirror.hold(slab_id, m.occupancy.get(slab_id, (0, 0, m.blocks_per_slab)))
         self.engines[m.engine_id] = engine
         log.info("engine %s registered: namespace %s, pid %d, %d worker(s), slab %d bytes, "
                  "virtual capacity %d slabs%s", m.engine_id, m.namespace, m.pid, m.num_workers,
@@ -175,7 +175,7 @@ class Registration:
         device = self.device_aliases.get(m.device, m.device) or engine.device
         if device not in self.pools:
             raise Rejected(p.Reason.UNKNOWN_DEVICE, f"device {device!r}; this daemon has {', '.join(self.pools)}")
-        if not self._alive(engine, m.rank):
+        if not self.channels.alive(engine, m.rank):
             raise Rejected(p.Reason.NO_CHANNEL, f"worker {m.rank} of {m.engine_id} has not opened its page channel "
                                                 f"with its engine's secret")
         engine.workers[m.rank] = identity

@@ -210,7 +210,7 @@ class EngineRecord:
         for slab_id in named:
             slab = self.slabs.get(slab_id)
             if slab_id in self.mirror.slabs and (slab is None or slab.phase is not Phase.HELD):
-                del self.mirror.slabs[slab_id]
+                self.mirror.release(slab_id)
 
 
 class FreePages(MutableMapping[int, str]):
@@ -322,6 +322,15 @@ class PagePool:
         for page in pages:
             del free[page]
         return pages
+
+    def take_orphaned(self, live_owners: set[str], limit: int) -> list[int]:
+        """Up to ``limit`` free pages whose last owner is no longer registered,
+        to release (they leave the books)."""
+        stale = [pg for pg, owner in self.free.items() if owner and owner not in live_owners][:limit]
+        for page_id in stale:
+            del self.free[page_id]
+        self.created -= len(stale)
+        return stale
 
     def take_exact(self, pages: list[int], owner: str) -> bool:
         """Take exactly ``pages`` if every one is free under ``owner``'s tag

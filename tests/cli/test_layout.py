@@ -3,7 +3,8 @@
 runtime (``kvelastic``, ``kvelastic_vllm``) apart from the tools
 (``kvelastic_tools``): no runtime module imports them, and the runtime's
 wheel carries none of them; every link of the README and of docs/ leads to
-a file that exists.
+a file that exists; no runtime module past 600 lines (a file that long
+mixes jobs: split it by job).
 
 A package's ``__init__`` importing its own submodules is its face, not a
 circle: those edges are left out.
@@ -122,6 +123,15 @@ def test_no_runtime_module_imports_the_tools() -> None:
     reaching = {name: sorted(t for t in imports_of(name, path, set(found)) if t.split(".")[0] in TOOLS)
                 for name, path in runtime.items()}
     assert {name: tools for name, tools in reaching.items() if tools} == {}
+
+
+MAX_LINES = 600
+
+
+def test_no_runtime_module_is_past_600_lines() -> None:
+    lengths = {name: len(path.read_text().splitlines()) for name, path in modules(RUNTIME).items()}
+    assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}
+    assert max(lengths.values()) > MAX_LINES // 2          # the count reads real files
 
 
 def test_the_runtimes_wheels_carry_no_tool(tmp_path: pathlib.Path) -> None:

@@ -327,7 +327,7 @@ def books(alloc: Allocator) -> tuple[Any, ...]:
               for seq, r in alloc.grows.items()),
         tuple(sorted(alloc.reclaims)),
         tuple(alloc.returns),
-        tuple((key, tuple(sorted(tokens.items()))) for key, tokens in alloc.peers.items()),
+        tuple((key, tuple(sorted(tokens.items()))) for key, tokens in alloc.channels.items()),
     )
 
 
