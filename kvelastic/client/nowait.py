@@ -4,8 +4,8 @@ Python releases the GIL around every socket call. On the scheduler's thread
 that is a hand-off: the engine's I/O thread, woken by its tick and waiting
 for the GIL, takes it, and the scheduler waits for it back (a thread switch
 each way). A seal writes a few kilobytes on the lifeline once per step that
-dropped a key, and at one step in ten that hand-off cost about 300 µs on the
-development VM (the write itself, about 20 µs: ``docs/benchmarks.md``).
+dropped a key, and that hand-off, not the write, is what the step would pay
+(``docs/benchmarks.md``).
 
 ``send_now`` calls libc's ``send`` through ``ctypes.PyDLL``, which keeps the
 GIL, with ``MSG_DONTWAIT``: it never blocks, so holding the GIL through it is

@@ -173,7 +173,7 @@ class PeerTable:
                     # is read before the engine's next message, at its end, and
                     # on the loop's periodic pass (``lifelines``): a seal on the
                     # engine's scheduler thread then costs no wake-up of the
-                    # daemon (20 µs a step on the development VM, docs/benchmarks.md).
+                    # daemon, which would run on the writer's core (docs/benchmarks.md).
                     self.poller.modify(fd, zmq.POLLERR)
                 opened.append(peer)
             elif why or now > g.deadline:

@@ -448,10 +448,13 @@ def test_a_failed_engine_is_told_and_a_late_ack_frees_its_pages(shared, engines)
     """A worker that really hangs still fails its engine; the engine is told,
     and when the worker wakes and acknowledges the unmap it was asked for,
     the quarantined pages come back without waiting for its process to exit."""
-    daemon = shared(memory="8MiB", KVELASTIC_ACK_TIMEOUT="1s")
+    # 3 s: a map on a loaded machine must not miss it (that would fail the
+    # engine before the test freezes its worker); the unmaps below must.
+    daemon = shared(memory="8MiB", KVELASTIC_ACK_TIMEOUT="3s")
     frozen = engines(daemon, "frozen", workers=1, ranks=[], grace=60)
     worker = engines(daemon, "frozen", role="worker", rank=0)
     assert frozen.do("ensure", n=8)["ok"]                          # 2 slabs
+    assert not frozen.state()["failed"] and pages(daemon)["quarantined"] == 0
     worker.proc.send_signal(signal.SIGSTOP)
     try:
         frozen.close()                                             # unregisters: its unmaps go unacknowledged

@@ -108,8 +108,8 @@ class ElasticBlockPool(BlockPool):
         self.lock = self.client.lock
         # True while the scheduler thread runs a step (``schedule``,
         # ``update_from_output``: ``engine.py``) with ``lock`` held: the calls
-        # it makes then skip the lock (a re-entry costs as much as a third of
-        # stock vLLM's whole call). Only that thread calls the pool (vLLM's
+        # it makes then skip the lock (a re-entry costs a large share of stock
+        # vLLM's whole call: docs/benchmarks.md). Only that thread calls the pool (vLLM's
         # EngineCore loop); a call outside a step (an abort) takes the lock.
         self.in_step = False
         if num_gpu_blocks != self.link.num_blocks:

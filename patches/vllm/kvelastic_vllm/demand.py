@@ -16,9 +16,8 @@ for its slots (``get_computed_blocks``), and the waiting requests come after
 the running ones in a step: so that lookup puts two hooks on this manager
 alone, which hand each need and margin to the pool for the rest of the step
 (``hear``), and the end of ``schedule()`` takes them off (``stop_hearing``).
-Hooks on every call would cost a fifth of vLLM's own ``schedule()`` at a
-batch of 256 (``kvelastic bench vllm``: 1.27x stock with them, see
-docs/benchmarks.md)."""
+Hooks on every call would cost a large share of vLLM's own ``schedule()`` at
+a large batch (``kvelastic bench vllm``, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
