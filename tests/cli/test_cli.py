@@ -21,6 +21,17 @@ def test_unknown_benchmark_is_a_clear_error():
     assert result.returncode == 2 and "unknown benchmark" in result.stderr
 
 
+def test_a_runtime_without_the_tools_says_where_benchmarks_come_from(monkeypatch, capsys):
+    # A node that installed the runtime alone: no package declares a benchmark.
+    from kvelastic import benchmarks, cli
+
+    monkeypatch.setattr(benchmarks, "entry_points", lambda group: [])
+    assert benchmarks.available() == {}
+    assert cli.main(["bench", "core", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown benchmark 'core'" in err and "none is installed" in err and "make setup" in err
+
+
 def test_bench_core_prints_json_on_last_line():
     result = kvelastic("bench", "core", "--json", "--quick")
     assert result.returncode == 0, result.stderr
