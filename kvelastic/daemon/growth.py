@@ -1,32 +1,33 @@
 """Grows: the allocator's part that answers a request for memory. Pages come
 from the engine's own free pages or clean ones, from kept cache of its
 namespace (a warm start, ``handoff.py``), from a slab a replica handed on,
-or are created; a demand may reclaim from other engines (``arbiter.py``). A
-slab is granted once every worker mapped it; a grow is answered by its
+or are created; a demand may reclaim from other engines (``reclaims.py``).
+A slab is granted once every worker mapped it; a grow is answered by its
 deadline with what it got, the slabs mapped later granted on their own.
 
-A mixin of ``Allocator`` (``allocator.py``): it reads and writes the same
-books; nothing here does I/O.
+It owns the pending grows; nothing here does I/O.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
-from kvelastic.daemon.arbiter import Rules, is_hard, is_idle
+from kvelastic.daemon.arbiter import is_hard, is_idle
+from kvelastic.daemon.books import Books
+from kvelastic.daemon.handoff import CacheHandoff
+from kvelastic.daemon.parts import Reclaimer, Unmapper
 from kvelastic.daemon.rejected import Rejected
-from kvelastic.daemon.requests import GrowRequest, ReclaimRequest, Timing
-from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord, owner_tag
+from kvelastic.daemon.requests import GrowRequest
+from kvelastic.daemon.state import EngineRecord, Phase, SlabRecord, owner_tag
 
 log = logging.getLogger("kvelastic.daemon")
 
 MAX_GROW = 4096              # slabs in one grow request
 MAX_PENDING_GROWS = 8        # grow requests one engine may have waiting
 # Work per pass, so that a large grow never holds the loop: slabs whose
-# mapping starts in one pass (the rest go on in the next, ``Allocator.resume``),
+# mapping starts in one pass (the rest go on in the next, ``Growth.resume``),
 # and pages asked of the loop at once (it creates one batch per pass).
 SLABS_PER_PASS = 64
 CREATE_BATCH = 256
@@ -34,58 +35,93 @@ EXPORT_BACKOFF = 1.0         # after a page export failed (out of descriptors), 
 
 
 class Growth:
-    # The allocator's books this part reads and writes (``Allocator.__init__`` sets them).
-    pools: dict[str, PagePool]
-    engines: dict[str, EngineRecord]
-    departing: dict[int, EngineRecord]
-    grows: dict[int, GrowRequest]
-    reclaims: dict[int, ReclaimRequest]
-    timing: Timing
-    rules: Rules
-    _grow_seq: int
-    _progressing: bool
-    _again: bool
-    _started: int               # slabs whose mapping started in this pass
-    more_work: bool             # a grow was paced: the loop comes back at once
-    export_failed_at: float     # the loop could not export pages (``Allocator.pages_unsent``)
-    _now: float
-    _out: list[fx.Effect]
+    def __init__(self, books: Books, cache: CacheHandoff) -> None:
+        self.books = books
+        self.cache = cache
+        self.grows: dict[int, GrowRequest] = {}     # by arrival: answered in order
+        self._grow_seq = 0
+        self._progressing = self._again = False
+        self._started = 0                 # slabs whose mapping started in this pass
+        self.more_work = False            # a grow was paced: the loop comes back at once (``resume``)
+        self.export_failed_at = -1e9      # the loop could not export pages (``pages_unsent``)
 
-    if TYPE_CHECKING:  # the allocator's (and its other parts') methods it calls
-        def _own_engine(self, identity: bytes, engine_id: str) -> EngineRecord: ...
-        def _engine(self, engine_id: str) -> EngineRecord: ...
-        def _command(self, identity: bytes, msg: p.Msg) -> int: ...
-        def _new_req_id(self) -> int: ...
-        def departed(self, engine_id: str) -> list[EngineRecord]: ...
-        def _reclaim_for(self, req: GrowRequest, requester: EngineRecord, short: int) -> None: ...
-        def _start_unmap(self, engine: EngineRecord, slab: SlabRecord) -> None: ...
-        def _map_handoff(self, engine: EngineRecord, slab_id: int, req: GrowRequest) -> bool: ...
-        def _adopt_orphans(self, engine: EngineRecord, req: GrowRequest, room: int) -> int: ...
-        def _yield_orphans(self, device: str, pages: int, for_engine: str) -> None: ...
-        @staticmethod
-        def _handed(engine: EngineRecord, slab_ids: list[int]) -> dict[int, list[p.CachedBlock]]: ...
+    def wire(self, unmapper: Unmapper, reclaimer: Reclaimer) -> None:
+        """The parts a grow calls that call it back (``parts.py``): set once, by the allocator."""
+        self.unmapper = unmapper
+        self.reclaimer = reclaimer
 
-    def _on_grow(self, identity: bytes, m: p.Grow) -> p.Msg | None:
-        engine = self._own_engine(identity, m.engine_id)
+    # ------------------------------------------------------------ GrowPass
+    def request(self, seq: int) -> GrowRequest | None:
+        return self.grows.get(seq)
+
+    def of_engine(self, engine_id: str) -> list[GrowRequest]:
+        return [r for r in self.grows.values() if r.engine_id == engine_id]
+
+    def slabs_in_flight(self) -> set[tuple[str, int]]:
+        return {(r.engine_id, s) for r in self.grows.values() for s in r.slabs}
+
+    def answer_gone(self, engine: EngineRecord, why: str) -> None:
+        """``engine`` left the books: its grows are answered now, with why."""
+        for req in self.of_engine(engine.engine_id):
+            del self.grows[req.seq]
+            self.books.emit(fx.Send(req.identity, p.Error(req_id=req.req_id, reason=p.Reason.ENGINE_GONE.value,
+                                                          message=f"engine {engine.engine_id}: {why}")))
+
+    # ------------------------------------------------------------- inputs
+    def on_grow(self, identity: bytes, m: p.Grow) -> p.Msg | None:
+        books = self.books
+        engine = books.own_engine(identity, m.engine_id)
         if not 1 <= m.slabs <= MAX_GROW:
             raise Rejected(p.Reason.BAD_REQUEST, f"grow by {m.slabs} slabs (1..{MAX_GROW})")
         if engine.pending_grows >= MAX_PENDING_GROWS:
             raise Rejected(p.Reason.BUSY, f"engine {engine.engine_id} has {MAX_PENDING_GROWS} grows pending")
         if m.demand:
-            engine.active_at = self._now
-        elif is_idle(engine, self._now, self.rules):
+            engine.active_at = books.now
+        elif is_idle(engine, books.now, books.rules):
             # An idle engine keeps no reserve: a late refill is answered with nothing.
             log.info("engine %s: reserve grow refused: idle for %.1f s", engine.engine_id,
-                     self._now - engine.active_at)
+                     books.now - engine.active_at)
             return p.Granted(slabs=[])
         self._grow_seq += 1
         engine.pending_grows += 1
         self.grows[self._grow_seq] = GrowRequest(self._grow_seq, engine.engine_id, identity, m.req_id, m.slabs,
-                                                 self._now, self._now + self.timing.grow_timeout, m.demand)
-        self._progress_grows()
+                                                 books.now, books.now + books.timing.grow_timeout, m.demand)
+        self.progress()
         return None
 
-    def _progress_grows(self) -> None:
+    def pages_created(self, device: str, asked: int, page_ids: list[int]) -> None:
+        """The loop created ``page_ids`` (``asked`` were asked for; fewer: creation failed)."""
+        pool = self.books.pools[device]
+        pool.creating -= asked
+        pool.created += len(page_ids)
+        for page_id in page_ids:
+            pool.free[page_id] = ""
+        if len(page_ids) < asked:
+            log.error("device %s: created %d of %d page(s)", device, len(page_ids), asked)
+            pool.creation_failed_at = self.books.now
+        self.progress()
+
+    def pages_unsent(self, engine_id: str, rank: int, slab_id: int, why: str) -> None:
+        """The loop could not export a slab's pages for a worker (the daemon is
+        out of descriptors): nothing was sent to it, and the slab fails to map
+        as if that worker had said so. The engine is not at fault."""
+        engine = self.books.engines.get(engine_id)
+        slab = engine.slabs.get(slab_id) if engine is not None else None
+        self.export_failed_at = self.books.now
+        if engine is not None and slab is not None and slab.phase is Phase.MAPPING and rank in slab.waiting:
+            log.error("engine %s: pages of slab %d not sent to worker %d: %s", engine_id, slab_id, rank, why)
+            slab.waiting.discard(rank)
+            slab.failed = True
+            if not slab.waiting:
+                self._mapped(engine, slab)
+
+    def resume(self) -> None:
+        """Go on with grows paced in an earlier pass (``more_work``)."""
+        self.more_work = False
+        self.progress()
+
+    # ------------------------------------------------------------ the pass
+    def progress(self) -> None:
         """Advance every pending grow, in arrival order. A call from inside a
         pass (a slab mapped at once) only asks the running pass to go round
         once more; each round is linear in the pending grows."""
@@ -106,23 +142,25 @@ class Growth:
 
     def _end_grow(self, req: GrowRequest) -> None:
         del self.grows[req.seq]
-        engine = self.engines.get(req.engine_id)
+        engine = self.books.engines.get(req.engine_id)
         if engine is not None:
             engine.pending_grows -= 1
 
     def _advance(self, req: GrowRequest) -> bool:
         """True when ``req`` is answered."""
-        engine = self.engines.get(req.engine_id)
+        books = self.books
+        engine = books.engines.get(req.engine_id)
         if engine is None:
             return True
-        expired = self._now >= req.deadline
+        now = books.now
+        expired = now >= req.deadline
         if len(engine.workers) < engine.num_workers and not expired:
             return False  # every worker must be there to map the pages
         cap = engine.max_slabs if not engine.max_bytes else min(engine.max_slabs,
                                                                 engine.max_bytes // engine.slab_bytes)
         owned = engine.owned_slabs()
         if not expired:
-            adopted = self._adopt_orphans(engine, req, min(cap - owned, SLABS_PER_PASS - self._started))
+            adopted = self._adopt_kept(engine, req, min(cap - owned, SLABS_PER_PASS - self._started))
             owned += adopted
             self._started += adopted
         paced = False
@@ -135,12 +173,14 @@ class Growth:
             if self._started >= SLABS_PER_PASS:
                 paced = self.more_work = True
                 break
-            if self._now - self.export_failed_at < EXPORT_BACKOFF:
+            if now - self.export_failed_at < EXPORT_BACKOFF:
                 break            # the slab would fail again at once: answer with what it got
             slab_id = engine.free_slab_id()
             if slab_id is None:
                 break
-            if self._map_handoff(engine, slab_id, req):
+            handoff = self.cache.take_handoff(engine, req)
+            if handoff is not None:
+                self._map_kept(engine, slab_id, handoff.pages, handoff.page_devices, handoff.cached, req)
                 owned += 1
                 self._started += 1
                 continue
@@ -162,17 +202,17 @@ class Growth:
             creating = self._creating(engine)
             if not creating:
                 req.reclaim_rounds += 1
-                self._reclaim_for(req, engine, short)
+                self.reclaimer.reclaim_for(req, engine, short)
         waiting = paced or req.mapping or req.reclaims or (short > 0 and req.incoming) or \
             (self._creating(engine) if creating is None else creating)
         if waiting and not expired:
             return False
-        latency = self._now - req.started
-        self._out.append(fx.GrantLatency(engine.device, latency, req.demand))
+        latency = now - req.started
+        books.emit(fx.GrantLatency(engine.device, latency, req.demand))
         if req.demand:
             self._starvation(engine, req, short)
-        self._out.append(fx.Send(req.identity, p.Granted(req_id=req.req_id, slabs=req.slabs,
-                                                         cached=self._handed(engine, req.slabs))))
+        books.emit(fx.Send(req.identity, p.Granted(req_id=req.req_id, slabs=req.slabs,
+                                                   cached=self.cache.handed(engine, req.slabs))))
         for slab_id in req.mapping:     # answered at its deadline: the late ones are granted on their own
             engine.slabs[slab_id].late_grant = True
         if req.slabs:
@@ -184,61 +224,74 @@ class Growth:
                     "deadline passed" if expired else "device budget exhausted")
         return True
 
+    def _adopt_kept(self, engine: EngineRecord, req: GrowRequest, room: int) -> int:
+        """Warm start: a grow maps every kept slab of its engine's namespace and
+        shape it has room for, on top of what it asked for. Returns the slabs mapped."""
+        taken = self.cache.take_kept(engine, room)
+        for orphan in taken:
+            slab_id = engine.free_slab_id()
+            assert slab_id is not None     # take_kept takes no more than the ids free
+            self._map_kept(engine, slab_id, orphan.pages, orphan.page_devices, orphan.cached, req)
+            req.wanted += 1
+        return len(taken)
+
     def _starvation(self, engine: EngineRecord, req: GrowRequest, short: int) -> None:
         """A demand grow was answered: the engine is starved while its hard demand goes unmet."""
+        now = self.books.now
         if short <= 0 or req.slabs:
             if engine.starved_since is not None:
-                log.info("engine %s: demand met again after %.1f s", engine.engine_id,
-                         self._now - engine.starved_since)
+                log.info("engine %s: demand met again after %.1f s", engine.engine_id, now - engine.starved_since)
             engine.starved_since = None
         elif is_hard(engine, short):
             if engine.starved_since is None:
                 engine.starved_since = req.started
                 log.warning("engine %s: starved: demand for %d slab(s) unmet", engine.engine_id, short)
-            engine.last_unmet = self._now
+            engine.last_unmet = now
 
     def _demand_pending(self, engine: EngineRecord) -> bool:
         """Another engine's demand grow on one of ``engine``'s devices is unanswered."""
+        books = self.books
         mine: set[str] | None = None       # its devices, once another demand is pending
         for other in self.grows.values():
             if not other.demand or other.engine_id == engine.engine_id:
                 continue
-            requester = self.engines.get(other.engine_id)
+            requester = books.engines.get(other.engine_id)
             if requester is None:
                 continue
             if mine is None:
-                mine = self._devices_of(engine)
-            if mine & self._devices_of(requester):
+                mine = books.devices_of(engine)
+            if mine & books.devices_of(requester):
                 return True
         return False
 
     def _creating(self, engine: EngineRecord) -> bool:
-        return any(self.pools[d].creating for d in self._devices_of(engine))
+        pools = self.books.pools
+        return any(pools[d].creating for d in self.books.devices_of(engine))
 
     def _on_its_way(self, engine_id: str, slab_id: int) -> bool:
         """A reclaimed slab still unmapping by an engine that is not failed."""
-        for owner in (self.engines.get(engine_id), *self.departed(engine_id)):
+        books = self.books
+        for owner in (books.engines.get(engine_id), *books.departed(engine_id)):
             slab = owner.slabs.get(slab_id) if owner is not None and not owner.failed else None
             if slab is not None and slab.phase is Phase.UNMAPPING:
                 return True
         return False
 
-    def _devices_of(self, engine: EngineRecord) -> set[str]:
-        return {engine.worker_devices.get(r, engine.device) for r in range(engine.num_workers)} or {engine.device}
-
+    # ------------------------------------------------------------- pages
     def _take_pages(self, engine: EngineRecord, demand: bool) -> tuple[list[int], list[str]] | None:
         """Pages for one slab, rank by rank from each worker's device, all or
         none: the engine's own free pages or clean ones. Missing pages are
         asked of the loop (fresh ones, after releasing others' stale pages,
         and for a demand kept cache, if the budget needs the room); the grow
         waits for them."""
+        pools = self.books.pools
         owner = owner_tag(engine)
         ranks = [(engine.worker_devices.get(r, engine.device), engine.pages_per_worker)
                  for r in range(engine.num_workers)] or [(engine.device, engine.pages_per_worker)]
         need: dict[str, int] = {}
         for device, n in ranks:
             need[device] = need.get(device, 0) + n
-        short = {d: n - self.pools[d].usable(owner, n) for d, n in need.items()}
+        short = {d: n - pools[d].usable(owner, n) for d, n in need.items()}
         if any(short.values()):
             for device, n in short.items():
                 if n > 0:
@@ -247,7 +300,7 @@ class Growth:
         pages: list[int] = []
         devices: list[str] = []
         for device, n in ranks:
-            got = self.pools[device].take(n, owner)
+            got = pools[device].take(n, owner)
             pages += got
             devices += [device] * n
         return pages, devices
@@ -256,39 +309,50 @@ class Growth:
         """Ask the loop for ``n`` fresh pages on ``device`` (unless already asked),
         releasing free pages of other owners when the budget needs the room,
         then for a demand (``demand_of``: the engine) kept orphaned cache."""
-        pool = self.pools[device]
-        if pool.creating or self._now - pool.creation_failed_at < 1.0:
+        books = self.books
+        pool = books.pools[device]
+        if pool.creating or books.now - pool.creation_failed_at < 1.0:
             return
         if pool.creatable() < n:
             stale = pool.take_stale(n - pool.creatable())
             if stale:
-                self._out.append(fx.ReleasePages(device, tuple(stale)))
+                books.emit(fx.ReleasePages(device, tuple(stale)))
         if pool.creatable() < n and demand_of:
-            self._yield_orphans(device, n - pool.creatable(), demand_of)
+            self.cache.yield_pages(device, n - pool.creatable(), demand_of)
         n = min(n, pool.creatable(), CREATE_BATCH)
         if n > 0:
             pool.creating += n
-            self._out.append(fx.CreatePages(device, n))
+            books.emit(fx.CreatePages(device, n))
+
+    # ------------------------------------------------------------ mapping
+    def _map_kept(self, engine: EngineRecord, slab_id: int, pages: list[int], page_devices: list[str],
+                  cached: tuple[p.CachedBlock, ...], req: GrowRequest) -> None:
+        """Map pages that come with their KV (handed on, or kept cache)."""
+        self._start_map(engine, slab_id, pages, page_devices, req)
+        slab = engine.slabs.get(slab_id)
+        if slab is not None:
+            slab.handoff = cached
 
     def _start_map(self, engine: EngineRecord, slab_id: int, pages: list[int], page_devices: list[str],
                    req: GrowRequest | None) -> None:
+        books = self.books
         slab = SlabRecord(slab_id, pages, page_devices, Phase.MAPPING, set(range(engine.num_workers)),
-                          deadline=self._now + self.timing.ack_timeout)
+                          deadline=books.now + books.timing.ack_timeout)
         engine.start_mapping(slab)
         if req is not None:
             req.mapping.add(slab_id)
         for rank in range(engine.num_workers):
             mine = pages[rank * engine.pages_per_worker:(rank + 1) * engine.pages_per_worker]
             offsets = engine.worker_offsets(slab_id, rank)
-            command = fx.Send(engine.workers[rank], p.MapSlab(req_id=self._new_req_id(), slab=slab_id,
+            command = fx.Send(engine.workers[rank], p.MapSlab(req_id=books.new_req_id(), slab=slab_id,
                                                              pages=list(zip(mine, offsets))))
-            self._out.append(fx.SendPages(engine.engine_id, rank, engine.worker_devices[rank], tuple(mine),
-                                          engine.token, command, slab_id))
+            books.emit(fx.SendPages(engine.engine_id, rank, engine.worker_devices[rank], tuple(mine),
+                                    engine.token, command, slab_id))
         if not slab.waiting:
             self._mapped(engine, slab)
 
-    def _on_mapped(self, identity: bytes, m: p.Mapped) -> None:
-        engine = self._engine(m.engine_id)
+    def on_mapped(self, identity: bytes, m: p.Mapped) -> None:
+        engine = self.books.engine(m.engine_id)
         if engine.workers.get(m.rank) != identity:
             raise Rejected(p.Reason.NOT_OWNER, f"worker {m.rank} of {m.engine_id} registered on another connection")
         slab = engine.slabs.get(m.slab)
@@ -309,15 +373,15 @@ class Growth:
         if req is not None:
             req.mapping.discard(slab.slab_id)
         if slab.failed:
-            self._start_unmap(engine, slab)
+            self.unmapper.start_unmap(engine, slab)
         else:
             engine.mark_held(slab)
             engine.mirror.hold(slab.slab_id, (0, 0, engine.blocks_per_slab))
-            engine.active[slab.slab_id] = self._now
+            engine.active[slab.slab_id] = self.books.now
             engine.grants += 1
             if req is not None:
                 req.slabs.append(slab.slab_id)
             elif slab.late_grant:      # its grow was answered at the deadline: grant it now
-                self._command(engine.identity, p.Granted(slabs=[slab.slab_id],
-                                                         cached=self._handed(engine, [slab.slab_id])))
-        self._progress_grows()
+                self.books.command(engine.identity, p.Granted(slabs=[slab.slab_id],
+                                                              cached=self.cache.handed(engine, [slab.slab_id])))
+        self.progress()

@@ -1,6 +1,6 @@
 """The allocator's request records and deadlines: plain data that its parts
-(``allocator.py`` and the mixins ``growth.py``, ``handoff.py``,
-``registration.py``) share, kept below them so none imports another back."""
+(``growth.py``, ``reclaims.py``, ``unmapping.py``, ``handoff.py``,
+``invalidation.py``) share, kept below them so none imports another."""
 
 from __future__ import annotations
 

@@ -42,13 +42,14 @@ def test_a_scrape_reads_only_the_published_snapshot(tmp_path):
         time.sleep(0.3)                                            # a tick publishes them
         stop.set()
         thread.join(5)                                             # the loop is quiet now
-        books = daemon.allocator.engines, daemon.allocator.departing, daemon.allocator.pools
-        daemon.allocator.engines = daemon.allocator.departing = Poison()
-        daemon.allocator.pools = Poison()
+        books = daemon.allocator.books
+        saved = books.engines, books.departing, books.pools
+        books.engines = books.departing = Poison()
+        books.pools = Poison()
         try:
             text = generate_latest(daemon.metrics.registry).decode()
         finally:
-            daemon.allocator.engines, daemon.allocator.departing, daemon.allocator.pools = books
+            books.engines, books.departing, books.pools = saved
         held = [ln for ln in text.splitlines() if ln.startswith("kvelastic_engine_held_bytes{")]
         assert held == ['kvelastic_engine_held_bytes{device="0",engine="a",namespace="n"} 4.194304e+06'], held
     finally:

@@ -14,6 +14,8 @@ import pytest
 
 from kvelastic import protocol as p
 from kvelastic.daemon.allocator import Allocator
+from kvelastic.daemon.registration import Registration
+from kvelastic.daemon.unmapping import Unmapping
 from kvelastic_tools.sim.engine import BUSY
 from kvelastic_tools.sim.guard import SimAbort
 from kvelastic_tools.sim.run import SIM_TIMING, run_seed
@@ -85,34 +87,34 @@ def overwrite_departing(monkeypatch):
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        self.departing = ByEngineId()
+        self.books.departing = ByEngineId()
     monkeypatch.setattr(Allocator, "__init__", init)
 
 
 def deadline_runs_during_step(monkeypatch):
     """Fault 15: the daemon ignores Busy: the ack deadline passes while a long
     step holds the unmap and says so, and the engine is failed."""
-    if BUSY is None or BUSY not in Allocator._HANDLERS:
+    if BUSY is None or not hasattr(Unmapping, "on_busy"):
         pytest.fail("the protocol or the allocator has no Busy yet: no deadline extension to take away")
-    monkeypatch.setitem(Allocator._HANDLERS, BUSY, lambda self, identity, m: None)
+    monkeypatch.setattr(Unmapping, "on_busy", lambda self, identity, m: None)
 
 
 def no_geometry_cap(monkeypatch):
     """Fault 16: a registration's blocks need not fit in its slab (any
     blocks_per_slab x block_bytes is taken, whatever cap the daemon has)."""
-    original = Allocator._HANDLERS[p.RegisterEngine]
+    original = Registration.on_register_engine
 
     def register(self, identity, m):
         slab_bytes = m.pages_per_worker * max(1, m.num_workers) * m.page_size
         if m.blocks_per_slab * m.block_bytes <= slab_bytes or m.held:
             return original(self, identity, m)
         reply = original(self, identity, msgspec.structs.replace(m, blocks_per_slab=1, block_bytes=1))
-        record = self.engines.get(m.engine_id)
+        record = self.books.engines.get(m.engine_id)
         if isinstance(reply, p.Registered) and record is not None and record.identity == identity:
             record.blocks_per_slab, record.block_bytes = m.blocks_per_slab, m.block_bytes
             record.mirror.blocks_per_slab = m.blocks_per_slab
         return reply
-    monkeypatch.setitem(Allocator._HANDLERS, p.RegisterEngine, register)
+    monkeypatch.setattr(Registration, "on_register_engine", register)
 
 
 # Fault -> (its injection, what the check that must find it says).

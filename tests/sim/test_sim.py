@@ -15,11 +15,17 @@ covers them with real processes.)
 
 import pytest
 
+from kvelastic import protocol as p
 from kvelastic.core.journal import JournalBatch, Mirror
-from kvelastic.daemon import allocator as allocator_mod
 from kvelastic.daemon.allocator import Allocator
+from kvelastic.daemon.growth import Growth
+from kvelastic.daemon.handoff import CacheHandoff
+from kvelastic.daemon.invalidation import CacheScope
 from kvelastic.daemon.orphans import OrphanCache
+from kvelastic.daemon.registration import Registration
 from kvelastic.daemon.requests import Timing
+from kvelastic.daemon.state import Phase
+from kvelastic.daemon.unmapping import Unmapping
 from kvelastic_tools.sim import engine as engine_mod
 from kvelastic_tools.sim.run import SIM_TIMING, run_seed
 
@@ -51,34 +57,35 @@ def unmap_on_shutdown(monkeypatch):
     def shutdown(self):
         for engine in list(self.engines.values()):
             self._drop(engine, "daemon stopping")
-        return self._take()
+        return self.books.take()
     monkeypatch.setattr(Allocator, "shutdown", shutdown)
 
 
 def forget_dead_workers(monkeypatch):
     """Fault 4: slabs already unmapping when their engine dies wait for dead workers forever."""
-    monkeypatch.setattr(Allocator, "_settle_departed", lambda self, engine: None)
+    monkeypatch.setattr(Unmapping, "settle_departed", lambda self, engine: None)
 
 
 def no_deadlines(monkeypatch):
     """Fault 5: no deadline on acknowledgements or grows, and every grow that
     lacks memory waits while any slab anywhere is still unmapping."""
-    original = Allocator._advance
+    original = Growth._advance
 
     def advance(self, req):
+        books = self.books
         short = req.wanted - len(req.slabs) - len(req.mapping)
-        unmapping = any(s.phase is allocator_mod.Phase.UNMAPPING
-                        for e in (*self.engines.values(), *self.departing.values()) for s in e.slabs.values())
-        if short > 0 and unmapping and req.engine_id in self.engines:
+        unmapping = any(s.phase is Phase.UNMAPPING
+                        for e in (*books.engines.values(), *books.departing.values()) for s in e.slabs.values())
+        if short > 0 and unmapping and req.engine_id in books.engines:
             return False
         return original(self, req)
-    monkeypatch.setattr(Allocator, "_advance", advance)
+    monkeypatch.setattr(Growth, "_advance", advance)
     return Timing(ack_timeout=1e9, grow_timeout=1e9, orphan_ttl=SIM_TIMING.orphan_ttl)
 
 
 def trust_adoption(monkeypatch):
     """Fault 6: a re-registration's held slabs are adopted unchecked."""
-    monkeypatch.setattr(Allocator, "_check_adoption", lambda self, m, pool, slab_pages, max_slabs: list(m.held))
+    monkeypatch.setattr(Registration, "_check_adoption", lambda self, m, pool, slab_pages, max_slabs: list(m.held))
 
 
 def drop_late_grants(monkeypatch):
@@ -97,7 +104,7 @@ def half_apply_journals(monkeypatch):
     original = Allocator._on_journal
 
     def on_journal(self, identity, m):
-        engine = self.engines.get(m.engine_id)
+        engine = self.books.engines.get(m.engine_id)
         if engine is not None:
             for op in m.ops:
                 if getattr(op, "block", 0) // engine.blocks_per_slab not in engine.slabs:
@@ -105,12 +112,11 @@ def half_apply_journals(monkeypatch):
                 engine.mirror.apply(JournalBatch([op.core()], {}))
         return original(self, identity, m)
     monkeypatch.setattr(Allocator, "_on_journal", on_journal)
-    monkeypatch.setitem(Allocator._HANDLERS, allocator_mod.p.Journal, on_journal)
 
 
 def hand_on_across_namespaces(monkeypatch):
     """Fault 10: a cached slab is handed on with its KV whatever the taker's namespace."""
-    monkeypatch.setattr(Allocator, "_may_hand_on", staticmethod(lambda giver, taker, cached: True))
+    monkeypatch.setattr(CacheHandoff, "may_hand_on", staticmethod(lambda giver, taker, cached: True))
 
 
 def every_key_valid(monkeypatch):
@@ -142,7 +148,7 @@ def orphans_across_namespaces(monkeypatch):
 def ignore_diverge(monkeypatch):
     """Fault 17: an engine whose weights changed in memory stays in its
     checkpoint's namespace: its new KV is handed on and kept as the checkpoint's."""
-    monkeypatch.setitem(Allocator._HANDLERS, allocator_mod.p.Diverge, lambda self, identity, m: allocator_mod.p.Ok())
+    monkeypatch.setattr(CacheScope, "on_diverge", lambda self, identity, m: p.Ok())
 
 
 REINJECTED = {1: unmap_on_shutdown, 4: forget_dead_workers, 5: no_deadlines, 6: trust_adoption,

@@ -140,7 +140,7 @@ class World:
                               token_source=lambda: self.rng.randbytes(16))
         # Page ids of a restarted daemon must not collide with pages still mapped.
         allocator._next_page = 1_000_000 * getattr(self, "daemon_epoch", 0)
-        allocator.orphans = WatchedOrphans(self)
+        allocator.books.orphans = WatchedOrphans(self)
         return allocator
 
     # ------------------------------------------------------------ transport
