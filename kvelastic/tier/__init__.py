@@ -1,0 +1,1 @@
+"""The tier below device memory: its index (``index.py``) and its stores (``disk.py``); docs/tier.md."""

@@ -1,0 +1,233 @@
+"""TierBooks: the tier index's state, what it answers about it, the moves
+every operation shares, and its invariants (``index.py`` says what the tier
+does with them; docs/tier.md why).
+
+Invariants (``check``): a key is in at most one live entry per namespace and
+the key map holds exactly the live entries; bytes in use (pending, committed,
+dead) never exceed the budget, and ``held_bytes`` counts exactly the held
+ones; a pinned entry is never freed; a released slot holds nothing; every
+evictable leaf (committed, live, unpinned, no live child) has exactly one
+current heap record, at its current priority, and no other entry has one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from kvelastic.errors import require
+from kvelastic.tier.errors import UnknownTierSlot
+from kvelastic.tier.stats import EVICTION_REASONS, FAILURE_REASONS, TierStats
+
+
+class TierEntry:
+    """One block in the tier. ``hits`` is the decayed reference count as of
+    ``at``; ``heap_seq`` the sequence number of its current heap record, or
+    -1 when it has none (it is not an evictable leaf)."""
+
+    __slots__ = ("at", "committed", "cost", "dead", "heap_seq", "hits", "key", "namespace", "nbytes",
+                 "parent", "pins", "slot")
+
+    def __init__(self, slot: int, namespace: str, key: bytes, parent: bytes | None, nbytes: int,
+                 cost: float, now: float) -> None:
+        self.slot = slot
+        self.namespace = namespace
+        self.key = key
+        self.parent = parent
+        self.nbytes = nbytes
+        self.cost = cost
+        self.hits = 1.0
+        self.at = now
+        self.pins = 0
+        self.committed = False
+        self.dead = False
+        self.heap_seq = -1
+
+    @property
+    def held(self) -> bool:
+        """Its bytes cannot be evicted now: being written, being loaded, or dead (so one of those)."""
+        return not self.committed or self.pins > 0 or self.dead
+
+
+class TierBooks:
+    """The index's state and shared moves (module docstring)."""
+
+    def __init__(self, budget_bytes: int, *, half_life: float = 300.0) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        if not half_life > 0:
+            raise ValueError(f"half_life must be > 0, got {half_life}")
+        self.budget_bytes = budget_bytes
+        self.half_life = half_life
+        self.bytes_used = 0     # every entry's bytes: pending, committed and dead
+        self.held_bytes = 0     # of those, the bytes no eviction can free now (TierEntry.held)
+        self.stats = TierStats()
+        self._entries: dict[int, TierEntry] = {}
+        self._keys: dict[str, dict[bytes, int]] = {}        # live entries: namespace -> key -> slot
+        self._children: dict[str, dict[bytes, int]] = {}    # namespace -> key -> live entries naming it parent
+        self._heap: list[tuple[float, int, int]] = []       # evictable leaves: (priority, seq, slot)
+        self._seq = 0
+        self._next_slot = 0
+        self._released: list[int] = []
+
+    # ------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def key_of(self, slot: int) -> tuple[str, bytes]:
+        """(namespace, key) of a slot's entry: what its bytes must say they are."""
+        e = self._entry(slot)
+        return e.namespace, e.key
+
+    def nbytes(self, slot: int) -> int:
+        return self._entry(slot).nbytes
+
+    def value(self, slot: int, now: float) -> float:
+        """The entry's value at ``now`` (``index.py``): recompute cost per byte times decayed hits."""
+        e = self._entry(slot)
+        return e.cost / e.nbytes * self._decayed(e, now)
+
+    def skip_slots(self, first: int) -> None:
+        """Hand out no slot below ``first``: slots a store has seen (files found after a restart)."""
+        self._next_slot = max(self._next_slot, first)
+
+    def take_released(self) -> list[int]:
+        """Slots freed since the last call: their bytes may be deleted."""
+        released, self._released = self._released, []
+        return released
+
+    # -------------------------------------------------------- internals
+    def _entry(self, slot: int) -> TierEntry:
+        e = self._entries.get(slot)
+        if e is None:
+            raise UnknownTierSlot(f"no tier entry holds slot {slot}")
+        return e
+
+    def _count_failure(self, reason: str) -> None:
+        if reason not in FAILURE_REASONS:
+            raise ValueError(f"unknown failure reason {reason!r} (one of {FAILURE_REASONS})")
+        self.stats.failures[reason] += 1
+
+    def _decayed(self, e: TierEntry, now: float) -> float:
+        """``e``'s hits as of ``now`` (never later than its last reference: ``now`` is monotonic)."""
+        return e.hits * math.pow(2.0, -max(0.0, now - e.at) / self.half_life)
+
+    def _hit(self, e: TierEntry, now: float) -> None:
+        e.hits = self._decayed(e, now) + 1.0
+        e.at = max(e.at, now)
+
+    def _priority(self, e: TierEntry) -> float:
+        """``log2(value) + now / half_life``: the same at any ``now`` until ``e`` is referenced again."""
+        return math.log2(e.cost / e.nbytes) + math.log2(e.hits) + e.at / self.half_life
+
+    def _is_leaf(self, e: TierEntry) -> bool:
+        return not self._children.get(e.namespace, {}).get(e.key)
+
+    def _refresh(self, e: TierEntry) -> None:
+        """Give ``e`` a current heap record if it is an evictable leaf, else none."""
+        if e.committed and not e.dead and e.pins == 0 and self._is_leaf(e):
+            self._seq += 1
+            e.heap_seq = self._seq
+            heapq.heappush(self._heap, (self._priority(e), self._seq, e.slot))
+            if len(self._heap) > 2 * len(self._entries) + 64:     # stale records: drop them
+                self._heap = [r for r in self._heap if self._current(r)]
+                heapq.heapify(self._heap)
+        else:
+            e.heap_seq = -1
+
+    def _current(self, record: tuple[float, int, int]) -> bool:
+        e = self._entries.get(record[2])
+        return e is not None and e.heap_seq == record[1]
+
+    def _make_room(self, nbytes: int, reason: str) -> bool:
+        """Evict leaves of least value until ``nbytes`` fit. False when they
+        cannot: at once if held bytes leave too little, else once no leaf is
+        left (the entries evicted on the way stay evicted: they were the least
+        valuable, and this happens only when nearly all is held)."""
+        if nbytes > self.budget_bytes - self.held_bytes:
+            return False
+        while self.bytes_used + nbytes > self.budget_bytes:
+            while self._heap and not self._current(self._heap[0]):
+                heapq.heappop(self._heap)
+            if not self._heap:
+                return False
+            e = self._entries[heapq.heappop(self._heap)[2]]
+            self._unlink(e)
+            self._free(e)
+            self.stats.evictions[reason] += 1
+        return True
+
+    def _add(self, e: TierEntry) -> None:
+        """A new pending entry, live: in the key map, counted as its parent's child."""
+        self._entries[e.slot] = e
+        self.bytes_used += e.nbytes
+        self.held_bytes += e.nbytes
+        self._keys.setdefault(e.namespace, {})[e.key] = e.slot
+        if e.parent is not None:
+            children = self._children.setdefault(e.namespace, {})
+            children[e.parent] = children.get(e.parent, 0) + 1
+            if children[e.parent] == 1:
+                self._refresh_key(e.namespace, e.parent)    # no longer a leaf
+
+    def _unlink(self, e: TierEntry) -> None:
+        """A live entry leaves the key map (and its parent's children)."""
+        table = self._keys[e.namespace]
+        del table[e.key]
+        if not table:
+            del self._keys[e.namespace]
+        if e.parent is not None:
+            children = self._children[e.namespace]
+            children[e.parent] -= 1
+            if not children[e.parent]:
+                del children[e.parent]
+                if not children:
+                    del self._children[e.namespace]
+                self._refresh_key(e.namespace, e.parent)    # a leaf again
+
+    def _refresh_key(self, namespace: str, key: bytes) -> None:
+        slot = self._keys.get(namespace, {}).get(key)
+        if slot is not None:
+            self._refresh(self._entries[slot])
+
+    def _free(self, e: TierEntry) -> None:
+        require(e.pins == 0, f"slot {e.slot} freed while {e.pins} load(s) hold it")
+        if e.held:
+            self.held_bytes -= e.nbytes
+        self.bytes_used -= e.nbytes
+        e.heap_seq = -1
+        del self._entries[e.slot]
+        self._released.append(e.slot)
+
+    # ------------------------------------------------------------ check
+    def check(self) -> None:
+        """Raise ``InvariantViolation`` unless every invariant holds (module docstring)."""
+        live = {slot for slot, e in self._entries.items() if not e.dead}
+        mapped = [(ns, key, slot) for ns, table in self._keys.items() for key, slot in table.items()]
+        require(all(table for table in self._keys.values()), "an empty namespace table is kept")
+        require(sorted(s for _, _, s in mapped) == sorted(live), "the key map is not the live entries")
+        for ns, key, slot in mapped:
+            e = self._entries[slot]
+            require((e.namespace, e.key) == (ns, key), f"slot {slot} is mapped under another key")
+        children: dict[str, dict[bytes, int]] = {}
+        for slot in live:
+            e = self._entries[slot]
+            if e.parent is not None:
+                table = children.setdefault(e.namespace, {})
+                table[e.parent] = table.get(e.parent, 0) + 1
+        require(children == self._children, "child counts are off")
+        require(self.bytes_used == sum(e.nbytes for e in self._entries.values()), "bytes_used is off")
+        require(self.held_bytes == sum(e.nbytes for e in self._entries.values() if e.held), "held_bytes is off")
+        require(self.bytes_used <= self.budget_bytes, "bytes in use exceed the budget")
+        require(all(e.pins > 0 or not e.committed for e in self._entries.values() if e.dead),
+                "a dead entry nothing holds was not freed")
+        require(all(e.pins == 0 for e in self._entries.values() if not e.committed), "a pending entry is pinned")
+        released = set(self._released)
+        require(not released & self._entries.keys(), "a released slot holds an entry")
+        require(all(0 <= s < self._next_slot for s in [*released, *self._entries]), "a slot was never handed out")
+        records = {(seq, slot): prio for prio, seq, slot in self._heap}
+        for slot, e in self._entries.items():
+            evictable = e.committed and not e.dead and e.pins == 0 and self._is_leaf(e)
+            require(evictable == (e.heap_seq != -1), f"slot {slot}: heap record and evictability disagree")
+            if evictable:
+                require(records.get((e.heap_seq, slot)) == self._priority(e), f"slot {slot}: no current record")
+        require(set(EVICTION_REASONS) == self.stats.evictions.keys(), "eviction reasons changed")

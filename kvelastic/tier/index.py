@@ -1,0 +1,187 @@
+"""TierIndex: the books of the tier below device memory (docs/tier.md).
+
+Maps (namespace, block key) to a *slot*: an id naming one block's bytes in a
+store (a file on disk, later a page of pinned host memory). Pure logic, like
+``kvelastic/core``: no I/O, no clock (every call that ages values takes
+``now``, monotonic seconds), no threads; the daemon's loop drives it and the
+stores move the bytes.
+
+An entry's life: ``reserve`` (pending: its bytes are being written, it holds
+budget, it cannot be found) -> ``commit`` (findable) or ``abort`` (gone);
+``lookup`` pins the entries of the prefix it finds (a load in flight) and
+``unpin`` releases them; an entry leaves by eviction, ``invalidate`` of its
+namespace or ``drop`` (its bytes failed their check). An entry that a load
+or a write still holds when it is invalidated or dropped becomes *dead*:
+never found again, its bytes kept until the last holder lets go.
+
+Slots are never reused: a slot names one block's bytes for life, so a late
+``unpin`` or ``commit`` can never touch a newer block, and a store deleting a
+released slot's bytes can never delete a newer block's. The slots whose bytes
+may go are handed out by ``take_released``.
+
+Eviction is by value (docs/tier.md says why), leaves first: an entry another
+live entry names as its parent is not evicted before that child, since a
+prefix lookup stops at the first missing key and would strand the child. Of
+the leaves, the one of least value goes, where
+
+    value = cost / nbytes * hits(now),  hits(now) = sum over references r of 2 ** (-(now - t_r) / half_life)
+
+(the demotion itself is the first reference). Since every term decays at the
+same rate, the order of two entries changes only when one is referenced, so
+the leaves sit in a heap keyed by ``log2(value) + now / half_life``, a
+constant between references.
+
+The state, the moves every operation shares and the invariants ``check``
+asserts are ``books.py``'s (``TierBooks``); here, the operations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvelastic.tier.books import TierBooks, TierEntry
+from kvelastic.tier.errors import TierSlotState
+
+
+class TierIndex(TierBooks):
+    """The tier's index and eviction (module docstring)."""
+
+    # --------------------------------------------------------- demotion
+    def reserve(self, namespace: str, key: bytes, nbytes: int, cost: float, now: float,
+                parent: bytes | None = None) -> int | None:
+        """Room for a demoted block's bytes: its slot (pending until ``commit``),
+        or None when the key is in the tier already or nothing can be evicted
+        to make room. May evict entries (``take_released``)."""
+        if nbytes <= 0 or not cost > 0 or parent == key:
+            raise ValueError(f"nbytes and cost must be > 0 and a block is not its own parent, got {nbytes}, {cost}")
+        if key in self._keys.get(namespace, {}):
+            self.stats.already_held += 1
+            return None
+        if not self._make_room(nbytes, "value"):
+            self.stats.rejected_full += 1
+            return None
+        slot = self._next_slot
+        self._next_slot += 1
+        self._add(TierEntry(slot, namespace, key, parent, nbytes, cost, now))
+        return slot
+
+    def commit(self, slot: int) -> bool:
+        """The slot's bytes are written: it can be found. False when it was
+        invalidated while written: it is freed instead, never found."""
+        e = self._entry(slot)
+        if e.committed:
+            raise TierSlotState(f"slot {slot} is committed already")
+        if e.dead:
+            self._free(e)
+            return False
+        e.committed = True
+        self.held_bytes -= e.nbytes
+        self.stats.demotions += 1
+        self._refresh(e)
+        return True
+
+    def abort(self, slot: int, reason: str = "io") -> None:
+        """The slot's bytes could not be written: it is freed, counted under ``reason``."""
+        e = self._entry(slot)
+        if e.committed:
+            raise TierSlotState(f"slot {slot} is committed: drop it instead")
+        self._count_failure(reason)
+        if not e.dead:
+            self._unlink(e)
+        self._free(e)
+
+    def restore(self, namespace: str, key: bytes, nbytes: int, slot: int, cost: float, now: float,
+                parent: bytes | None = None) -> bool:
+        """A committed entry found by a store after a restart, at its own slot.
+        False (nothing added: the caller deletes the bytes) when the key is
+        held already or the budget has no room for it after evicting by value."""
+        if nbytes <= 0 or not cost > 0 or slot < 0 or parent == key:
+            raise ValueError(f"bad entry: nbytes {nbytes}, cost {cost}, slot {slot}, its own parent {parent == key}")
+        if slot in self._entries or slot in self._released:
+            raise TierSlotState(f"slot {slot} is in use")
+        if key in self._keys.get(namespace, {}) or not self._make_room(nbytes, "budget"):
+            return False
+        self._next_slot = max(self._next_slot, slot + 1)
+        e = TierEntry(slot, namespace, key, parent, nbytes, cost, now)
+        self._add(e)
+        e.committed = True
+        self.held_bytes -= nbytes
+        self.stats.restored += 1
+        self._refresh(e)
+        return True
+
+    # -------------------------------------------------------- promotion
+    def lookup(self, namespace: str, keys: Sequence[bytes], now: float) -> list[int]:
+        """The slots of the longest run of committed entries for ``keys[0]``,
+        ``keys[1]``, ...: each one hit at ``now`` and pinned until ``unpin``."""
+        found: list[TierEntry] = []
+        table = self._keys.get(namespace)
+        if table:
+            for key in keys:
+                slot = table.get(key)
+                if slot is None or not self._entries[slot].committed:
+                    break
+                found.append(self._entries[slot])
+        for e in found:
+            self._hit(e, now)
+            if e.pins == 0:
+                self.held_bytes += e.nbytes
+            e.pins += 1
+            e.heap_seq = -1     # pinned: not evictable; re-queued at its new value when unpinned
+        self.stats.lookups += 1
+        self.stats.lookup_blocks += len(keys)
+        self.stats.hit_blocks += len(found)
+        self.stats.miss_blocks += len(keys) - len(found)
+        return [e.slot for e in found]
+
+    def unpin(self, slots: Sequence[int], *, loaded: bool = True) -> None:
+        """The load of ``slots`` ended: well (``loaded``), or not (counted as a
+        ``load`` failure). A dead entry is freed with its last pin."""
+        wanted: dict[int, int] = {}
+        for slot in slots:
+            wanted[slot] = wanted.get(slot, 0) + 1
+        for slot, n in wanted.items():
+            if self._entry(slot).pins < n:
+                raise TierSlotState(f"slot {slot} is unpinned {n} time(s) with {self._entries[slot].pins} pin(s)")
+        for slot in slots:
+            e = self._entries[slot]
+            e.pins -= 1
+            if e.pins == 0:
+                if e.dead:
+                    self._free(e)
+                else:
+                    self.held_bytes -= e.nbytes
+                    self._refresh(e)
+        if loaded:
+            self.stats.promotions += len(slots)
+        else:
+            self.stats.failures["load"] += len(slots)
+
+    # ------------------------------------------------------------- loss
+    def invalidate(self, namespace: str) -> int:
+        """Every entry of ``namespace`` leaves (held ones die); how many left."""
+        table = self._keys.pop(namespace, {})
+        self._children.pop(namespace, None)
+        for slot in table.values():
+            e = self._entries[slot]
+            if e.held:
+                e.dead, e.heap_seq = True, -1
+            else:
+                self._free(e)
+        self.stats.evictions["invalidate"] += len(table)
+        return len(table)
+
+    def drop(self, slot: int, reason: str) -> None:
+        """A committed slot's bytes failed (a torn file, a checksum): it is never
+        found again, and freed once no load holds it. Counted under ``reason``."""
+        e = self._entry(slot)
+        if not e.committed:
+            raise TierSlotState(f"slot {slot} is pending: abort it instead")
+        self._count_failure(reason)
+        if e.dead:
+            return
+        self._unlink(e)
+        if e.pins:
+            e.dead, e.heap_seq = True, -1
+        else:
+            self._free(e)

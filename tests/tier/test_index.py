@@ -1,0 +1,261 @@
+"""Unit tests of TierIndex: the entry's life, eviction by value, leaves
+first, loads that hold entries, invalidation, failures and restore."""
+
+import pytest
+
+from kvelastic.errors import InvariantViolation
+from kvelastic.tier.errors import TierSlotState, UnknownTierSlot
+from kvelastic.tier.index import TierIndex
+
+NS = "llama-3f2a"
+H = 100.0   # half-life in the tests
+
+
+def demote(index, key, nbytes=10, cost=1.0, now=0.0, ns=NS, parent=None):
+    slot = index.reserve(ns, key, nbytes, cost, now, parent)
+    assert slot is not None
+    assert index.commit(slot)
+    index.check()
+    return slot
+
+
+def findable(index, key, ns=NS, now=0.0):
+    """Whether ``key`` is found (its pin released at once: a load that went well)."""
+    slots = index.lookup(ns, [key], now)
+    index.unpin(slots)
+    return bool(slots)
+
+
+def snapshot(index):
+    return (index.bytes_used, index.held_bytes, len(index), index.stats.counters(), index._next_slot,
+            {s: (e.pins, e.committed, e.dead) for s, e in index._entries.items()})
+
+
+# ---------------------------------------------------------------- the life
+def test_pending_is_not_found_until_committed():
+    index = TierIndex(100, half_life=H)
+    slot = index.reserve(NS, b"a", 10, 1.0, 0.0)
+    assert index.lookup(NS, [b"a"], 0.0) == []
+    assert index.bytes_used == index.held_bytes == 10
+    assert index.commit(slot)
+    assert index.held_bytes == 0
+    assert index.lookup(NS, [b"a", b"b"], 1.0) == [slot]
+    assert (index.stats.hit_blocks, index.stats.miss_blocks, index.stats.demotions) == (1, 2, 1)
+    index.check()
+
+
+def test_abort_frees_and_counts_the_failure():
+    index = TierIndex(100, half_life=H)
+    slot = index.reserve(NS, b"a", 10, 1.0, 0.0)
+    index.abort(slot, "disk_full")
+    assert index.take_released() == [slot]
+    assert index.bytes_used == 0 and index.stats.failures["disk_full"] == 1
+    assert index.reserve(NS, b"a", 10, 1.0, 0.0) not in (None, slot)    # slots are never reused
+    index.check()
+
+
+def test_a_key_already_held_is_not_written_again():
+    index = TierIndex(100, half_life=H)
+    demote(index, b"a")
+    assert index.reserve(NS, b"a", 10, 1.0, 0.0) is None
+    assert index.reserve("other-ns", b"a", 10, 1.0, 0.0) is not None    # namespaces never meet
+    assert index.stats.already_held == 1
+
+
+def test_lookup_returns_the_leading_run_only():
+    index = TierIndex(100, half_life=H)
+    a, b, d = demote(index, b"a"), demote(index, b"b"), demote(index, b"d")
+    assert index.lookup(NS, [b"a", b"b", b"c", b"d"], 0.0) == [a, b]
+    assert index.lookup(NS, [b"c", b"d"], 0.0) == []
+    assert index.lookup("other-ns", [b"a"], 0.0) == []
+    index.unpin([a, b], loaded=False)
+    assert index.stats.failures["load"] == 2 and d is not None
+    index.check()
+
+
+# ------------------------------------------------------- eviction by value
+@pytest.mark.parametrize("cost", [1.0, 4.0])      # at equal cost, its hits alone keep it
+def test_a_block_hit_often_and_costly_outlives_a_later_one_never_hit(cost):
+    index = TierIndex(20, half_life=H)
+    hot = demote(index, b"hot", cost=cost, now=0.0)
+    for t in range(1, 11):
+        assert findable(index, b"hot", now=float(t))
+    cold = demote(index, b"cold", cost=1.0, now=20.0)
+    demote(index, b"new", now=21.0)
+    assert index.take_released() == [cold]
+    assert index.lookup(NS, [b"hot"], 21.0) == [hot] and not findable(index, b"cold", now=21.0)
+
+
+def test_without_hits_and_at_equal_cost_the_older_goes():
+    index = TierIndex(20, half_life=H)
+    old = demote(index, b"old", now=0.0)
+    demote(index, b"newer", now=5.0)
+    demote(index, b"newest", now=6.0)
+    assert index.take_released() == [old]
+
+
+def test_hits_decay_a_block_hit_long_ago_loses_to_a_fresh_one():
+    index = TierIndex(20, half_life=H)
+    stale = demote(index, b"stale", now=0.0)
+    for _ in range(20):
+        assert findable(index, b"stale", now=1.0)
+    demote(index, b"fresh", now=10 * H)     # 2 ** -10 * 21 hits < 1 fresh reference
+    demote(index, b"newest", now=10 * H)
+    assert index.take_released() == [stale]
+    assert index.value(index.lookup(NS, [b"fresh"], 10 * H)[0], 10 * H) == pytest.approx(2.0 / 10)
+
+
+def test_value_is_cost_per_byte_a_big_cheap_block_goes_first():
+    index = TierIndex(60, half_life=H)
+    big = demote(index, b"big", nbytes=40, cost=4.0)      # 0.1 per byte
+    demote(index, b"small", nbytes=10, cost=2.0)          # 0.2 per byte
+    demote(index, b"new", nbytes=20, cost=1.0)
+    assert index.take_released() == [big]
+
+
+def test_a_parent_is_not_evicted_before_its_child():
+    index = TierIndex(20, half_life=H)
+    parent = demote(index, b"p", cost=1.0, now=0.0)              # least value, but a prefix of "c"
+    child = demote(index, b"c", cost=50.0, now=0.0, parent=b"p")
+    demote(index, b"new", now=1.0)
+    assert index.take_released() == [child]
+    demote(index, b"new2", now=2.0)     # the parent is a leaf again: the next to go
+    assert index.take_released() == [parent]
+
+
+def test_a_pinned_entry_is_never_evicted():
+    index = TierIndex(10, half_life=H)
+    slot = demote(index, b"a")
+    assert index.lookup(NS, [b"a"], 0.0) == [slot]
+    assert index.reserve(NS, b"b", 10, 1000.0, 1.0) is None
+    assert index.stats.rejected_full == 1 and index.take_released() == []
+    index.unpin([slot])
+    assert findable(index, b"a")
+    assert index.reserve(NS, b"b", 10, 1.0, 2.0) is not None     # unpinned: evictable again
+    assert index.take_released() == [slot]
+
+
+def test_a_pinned_parent_that_becomes_a_leaf_during_its_load_is_not_evicted():
+    index = TierIndex(20, half_life=H)
+    parent = demote(index, b"p")
+    child = demote(index, b"c", cost=9.0, parent=b"p")
+    assert index.lookup(NS, [b"p"], 0.0) == [parent]
+    index.drop(child, "checksum")           # the parent is a leaf now, and still being loaded
+    assert index.take_released() == [child]
+    index.check()
+    assert index.reserve(NS, b"new", 20, 1000.0, 1.0) is None
+    assert index.take_released() == []
+    index.unpin([parent])
+    assert findable(index, b"p")
+
+
+def test_a_block_larger_than_the_budget_is_refused():
+    index = TierIndex(10, half_life=H)
+    demote(index, b"a")
+    assert index.reserve(NS, b"big", 11, 1.0, 0.0) is None
+    assert findable(index, b"a")
+
+
+# ------------------------------------------------------------- the losses
+def test_invalidate_kills_a_pinned_entry_which_is_freed_when_unpinned():
+    index = TierIndex(100, half_life=H)
+    pinned, idle = demote(index, b"a"), demote(index, b"b")
+    other = demote(index, b"a", ns="other-ns")
+    assert index.lookup(NS, [b"a"], 0.0) == [pinned]
+    assert index.invalidate(NS) == 2
+    assert index.take_released() == [idle]
+    assert index.lookup(NS, [b"a"], 0.0) == []
+    again = demote(index, b"a")           # the key may come back (new KV), at a new slot
+    index.unpin([pinned])
+    assert index.take_released() == [pinned]
+    assert index.lookup(NS, [b"a"], 0.0) == [again]
+    assert findable(index, b"a", ns="other-ns") and other is not None
+    index.check()
+
+
+def test_invalidate_during_a_write_makes_the_commit_free_it():
+    index = TierIndex(100, half_life=H)
+    slot = index.reserve(NS, b"a", 10, 1.0, 0.0)
+    index.invalidate(NS)
+    assert index.take_released() == []    # its bytes are being written
+    assert index.commit(slot) is False
+    assert index.take_released() == [slot]
+    assert index.lookup(NS, [b"a"], 0.0) == [] and index.bytes_used == 0
+
+
+def test_drop_of_a_loaded_block_is_never_found_again_and_freed_after_the_load():
+    index = TierIndex(100, half_life=H)
+    slot = demote(index, b"a")
+    assert index.lookup(NS, [b"a"], 0.0) == [slot]
+    index.drop(slot, "checksum")
+    assert index.lookup(NS, [b"a"], 0.0) == [] and index.take_released() == []
+    index.unpin([slot], loaded=False)
+    assert index.take_released() == [slot]
+    assert index.stats.failures["checksum"] == 1 and index.stats.failures["load"] == 1
+    index.check()
+
+
+@pytest.mark.parametrize("call", [
+    lambda ix, s: ix.commit(s),                     # committed already
+    lambda ix, s: ix.abort(s),                      # committed: drop it instead
+    lambda ix, s: ix.unpin([s]),                    # not pinned
+    lambda ix, s: ix.unpin([s + 1]),                # pending: never pinned
+    lambda ix, s: ix.drop(s + 1, "torn"),           # pending: abort it instead
+    lambda ix, s: ix.drop(99, "torn"),              # unknown slot
+    lambda ix, s: ix.commit(99),
+    lambda ix, s: ix.restore(NS, b"z", 10, s, 1.0, 0.0),    # slot in use
+])
+def test_a_wrong_call_raises_and_changes_nothing(call):
+    index = TierIndex(100, half_life=H)
+    slot = demote(index, b"a")
+    index.reserve(NS, b"b", 10, 1.0, 0.0)
+    before = snapshot(index)
+    with pytest.raises((UnknownTierSlot, TierSlotState)):
+        call(index, slot)
+    assert snapshot(index) == before
+    index.check()
+
+
+def test_unknown_failure_reason_is_refused():
+    index = TierIndex(100, half_life=H)
+    slot = demote(index, b"a")
+    with pytest.raises(ValueError):
+        index.drop(slot, "cosmic-rays")
+    assert findable(index, b"a")
+
+
+# ---------------------------------------------------------------- restore
+def test_restore_keeps_slots_and_hands_out_later_ones():
+    index = TierIndex(30, half_life=H)
+    assert index.restore(NS, b"a", 10, 7, 1.0, 0.0)
+    assert not index.restore(NS, b"a", 10, 8, 1.0, 0.0)     # a second file of the key
+    assert index.lookup(NS, [b"a"], 0.0) == [7]
+    index.unpin([7])
+    assert index.reserve(NS, b"b", 10, 1.0, 0.0) == 8
+    assert index.restore(NS, b"c", 20, 3, 9.0, 0.0)         # over budget: the least valuable goes
+    assert index.take_released() == [7] and index.stats.evictions["budget"] == 1
+    index.check()
+
+
+# ------------------------------------------------------------ the checker
+def test_check_catches_broken_books():
+    index = TierIndex(100, half_life=H)
+    slot = demote(index, b"a")
+    index._entries[slot].pins = 1       # pinned without the held bytes counted
+    with pytest.raises(InvariantViolation):
+        index.check()
+    index._entries[slot].pins = 0
+    index.check()
+    index.bytes_used = 101
+    with pytest.raises(InvariantViolation):
+        index.check()
+
+
+def test_counters_are_flat_and_named_by_reason():
+    index = TierIndex(100, half_life=H)
+    demote(index, b"a")
+    assert findable(index, b"a") and not findable(index, b"b")
+    counters = index.stats.counters()
+    assert counters["demotions"] == 1 and counters["promotions"] == 1
+    assert counters["evictions_value"] == 0 and counters["failures_torn"] == 0
+    assert index.stats.hit_rate() == 0.5

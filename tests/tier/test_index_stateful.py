@@ -1,0 +1,204 @@
+"""Random sequences of every TierIndex operation, checked against a plain model.
+
+The model keeps each slot's entry (namespace, key, parent, size, pending or
+committed, pins, dead) in a dict. Where the index chooses (which entries to
+evict for a demotion), the test checks the choice against the rules, in the
+order the index made it: each victim an evictable leaf (committed, live,
+unpinned, no live child) of least value among those left at that point, and
+then applies it to the model. After every step: ``check()``, and the model's
+bytes, held bytes, slots and failure counts equal the index's. What a lookup
+finds is exactly the model's leading run of committed live keys.
+"""
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvelastic.tier.errors import TierSlotState, UnknownTierSlot
+from kvelastic.tier.index import TierIndex
+from kvelastic.tier.stats import FAILURE_REASONS
+
+BUDGET = 100
+NAMESPACES = st.sampled_from(["ns-a", "ns-b"])
+KEYS = st.sampled_from([b"k0", b"k1", b"k2", b"k3", b"k4", b"k5"])
+SIZES = st.sampled_from([10, 20, 30, 40])
+COSTS = st.sampled_from([1.0, 2.0, 5.0, 100.0])
+STEPS = st.sampled_from([0.0, 1.0, 50.0, 500.0])
+REASONS = st.sampled_from([r for r in FAILURE_REASONS if r != "load"])
+
+
+class TierMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.index = TierIndex(BUDGET, half_life=100.0)
+        self.now = 0.0
+        self.entries: dict[int, dict] = {}      # slot -> entry
+        self.seen: set[int] = set()             # every slot ever handed out
+        self.loads: list[list[int]] = []        # lookups not unpinned yet
+        self.failures = dict.fromkeys(FAILURE_REASONS, 0)
+
+    # ----------------------------------------------------------- helpers
+    def live(self, ns, key):
+        for slot, e in self.entries.items():
+            if (e["ns"], e["key"]) == (ns, key) and not e["dead"]:
+                return slot
+        return None
+
+    def evictable(self, slot):
+        e = self.entries[slot]
+        children = [c for c in self.entries.values()
+                    if c["ns"] == e["ns"] and c["parent"] == e["key"] and not c["dead"]]
+        return e["committed"] and not e["dead"] and e["pins"] == 0 and not children
+
+    def held(self):
+        return sum(e["nbytes"] for e in self.entries.values()
+                   if not e["committed"] or e["pins"] or e["dead"])
+
+    def released(self, expected):
+        got = self.index.take_released()
+        assert sorted(got) == sorted(expected), (got, expected)
+        for slot in got:
+            del self.entries[slot]
+
+    def slots_where(self, data, pred):
+        slots = sorted(s for s, e in self.entries.items() if pred(e))
+        return data.draw(st.sampled_from(slots)) if slots else None
+
+    # ------------------------------------------------------------- rules
+    @rule(dt=STEPS)
+    def advance(self, dt):
+        self.now += dt
+
+    @rule(ns=NAMESPACES, key=KEYS, nbytes=SIZES, cost=COSTS, parent=st.none() | KEYS, commit=st.booleans())
+    def reserve(self, ns, key, nbytes, cost, parent, commit):
+        """A demotion; with ``commit``, its write done at once (the common case)."""
+        if parent == key:
+            parent = None
+        values = {s: self.index.value(s, self.now) for s, e in self.entries.items()
+                  if e["committed"] and not e["dead"]}
+        held_before, was_live = self.held(), self.live(ns, key) is not None
+        slot = self.index.reserve(ns, key, nbytes, cost, self.now, parent)
+        for victim in self.index.take_released():         # in the order the index evicted them
+            assert self.evictable(victim), victim
+            least = min(values[s] for s in self.entries if self.evictable(s))
+            assert values[victim] <= least * (1 + 1e-9), (victim, values)
+            del self.entries[victim]
+        if was_live:
+            assert slot is None and len(values) == len([s for s in self.entries if s in values])
+        elif slot is None:
+            assert nbytes > BUDGET - held_before or not any(self.evictable(s) for s in self.entries)
+        else:
+            assert slot not in self.seen
+            self.seen.add(slot)
+            self.entries[slot] = dict(ns=ns, key=key, parent=parent, nbytes=nbytes,
+                                      committed=False, pins=0, dead=False)
+            if commit:
+                assert self.index.commit(slot)
+                self.entries[slot]["committed"] = True
+
+    @rule(data=st.data())
+    def commit(self, data):
+        slot = self.slots_where(data, lambda e: not e["committed"])
+        if slot is None:
+            return
+        dead = self.entries[slot]["dead"]
+        assert self.index.commit(slot) is (not dead)
+        self.entries[slot]["committed"] = True
+        self.released([slot] if dead else [])
+
+    @rule(data=st.data(), reason=REASONS)
+    def abort(self, data, reason):
+        slot = self.slots_where(data, lambda e: not e["committed"])
+        if slot is None:
+            return
+        self.index.abort(slot, reason)
+        self.failures[reason] += 1
+        self.released([slot])
+
+    @rule(ns=NAMESPACES, data=st.data())
+    def lookup(self, ns, data):
+        """Keys drawn mostly from those the namespace holds, so that runs are found."""
+        held = sorted({e["key"] for e in self.entries.values() if e["ns"] == ns and not e["dead"]})
+        keys = data.draw(st.lists(st.sampled_from(held) if held else KEYS, max_size=4) | st.lists(KEYS, max_size=4))
+        expected = []
+        for key in keys:
+            slot = self.live(ns, key)
+            if slot is None or not self.entries[slot]["committed"]:
+                break
+            expected.append(slot)
+        got = self.index.lookup(ns, keys, self.now)
+        assert got == expected
+        for slot in got:
+            self.entries[slot]["pins"] += 1
+        if got:
+            self.loads.append(got)
+
+    @precondition(lambda self: self.loads)
+    @rule(data=st.data(), loaded=st.booleans())
+    def unpin(self, data, loaded):
+        load = self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))
+        self.index.unpin(load, loaded=loaded)
+        if not loaded:
+            self.failures["load"] += len(load)
+        for slot in load:
+            self.entries[slot]["pins"] -= 1
+        self.released([s for s in set(load) if self.entries[s]["dead"] and not self.entries[s]["pins"]])
+
+    @rule(ns=NAMESPACES)
+    def invalidate(self, ns):
+        mine = [s for s, e in self.entries.items() if e["ns"] == ns and not e["dead"]]
+        assert self.index.invalidate(ns) == len(mine)
+        free = [s for s in mine if self.entries[s]["committed"] and not self.entries[s]["pins"]]
+        for slot in mine:
+            self.entries[slot]["dead"] = True
+        self.released(free)
+
+    @rule(data=st.data(), reason=REASONS)
+    def drop(self, data, reason):
+        slot = self.slots_where(data, lambda e: e["committed"])
+        if slot is None:
+            return
+        self.index.drop(slot, reason)
+        self.failures[reason] += 1
+        e = self.entries[slot]
+        e["dead"] = True
+        self.released([] if e["pins"] else [slot])
+
+    @rule(slot=st.integers(0, 40), op=st.sampled_from(["commit", "abort", "unpin", "drop"]))
+    def wrong_call(self, slot, op):
+        """A call the slot's state does not allow raises and changes nothing."""
+        e = self.entries.get(slot)
+        allowed = e is not None and {"commit": not e["committed"], "abort": not e["committed"],
+                                     "unpin": e["pins"] > 0, "drop": e["committed"]}[op]
+        if allowed:
+            return
+        before = (self.index.bytes_used, self.index.held_bytes, len(self.index), self.index.stats.counters())
+        try:
+            if op == "unpin":
+                self.index.unpin([slot])
+            elif op == "drop":
+                self.index.drop(slot, "torn")
+            else:
+                getattr(self.index, op)(slot)
+        except (UnknownTierSlot, TierSlotState):
+            pass
+        else:
+            raise AssertionError(f"{op}({slot}) was accepted")
+        assert (self.index.bytes_used, self.index.held_bytes, len(self.index),
+                self.index.stats.counters()) == before
+
+    # --------------------------------------------------------- invariants
+    @invariant()
+    def agrees_with_the_model(self):
+        self.index.check()
+        assert self.index.bytes_used == sum(e["nbytes"] for e in self.entries.values()) <= BUDGET
+        assert self.index.held_bytes == self.held()
+        assert sorted(self.index._entries) == sorted(self.entries)
+        for slot, e in self.entries.items():
+            assert self.index.key_of(slot) == (e["ns"], e["key"])
+            assert self.index._entries[slot].pins == e["pins"]
+        assert self.index.stats.failures == self.failures
+
+
+TestTierStateful = TierMachine.TestCase
+TestTierStateful.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
