@@ -4,6 +4,11 @@ Without a GPU the kit must still run end to end -- parts 2 and 3 on host
 pages must pass, parts 1 and 4 must say "no GPU" (after collecting the GPU
 tests and a smoke run of the benchmarks) -- so that the first time a GPU is
 lent, the command works and its minutes go to results, not to repairs.
+
+Part 2 runs here with one flow (``KVELASTIC_GPUCHECK_FLOWS``): the suite runs
+every flow of ``FLOW_TESTS`` on host pages itself (``tests/daemon``), and
+``test_the_flows_part_2_runs_by_default_are_the_suites_own`` checks that the
+kit's default list names tests the suite has.
 """
 
 from __future__ import annotations
@@ -16,15 +21,18 @@ from pathlib import Path
 
 import pytest
 
-from kvelastic_tools.gpucheck.pytests import FLOW_TESTS
+from kvelastic_tools.gpucheck.pytests import FLOW_TESTS, flow_tests
 from tests.vmm.gpu import CUDA_OK
 
 ROOT = Path(__file__).resolve().parents[2]
+# Part 2 in the end-to-end run: one flow with a daemon, an engine and its
+# worker on the backend's pages (a second's run; the rest would repeat the suite).
+ONE_FLOW = "tests/daemon/test_safe_point.py::test_unmap_waits_for_the_step_to_end"
 
 
 @pytest.mark.slow
 def test_make_gpu_check_in_host_mode_passes_parts_2_3_and_says_no_gpu_for_1_4(tmp_path: Path) -> None:
-    env = dict(os.environ, OUT=str(tmp_path), KVELASTIC_BACKEND="host")
+    env = dict(os.environ, OUT=str(tmp_path), KVELASTIC_BACKEND="host", KVELASTIC_GPUCHECK_FLOWS=ONE_FLOW)
     env.pop("KVELASTIC_GPUCHECK_PARTS", None)
     done = subprocess.run(["make", "-s", "gpu-check", f"GPU_PYTHON={sys.executable}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=420)
@@ -41,8 +49,8 @@ def test_make_gpu_check_in_host_mode_passes_parts_2_3_and_says_no_gpu_for_1_4(tm
     assert parts["1"]["status"] == "no GPU" and parts["1"]["counts"]["collected"] >= 30
 
     flows = parts["2"]
-    assert flows["status"] == "passed" and flows["tests"] == FLOW_TESTS
-    assert flows["counts"]["passed"] >= 10 and flows["counts"]["failed"] == flows["counts"]["errors"] == 0
+    assert flows["status"] == "passed" and flows["tests"] == [ONE_FLOW]
+    assert flows["counts"]["passed"] == 1 and flows["counts"]["failed"] == flows["counts"]["errors"] == 0
 
     kv = parts["3"]
     assert kv["status"] == "passed" and len(kv["checks"]) >= 12 and all(c["ok"] for c in kv["checks"])
@@ -65,6 +73,18 @@ def test_make_gpu_check_in_host_mode_passes_parts_2_3_and_says_no_gpu_for_1_4(tm
 
     assert "overall: passed" in summary
     assert (tmp_path / "logs" / "part2.log").exists()
+
+
+def test_the_flows_part_2_runs_by_default_are_the_suites_own() -> None:
+    assert flow_tests({}) == FLOW_TESTS
+    assert flow_tests({"KVELASTIC_GPUCHECK_FLOWS": f" {ONE_FLOW}, tests/daemon/test_workers.py "}) == [
+        ONE_FLOW, "tests/daemon/test_workers.py"]
+    # Each names tests of tests/daemon that exist: pytest exits 4 on a node id it cannot find.
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                           *FLOW_TESTS], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    collected = [line for line in done.stdout.splitlines() if "::" in line]
+    assert len(collected) >= 10 and all(line.startswith("tests/daemon/") for line in collected), collected
 
 
 @pytest.mark.skipif(CUDA_OK, reason="this machine has a usable CUDA GPU")

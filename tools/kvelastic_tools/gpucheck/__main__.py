@@ -10,7 +10,9 @@ failed.
 Environment: ``KVELASTIC_BACKEND`` = ``cuda`` (a GPU is required: its absence
 is a failure), ``host`` (parts 2-3 on host pages, parts 1 and 4 report "no
 GPU"), or ``auto``/unset (cuda when usable). ``KVELASTIC_GPUCHECK_PARTS`` =
-e.g. ``1,3`` runs only those parts (to re-run what failed, cheaply).
+e.g. ``1,3`` runs only those parts (to re-run what failed, cheaply);
+``KVELASTIC_GPUCHECK_FLOWS`` = pytest node ids, comma-separated, runs those
+in part 2 instead of ``pytests.FLOW_TESTS``.
 """
 
 from __future__ import annotations
