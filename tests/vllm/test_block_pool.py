@@ -5,7 +5,9 @@ Block ids are not compared (best-fit placement picks others); hits, refcounts,
 eviction order, stats, events and capacity are.
 """
 
+import dis
 import random
+import sys
 
 import pytest
 
@@ -187,6 +189,31 @@ def test_same_hits_as_stock_vllm_on_a_random_workload(daemon):
     with elastic(daemon.socket, low_watermark=64):
         elastic_hits = run(manager(num_blocks=elastic_blocks(), block_size=BS))
     assert sum(stock) > 0 and elastic_hits == stock
+
+
+def read_in_step(pool) -> bool:
+    return pool.in_step
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="CPython specializes attribute loads from 3.11")
+def test_the_pools_attributes_stay_inline_so_loads_of_them_stay_specialized(daemon):
+    """CPython keeps an instance's attributes inline, and specializes every
+    ``pool.x`` in vLLM's code and the pool's own on them, only while its class
+    has met fewer than 30 attribute names: one more and each load becomes a
+    dict lookup (the hot path's ratio to stock rose by points). Checked after
+    what a step sets: an admission heard, a refresh, the scheduler's figures."""
+    with elastic(daemon.socket, low_watermark=8):
+        mgr = manager(num_blocks=elastic_blocks(), block_size=BS)
+        pool = mgr.block_pool
+        pool.call_blocks = 24
+        pool.refresh()
+        r0 = request("0", list(range(4 * BS)) + [1])
+        admit(mgr, r0)
+        mgr.free(r0)
+        for _ in range(100):
+            read_in_step(pool)
+        loads = {i.opname for i in dis.get_instructions(read_in_step, adaptive=True) if "LOAD_ATTR" in i.opname}
+        assert loads == {"LOAD_ATTR_INSTANCE_VALUE"}, f"{loads}: {len(vars(pool))} attributes on the pool"
 
 
 def elastic_blocks() -> int:

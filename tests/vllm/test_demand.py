@@ -32,16 +32,16 @@ def test_an_admission_is_heard_until_the_steps_end_and_vllms_classes_stay_stock(
     with elastic(daemon.socket, low_watermark=8) as link:
         mgr = manager(num_blocks=state().engine().num_blocks, block_size=BS)
         pool = mgr.block_pool
-        assert not hooked(mgr) and pool.hearing is None
+        assert not hooked(mgr) and pool.demand.manager is None
         held = link.pool.num_slabs
         long = request("long", list(range(48 * BS)))
         blocks, _ = admit(mgr, long)                         # 48 blocks: slabs of 8, on demand
         assert blocks is not None and link.pool.num_slabs >= held + 5
         assert pool.heard >= 1 and pool.demands >= 1
-        assert pool.hearing is mgr and hooked(mgr)           # the lookup put the hooks on this manager
+        assert pool.demand.manager is mgr and hooked(mgr)    # the lookup put the hooks on this manager
         assert KVCacheManager.allocate_slots is stock_allocate_slots
-        demand.stop_hearing(pool)                            # the end of schedule()
-        assert pool.hearing is None and not hooked(mgr)
+        demand.stop_hearing(pool.demand)                     # the end of schedule()
+        assert pool.demand.manager is None and not hooked(mgr)
         mgr.free(long)
 
 
@@ -82,7 +82,7 @@ def test_a_refused_demand_stops_asking_and_hearing_for_the_back_off(daemon_facto
             pool.refresh()                           # the next step, within the back-off
             assert pool.get_num_free_blocks() == 0 and pool.demands == 1   # one comparison, no round trip
             mgr.get_computed_blocks(request("next", list(range(4 * BS))))
-            assert pool.hearing is None and not hooked(mgr)               # nothing to hear either
+            assert pool.demand.manager is None and not hooked(mgr)        # nothing to hear either
             pool.free_blocks(taken)
     finally:
         other.close()

@@ -30,11 +30,10 @@ The null block is block 0 of the first slab, allocated once and never freed
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Hashable, Iterable, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, TypeVar, cast
 
 import msgspec
 from vllm.distributed.kv_events import (
@@ -59,9 +58,11 @@ from vllm.v1.core.kv_cache_utils import (
 from kvelastic.errors import OutOfBlocks
 from kvelastic.protocol import MAX_LABEL_BYTES
 from kvelastic_vllm.announce import Announcer
+from kvelastic_vllm.demand import Demand
 from kvelastic_vllm.state import state
 
 log = logging.getLogger("kvelastic.vllm")
+_T = TypeVar("_T")
 NULL_PINNED = 1 << 40
 HEARD = 1 << 62   # ``_check_below`` while a need is heard: every capacity check asks
 # A demand waits this long for the daemon (which may first reclaim from
@@ -85,6 +86,12 @@ BLOCKS_NAME_THEIR_POOL = "pool" in getattr(KVCacheBlock, "__dataclass_fields__",
 class ElasticBlockPool(BlockPool):
     # BlockPool.__init__ is not called: it would build num_gpu_blocks records
     # and a free queue over the whole virtual range. Records are made per slab.
+    # At most 29 attributes: CPython keeps an instance's attributes inline,
+    # and specializes the loads of them (here, and in vLLM's code that calls
+    # the pool), only while its class has met fewer than 30 names; past that
+    # every ``pool.x`` is a dict lookup, which the hot path feels
+    # (docs/benchmarks.md). State that belongs together gets an object of
+    # its own (``Demand``); ``tests/vllm/test_block_pool.py`` checks the loads.
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, metrics_collector: Any = None,
                  medium: str = MEDIUM_GPU, num_hash_lookahead_tokens: int = 0) -> None:
@@ -141,9 +148,8 @@ class ElasticBlockPool(BlockPool):
         null.ref_cnt = NULL_PINNED
         self.null_block = null
         self._refused_at = 0.0
-        self._need: int | None = None   # set by ``expect`` for the next capacity check only
-        self.margin = 0     # vLLM's watermark and reserved blocks for the call in progress
-        self.hearing: Any = None   # the KVCacheManager whose needs the pool hears (``demand.py``)
+        # What vLLM's capacity check needs, heard through its hooks (``demand.py``).
+        self.demand = Demand()
         # The most blocks one running request's capacity check can need: a
         # step's tokens and a block straddled, per cache group (set with the
         # scheduler's figures in ``engine.wrap_scheduler_init``).
@@ -153,8 +159,6 @@ class ElasticBlockPool(BlockPool):
         # get_num_free_blocks asks the daemon first below this many free
         # blocks: ``short_below``, or every time while a need is heard.
         self._check_below = 0
-        # Capacity checks whose need was heard; grows they asked for, and the refused.
-        self.heard = self.demands = self.refused_demands = 0
         self.refresh()
         self.link.block_pool = self   # the step wrappers set ``in_step`` (engine.py)
 
@@ -177,13 +181,26 @@ class ElasticBlockPool(BlockPool):
             self.short_below = max(client.reserve.low_watermark, self.call_blocks)
         else:
             self.short_below = self.call_blocks
-        self._check_below = self.short_below if self._need is None else HEARD
+        self._check_below = self.short_below if self.demand.need is None else HEARD
 
     def expect(self, num_blocks: int) -> None:
-        """vLLM is about to ask whether ``num_blocks`` (plus ``margin``) fit (``demand.hear``)."""
-        self._need = num_blocks + self.margin
-        self.heard += 1
+        """vLLM is about to ask whether ``num_blocks`` (plus the margin) fit
+        (``demand.hear``): the demand hears it, and the next check asks."""
+        self.demand.expect(num_blocks)
         self._check_below = HEARD
+
+    # The demand's counts, as ``kvelastic bench vllm`` reads them.
+    @property
+    def heard(self) -> int:
+        return self.demand.heard
+
+    @property
+    def demands(self) -> int:
+        return self.demand.asked
+
+    @property
+    def refused_demands(self) -> int:
+        return self.demand.refused
 
     def get_num_free_blocks(self) -> int:
         # Asked once per request per step (hundreds of times at a large batch):
@@ -204,9 +221,8 @@ class ElasticBlockPool(BlockPool):
         """Grow the pool, where the daemon can, before the capacity check in
         progress answers: by the need heard (an admission), else by the most a
         running request's call can need (``call_blocks``)."""
-        need, self._need = self.call_blocks if self._need is None else self._need, None
         try:
-            self._grow_for(need)
+            self._grow_for(self.demand.take(self.call_blocks))
         finally:
             self._check_below = self.short_below   # until the next need heard
 
@@ -218,9 +234,9 @@ class ElasticBlockPool(BlockPool):
             if client.can_grow():
                 now = time.monotonic()
                 if now - self._refused_at > REFUSAL_BACKOFF:
-                    self.demands += 1
+                    self.demand.asked += 1
                     if not client.ensure(need, timeout=DEMAND_TIMEOUT, keep_cache=True):
-                        self.refused_demands += 1
+                        self.demand.refused += 1
                         self._refused_at = now
                         self.may_grow, self.short_below = False, 0   # until a step after the back-off
         elif free < client.reserve.low_watermark and client.can_grow():
@@ -232,13 +248,13 @@ class ElasticBlockPool(BlockPool):
         return (self.core.num_live - 1) / max(1, self.num_gpu_blocks - 1)
 
     # -------------------------------------------------------------- blocks
+    # The calls vLLM makes per request check ``in_step`` themselves and go
+    # through ``_locked`` only outside a step: a call through it costs about
+    # a twentieth of stock's whole call (docs/benchmarks.md).
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        core = self.core
         try:
-            if self.in_step:
-                blocks = self.core.allocate(num_blocks)
-            else:
-                with self.lock:
-                    blocks = self.core.allocate(num_blocks)
+            blocks = core.allocate(num_blocks) if self.in_step else self._locked(core.allocate, num_blocks)
         except OutOfBlocks as exc:  # vLLM's contract: ValueError
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool: {exc}") from None
         collector = self.metrics_collector
@@ -247,16 +263,16 @@ class ElasticBlockPool(BlockPool):
                 if self.enable_caching:
                     collector.on_block_evicted(block)
                 collector.on_block_allocated(block)
-        if self.core.num_free < self.short_below:
+        if core.num_free < self.short_below:
             self.client.top_up()
         return blocks
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        core = self.core
         if self.in_step:
-            self.core.touch(blocks)
+            core.touch(blocks)
         else:
-            with self.lock:
-                self.core.touch(blocks)
+            self._locked(core.touch, blocks)
         if self.metrics_collector:
             for block in blocks:
                 self.metrics_collector.on_block_accessed(block)
@@ -265,11 +281,11 @@ class ElasticBlockPool(BlockPool):
         # The null block rides along safely (its refcount is pinned high). Blocks
         # of another pool (HiSparse's deferred frees) are refused as unknown:
         # kvelastic serves attention-only models, which never have any.
+        core = self.core
         if self.in_step:
-            self.core.free(ordered_blocks)
+            core.free(ordered_blocks)
         else:
-            with self.lock:
-                self.core.free(ordered_blocks)
+            self._locked(core.free, ordered_blocks)
         # Sliding-window groups free the null block they put in place of
         # blocks out of the window, again and again: pinned high once more.
         self.null_block.ref_cnt = NULL_PINNED
@@ -311,11 +327,11 @@ class ElasticBlockPool(BlockPool):
             extra_keys = self._extra_keys(request, num_cached_blocks, num_full_blocks, block_size, stored)
             labels = [self._label(request, hashes, num_cached_blocks + i, block_size, kv_cache_group_id, extra)
                       for i, extra in zip(stored, extra_keys)]
+        core = self.core
         if self.in_step:
-            self.core.cache(to_cache, keys, num_tokens=prefix_lengths, labels=labels)
+            core.cache(to_cache, keys, prefix_lengths, labels)
         else:
-            with self.lock:
-                self.core.cache(to_cache, keys, num_tokens=prefix_lengths, labels=labels)
+            self._locked(core.cache, to_cache, keys, prefix_lengths, labels)
         if events and stored:
             self._emit_stored(request, hashes, num_cached_blocks, num_full_blocks, block_size,
                               kv_cache_group_id, stored, extra_keys)
@@ -450,18 +466,7 @@ class ElasticBlockPool(BlockPool):
         assert 0 < units <= len(request.block_hashes)
         block_hash = request.block_hashes[units - 1]
         key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
-        with self._held():
-            core = self.core
-            already = key in core.keys_of(block)
-            if replace_existing_hashes or (not already and block.block_hash is not None and
-                                           block.block_hash_num_tokens is not None and
-                                           block.block_hash_num_tokens < hashed):
-                core.uncache([block])          # every entry of the block goes (its KV is rewritten)
-                already = False
-            if block.block_hash is None:
-                core.cache([block], [key], num_tokens=[hashed])
-            elif not already:
-                core.alias(block, key)
+        already = self._locked(self._enter_partial, block, key, hashed, replace_existing_hashes)
         if self.enable_kv_cache_events and not already:
             from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
@@ -477,35 +482,56 @@ class ElasticBlockPool(BlockPool):
                 self.kv_event_queue.append(event)
         return key
 
+    def _enter_partial(self, block: KVCacheBlock, key: BlockHashWithGroupId, hashed: int, replace: bool) -> bool:
+        """``cache_partial_block``'s change to the core pool; whether ``key``
+        reached ``block`` already (no news then)."""
+        core = self.core
+        already = key in core.keys_of(block)
+        if replace or (not already and block.block_hash is not None and block.block_hash_num_tokens is not None
+                       and block.block_hash_num_tokens < hashed):
+            core.uncache([block])          # every entry of the block goes (its KV is rewritten)
+            already = False
+        if block.block_hash is None:
+            core.cache([block], [key], num_tokens=[hashed])
+        elif not already:
+            core.alias(block, key)
+        return already
+
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
         """``src_block``'s entries now reach ``dst_block`` (a private copy the
         request's next writes leave alone); as stock, no events: the entries
         stay live, only their block changed."""
         assert dst_block.block_hash is None
-        with self._held():
-            core = self.core
-            keys, num_tokens = core.keys_of(src_block), src_block.block_hash_num_tokens
-            if not keys:
-                return
-            self._quiet = True
-            try:
-                core.uncache([src_block])
-            finally:
-                self._quiet = False
-            core.cache([dst_block], [keys[0]], num_tokens=None if num_tokens is None else [num_tokens])
-            for key in keys[1:]:
-                core.alias(dst_block, key)
+        self._locked(self._move_entries, src_block, dst_block)
+
+    def _move_entries(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        core = self.core
+        keys, num_tokens = core.keys_of(src_block), src_block.block_hash_num_tokens
+        if not keys:
+            return
+        self._quiet = True
+        try:
+            core.uncache([src_block])
+        finally:
+            self._quiet = False
+        core.cache([dst_block], [keys[0]], num_tokens=None if num_tokens is None else [num_tokens])
+        for key in keys[1:]:
+            core.alias(dst_block, key)
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Drop every entry of ``block`` (vLLM rewrites it in place next)."""
         if self.metrics_collector:
             self.metrics_collector.on_block_evicted(block)
-        with self._held():
-            return self.core.uncache([block]) > 0
+        return self._locked(self.core.uncache, [block]) > 0
 
-    def _held(self) -> Any:
-        """The pool's lock, unless the scheduler's step holds it already."""
-        return contextlib.nullcontext() if self.in_step else self.lock
+    def _locked(self, method: Callable[..., _T], *args: Any) -> _T:
+        """``method(*args)`` with the client's lock held, unless the scheduler's
+        step holds it already (``in_step``). The one place a call outside a
+        step (an abort, a test) takes the lock."""
+        if self.in_step:
+            return method(*args)
+        with self.lock:
+            return method(*args)
 
     # ------------------------------------------- features kvelastic leaves out
     # HiSparse's pinned blocks, with vLLM's signature (``tests/vllm/signatures.py``),

@@ -17,7 +17,11 @@ the running ones in a step: so that lookup puts two hooks on this manager
 alone, which hand each need and margin to the pool for the rest of the step
 (``hear``), and the end of ``schedule()`` takes them off (``stop_hearing``).
 Hooks on every call would cost a large share of vLLM's own ``schedule()`` at
-a large batch (``kvelastic bench vllm``, docs/benchmarks.md)."""
+a large batch (``kvelastic bench vllm``, docs/benchmarks.md).
+
+What crosses vLLM's calls is one ``Demand`` per pool: the hooks write it
+(the margin, then the need), the pool's grow takes it (``take``), and it
+says whose checks are heard until the step ends."""
 
 from __future__ import annotations
 
@@ -27,20 +31,49 @@ from typing import Any
 from kvelastic_vllm.patching import keep_face
 
 
+class Demand:
+    """An engine's demand between vLLM's capacity check and the grow it may
+    need: one per ``ElasticBlockPool``, its one owner. The hooks write it,
+    the pool's ``_demand`` takes it."""
+
+    __slots__ = ("need", "margin", "manager", "heard", "asked", "refused")
+
+    def __init__(self) -> None:
+        # The next capacity check's need, vLLM's margin included, until the grow takes it.
+        self.need: int | None = None
+        # vLLM's watermark and reserved blocks for the ``allocate_slots`` call in progress.
+        self.margin = 0
+        # The KVCacheManager whose checks are heard (its hooks on) until the step ends.
+        self.manager: Any = None
+        # Capacity checks heard; grows asked of the daemon, and those it refused.
+        self.heard = self.asked = self.refused = 0
+
+    def expect(self, num_blocks: int) -> None:
+        """vLLM is about to test whether ``num_blocks`` (plus the margin) fit."""
+        self.need = num_blocks + self.margin
+        self.heard += 1
+
+    def take(self, otherwise: int) -> int:
+        """The need heard, or ``otherwise`` if none was; heard once only."""
+        need, self.need = self.need, None
+        return otherwise if need is None else need
+
+
 def hear(manager: Any, pool: Any) -> None:
     """Until ``stop_hearing``: ``manager``'s capacity checks tell ``pool`` the need and margin first."""
     coordinator = manager.coordinator
     allocate_slots = type(manager).allocate_slots
     get_num_blocks_to_allocate = type(coordinator).get_num_blocks_to_allocate
+    demand: Demand = pool.demand
 
     @keep_face(allocate_slots)
     def allocate_slots_heard(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         # vLLM compares the need plus its watermark and reserved blocks with the free blocks.
-        pool.margin = self.watermark_blocks + kwargs.get("reserved_blocks", 0)
+        demand.margin = self.watermark_blocks + kwargs.get("reserved_blocks", 0)
         try:
             return allocate_slots(self, request, *args, **kwargs)
         finally:
-            pool.margin = 0
+            demand.margin = 0
 
     @keep_face(get_num_blocks_to_allocate)
     def get_num_blocks_to_allocate_heard(self: Any, *args: Any, **kwargs: Any) -> int:
@@ -51,12 +84,12 @@ def hear(manager: Any, pool: Any) -> None:
     # Instance attributes: this manager alone, and the class stays stock's.
     manager.allocate_slots = MethodType(allocate_slots_heard, manager)
     coordinator.get_num_blocks_to_allocate = MethodType(get_num_blocks_to_allocate_heard, coordinator)
-    pool.hearing = manager
+    demand.manager = manager
 
 
-def stop_hearing(pool: Any) -> None:
+def stop_hearing(demand: Demand) -> None:
     """Take the hooks ``hear`` put on, if any (the end of a step)."""
-    manager, pool.hearing = pool.hearing, None
+    manager, demand.manager = demand.manager, None
     if manager is not None:
         del manager.allocate_slots
         del manager.coordinator.get_num_blocks_to_allocate
@@ -71,7 +104,7 @@ def wrap_get_computed_blocks(original):
     @keep_face(original)
     def get_computed_blocks(self, *args, **kwargs):
         pool = self.block_pool
-        if type(pool) is ElasticBlockPool and pool.hearing is None and pool.may_grow:
+        if type(pool) is ElasticBlockPool and pool.demand.manager is None and pool.may_grow:
             hear(self, pool)
         return original(self, *args, **kwargs)
 

@@ -246,7 +246,7 @@ def _end_step(pool: Any) -> None:
     admission put on (``demand.py``) end with it."""
     if pool is not None:
         pool.in_step = False
-        demand.stop_hearing(pool)
+        demand.stop_hearing(pool.demand)
 
 
 def wrap_schedule(original):
