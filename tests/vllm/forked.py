@@ -21,6 +21,7 @@ import pathlib
 import runpy
 import sys
 
+from kvelastic_tools.vllm_bench import quick_exit  # before vLLM: its handler runs after vLLM's
 from kvelastic_tools.vllm_bench.vllm_serve import VllmServer
 
 # `vllm` (the plugin's CLI) through this module: `vllm serve` with forked engine processes.
@@ -47,7 +48,7 @@ def fork_engine_processes() -> None:
     cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
-if __name__ == "__main__":
+def main() -> None:
     fork_engine_processes()
     if sys.argv[1] == "-m":
         sys.argv = sys.argv[2:]
@@ -57,3 +58,12 @@ if __name__ == "__main__":
         sys.argv = sys.argv[1:]
         sys.path.insert(0, str(script.parent))      # as `python SCRIPT` puts it first
         runpy.run_path(str(script), run_name="__main__")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SystemExit as stop:   # `vllm serve` ends with sys.exit: status 0 is a normal end
+        if stop.code not in (None, 0):
+            raise
+    quick_exit.finish()      # the script or server ended normally: no interpreter teardown (quick_exit.py)

@@ -15,6 +15,7 @@ import random
 import sys
 import time
 
+from kvelastic_tools.vllm_bench import quick_exit  # before vLLM: its handler runs after vLLM's
 from kvelastic_tools.vllm_bench.vllm_serve import VLLM_ENV
 
 
@@ -39,3 +40,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    quick_exit.finish()

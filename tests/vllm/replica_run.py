@@ -24,6 +24,8 @@ import time
 
 from tiny_llm import tiny_llm
 
+from kvelastic_tools.vllm_bench import quick_exit  # before vLLM: its handler runs after vLLM's
+
 OTHER = "an unrelated short prompt"
 WORDS = "the cache block page memory token prefix alpha beta gamma delta epsilon zeta question number about".split()
 def batch_prompts(tokenizer, n: int = 20, limit: int = 400) -> list[str]:
@@ -89,3 +91,4 @@ def engine_stats() -> dict:
 
 if __name__ == "__main__":
     main()
+    quick_exit.finish()

@@ -17,6 +17,8 @@ import time
 
 from tiny_llm import tiny_llm
 
+from kvelastic_tools.vllm_bench import quick_exit  # before vLLM: its handler runs after vLLM's
+
 PREFIXES = ["the cache block page memory token prefix " * 12, "alpha beta gamma delta epsilon zeta " * 14]
 PROMPTS = [p + f"question number {i} about slabs" for p in PREFIXES for i in range(3)]
 IDLE = 2.5   # seconds without a step after the second batch
@@ -41,3 +43,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    quick_exit.finish()

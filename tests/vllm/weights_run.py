@@ -45,6 +45,7 @@ import pathlib
 import sys
 import time
 
+from kvelastic_tools.vllm_bench import quick_exit  # before vLLM: its handler runs after vLLM's
 from kvelastic_tools.vllm_bench.tinymodel import INIT_STD
 from kvelastic_tools.vllm_bench.warm_run import QUESTIONS, SYSTEM, UNRELATED, engine_stats
 
@@ -244,3 +245,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    quick_exit.finish()

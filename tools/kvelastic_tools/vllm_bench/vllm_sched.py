@@ -201,7 +201,10 @@ class _Side:
         self.side = side
         # One hash seed for both sides: vLLM keys its dicts by request id (a
         # str), and a seed of its own would give each side its own collisions.
-        self.proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import serve_side; serve_side{args!r}"],
+        # quick_exit first (before vLLM's handlers); the side ends without the interpreter's teardown.
+        code = (f"from kvelastic_tools.vllm_bench import quick_exit; from {__name__} import serve_side; "
+                f"serve_side{args!r}; quick_exit.finish()")
+        self.proc = subprocess.Popen([sys.executable, "-c", code],
                                      pass_fds=[theirs.fileno()], env=dict(os.environ, PYTHONHASHSEED=HASH_SEED))
         theirs.close()
         self.conn = multiprocessing.connection.Connection(ours.detach())

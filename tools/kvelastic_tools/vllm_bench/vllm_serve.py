@@ -123,7 +123,9 @@ class VllmServer:
               seed: int = 0) -> dict:
         """``vllm bench serve`` against this server; its saved JSON result."""
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [*VLLM, "bench", "serve", "--backend", "vllm", "--base-url", self.base, "--model", "tiny",
+            # The client through the server's command: `vllm`, or the tests' forked.py (which
+            # ends it without the interpreter's teardown, quick_exit.py).
+            cmd = [*self.command, "bench", "serve", "--backend", "vllm", "--base-url", self.base, "--model", "tiny",
                    "--tokenizer", str(self.model), *dataset, "--num-prompts", str(num_prompts),
                    "--max-concurrency", str(concurrency), "--request-rate", "inf", "--temperature", "0",
                    "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,e2el",

@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 
+from kvelastic_tools.vllm_bench import quick_exit  # before vLLM: its handler runs after vLLM's
 from kvelastic_tools.vllm_bench.tinymodel import offline_llm
 
 SYSTEM = ("You are a careful assistant for a memory allocator team. Answer about pages, slabs, blocks, "
@@ -109,3 +110,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    quick_exit.finish()
