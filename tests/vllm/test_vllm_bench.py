@@ -49,13 +49,15 @@ def test_the_control_drops_the_journal_and_schedules_as_stock(daemon_factory):
     # The control setting (``ship=False``): the plugin runs as it does in
     # production except that its journal never reaches the daemon, so the
     # difference from the shipped setting is what shipping costs. The daemon
-    # keeps departed engines' cache (its default): a round that shipped would
-    # leave the round's cache kept; the control leaves nothing.
+    # keeps departed engines' cache (its default): a round that shipped
+    # leaves the round's cache kept (its namespace, ``bench-sched-ROUND``);
+    # the control leaves nothing. One pair of sides' processes runs a control
+    # round, then a shipped one.
     daemon = daemon_factory(memory="64MiB")
-    runs = vllm_sched.measure(quick=True, socket_path=daemon.socket, rounds=1, ship=False)
-    assert runs["kvelastic"][0]["plan"] == runs["stock"][0]["plan"]
-    assert len(runs["kvelastic"][0]["schedule"]) == vllm_sched.QUICK_STEPS
-    assert daemon.status()["orphans"] == []
-    shipped = vllm_sched.measure(quick=True, socket_path=daemon.socket, rounds=1)
-    assert shipped["kvelastic"][0]["plan"] == shipped["stock"][0]["plan"]
-    assert [o["blocks"] > 0 for o in daemon.status()["orphans"]] == [True]   # the shipped round's cache, kept
+    runs = vllm_sched.measure(quick=True, socket_path=daemon.socket, ship=(False, True))
+    assert [len(runs[side]) for side in ("stock", "kvelastic")] == [2, 2]
+    for control_or_shipped in range(2):
+        assert runs["kvelastic"][control_or_shipped]["plan"] == runs["stock"][control_or_shipped]["plan"]
+        assert len(runs["kvelastic"][control_or_shipped]["schedule"]) == vllm_sched.QUICK_STEPS
+    kept = {o["namespace"]: o["blocks"] for o in daemon.status()["orphans"]}
+    assert list(kept) == ["bench-sched-1"] and kept["bench-sched-1"] > 0   # the shipped round's cache alone

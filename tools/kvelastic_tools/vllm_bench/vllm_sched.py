@@ -141,13 +141,16 @@ def _p90(xs: list[float]) -> float:
 
 
 def measure(quick: bool, socket_path: str, model: pathlib.Path | None = None,
-            rounds: int | None = None, pressure: bool = False, ship: bool = True) -> dict[str, list[dict[str, list]]]:
+            rounds: int | None = None, pressure: bool = False,
+            ship: bool | tuple[bool, ...] = True) -> dict[str, list[dict[str, list]]]:
     """Per side ("stock", "kvelastic"), one result per round: ``schedule`` and
     ``update`` (seconds per timed step), ``running`` (requests per timed
     step), ``plan`` (what each step scheduled, warm-up included); kvelastic's
     also ``demands`` and ``call_blocks``. ``pressure``: on a daemon of
     PRESSURE_DAEMON_MEMORY (module docstring). ``ship=False``: a control, the
-    engine's journal taken and dropped, never written (no seal, no flush).
+    engine's journal taken and dropped, never written (no seal, no flush); a
+    tuple gives each round its own (one per round: the same sides' processes
+    run a control round, then a shipped one).
 
     Each side runs in a process of its own, and the two go in lockstep: a
     step of one, then the same step of the other (who goes first alternates),
@@ -163,15 +166,18 @@ def measure(quick: bool, socket_path: str, model: pathlib.Path | None = None,
     if model is None:
         model = build_tiny_llama(pathlib.Path(tempfile.gettempdir()) / "kvelastic-tiny-llama")
     steps = QUICK_STEPS if quick else STEPS
-    rounds = rounds or (2 if quick else 10)
+    rounds = rounds or (len(ship) if isinstance(ship, tuple) else (2 if quick else 10))
+    ships = ship if isinstance(ship, tuple) else (ship,) * rounds
+    if len(ships) != rounds:
+        raise ValueError(f"bench vllm: {len(ships)} ship settings for {rounds} rounds")
     runs: dict[str, list[dict[str, list]]] = {"stock": [], "kvelastic": []}
     with contextlib.ExitStack() as stack:
         if pressure:   # before both sides, and there until both are done
             stack.enter_context(_other_engine(socket_path))
-        sides = {name: stack.enter_context(_Side(name, socket_path, model, quick, pressure, ship)) for name in runs}
+        sides = {name: stack.enter_context(_Side(name, socket_path, model, quick, pressure)) for name in runs}
         for round_ in range(rounds):
             for side in sides.values():
-                side.ask("round", round_)   # a fresh scheduler, warmed up
+                side.ask("round", round_, ships[round_])   # a fresh scheduler, warmed up
             results: dict[str, dict[str, list]] = {name: {"schedule": [], "update": [], "running": []}
                                                    for name in sides}
             for i in range(steps):
@@ -191,13 +197,12 @@ class _Side:
     """One side of the comparison in a process of its own (``serve_side``),
     driven step by step over a socket pair."""
 
-    def __init__(self, side: str, socket_path: str, model: pathlib.Path, quick: bool, pressure: bool,
-                 ship: bool) -> None:
+    def __init__(self, side: str, socket_path: str, model: pathlib.Path, quick: bool, pressure: bool) -> None:
         import multiprocessing.connection
         import socket
 
         ours, theirs = socket.socketpair()
-        args = (side, theirs.fileno(), socket_path, str(model), quick, pressure, ship)
+        args = (side, theirs.fileno(), socket_path, str(model), quick, pressure)
         self.side = side
         # One hash seed for both sides: vLLM keys its dicts by request id (a
         # str), and a seed of its own would give each side its own collisions.
@@ -236,9 +241,8 @@ class _Side:
             self.proc.wait()
 
 
-def serve_side(side: str, fd: int, socket_path: str, model: str, quick: bool, pressure: bool,
-               ship: bool = True) -> None:
-    """A side's process (``_Side``): ``("round", n)`` builds a fresh scheduler
+def serve_side(side: str, fd: int, socket_path: str, model: str, quick: bool, pressure: bool) -> None:
+    """A side's process (``_Side``): ``("round", n, ship)`` builds a fresh scheduler
     and runs the warm-up, ``("step",)`` runs and times one step, ``("end",)``
     ends the round (its plan, and kvelastic's demand figures), ``("exit",)``."""
     import multiprocessing.connection
@@ -257,7 +261,7 @@ def serve_side(side: str, fd: int, socket_path: str, model: str, quick: bool, pr
         if command[0] == "exit":
             return
         try:
-            with make(socket_path, pathlib.Path(model), command[1], pressure, ship) as sched:
+            with make(socket_path, pathlib.Path(model), command[1], pressure, command[2]) as sched:
                 # This thread only (its engine's I/O thread is already running,
                 # free to go anywhere): both sides' steps on one core. Undone
                 # below, before the next round starts its engine's threads.
