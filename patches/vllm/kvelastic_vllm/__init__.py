@@ -135,7 +135,7 @@ def scheduler_patches() -> list[tuple[object, str, object]]:
         (sched, "__init__", engine.wrap_scheduler_init(sched.__init__)),
         (sched, "schedule", engine.wrap_schedule(sched.schedule)),
         (sched, "update_from_output", engine.wrap_update_from_output(sched.update_from_output)),
-        *[(mgr, name, demand.wrap_get_computed_blocks(getattr(mgr, name))) for name in lookups],
+        *[(mgr, name, demand.wrap_get_computed_blocks(getattr(mgr, name), ElasticBlockPool)) for name in lookups],
         (mgr, "record_prefix_cache_stats", engine.wrap_record_prefix_cache_stats(mgr.record_prefix_cache_stats)),
     ]
 

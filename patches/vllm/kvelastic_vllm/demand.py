@@ -95,16 +95,16 @@ def stop_hearing(demand: Demand) -> None:
         del manager.coordinator.get_num_blocks_to_allocate
 
 
-def wrap_get_computed_blocks(original):
+def wrap_get_computed_blocks(original, elastic: type):
     """The scheduler looks a waiting request up before it asks for the
     request's slots: from here to the end of the step the pool hears each
-    need (an engine at its cap, or just refused by the daemon, does not grow: no hooks)."""
-    from kvelastic_vllm.block_pool import ElasticBlockPool
+    need (an engine at its cap, or just refused by the daemon, does not grow: no hooks).
+    ``elastic``: the elastic pool's class (``block_pool.py``, which imports this module)."""
 
     @keep_face(original)
     def get_computed_blocks(self, *args, **kwargs):
         pool = self.block_pool
-        if type(pool) is ElasticBlockPool and pool.demand.manager is None and pool.may_grow:
+        if type(pool) is elastic and pool.demand.manager is None and pool.may_grow:
             hear(self, pool)
         return original(self, *args, **kwargs)
 
