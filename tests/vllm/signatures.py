@@ -82,11 +82,14 @@ def main() -> None:
     from kvelastic_vllm import demand
 
     class Pool:
-        hearing = None
+        pass
+
+    pool = Pool()
+    pool.demand = demand.Demand()
 
     mgr = object.__new__(manager.KVCacheManager)
     mgr.coordinator = object.__new__(coordinator.UnitaryKVCacheCoordinator)
-    demand.hear(mgr, Pool())
+    demand.hear(mgr, pool)
     report["KVCacheManager.allocate_slots (heard)"] = mismatches(
         manager.KVCacheManager.allocate_slots, mgr.allocate_slots.__func__)
     report["KVCacheCoordinator.get_num_blocks_to_allocate (heard)"] = mismatches(

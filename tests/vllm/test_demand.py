@@ -60,7 +60,11 @@ def test_an_unheard_check_grows_the_pool_to_a_running_requests_most_first(daemon
         pool.free_blocks(taken)
 
 
-def test_a_refused_demand_stops_asking_and_hearing_for_the_back_off(daemon_factory):
+def test_a_refused_demand_stops_asking_and_hearing_for_the_back_off(daemon_factory, monkeypatch):
+    from kvelastic_vllm import block_pool
+
+    # The back-off, long enough that a loaded machine stays within it between two steps.
+    monkeypatch.setattr(block_pool, "REFUSAL_BACKOFF", 60.0)
     daemon = daemon_factory(memory="8MiB")           # 4 slabs of 2 MiB
     other = EngineClient(SlabPool(8), socket_path=daemon.socket, engine_id="other", namespace="other",
                          page_size=PAGE, pages_per_worker=1, num_workers=0, block_bytes=PAGE // 8,
