@@ -159,9 +159,6 @@ class Allocator:
         """A grow was paced: the loop calls ``resume`` at once."""
         return self.growth.more_work
 
-    def hash_seed(self, namespace: str) -> str:
-        return self.registration.hash_seed(namespace)
-
     def status(self) -> StatusReport:
         return report.status(self.books)
 
