@@ -4,7 +4,9 @@ of proportion to its input, whatever numbers a hostile client declared
 is a violation.
 
 Calls are timed by the wall clock (cheap) and a slow one is confirmed by
-the process's CPU time, so a descheduled process is not blamed. While a
+the process's CPU time, less the time the garbage collector ran (a full
+collection of a long test process's heap can land inside any call), so
+neither a descheduled process nor the collector is blamed. While a
 hostile registration is on the books a watchdog (``ITIMER_PROF``, the main
 thread only) interrupts a call at the limit instead: a walk over 2**40
 block ids must be reported, not hang the run. An interrupted call leaves
@@ -13,6 +15,7 @@ the books half-changed, so the run ends there (``SimAbort``).
 
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 import time
@@ -48,15 +51,29 @@ class CallGuard:
         self._in_call = False
         self._old: Any = None
         self._installed = False
+        self._gc_cpu = 0.0          # CPU seconds the collector ran, in all
+        self._gc_start = 0.0
+        gc.callbacks.append(self._collecting)
+
+    def _collecting(self, phase: str, info: dict[str, int]) -> None:
+        now = time.process_time()
+        if phase == "start":
+            self._gc_start = now
+        else:
+            self._gc_cpu += now - self._gc_start
+
+    def _cpu(self) -> float:
+        """The process's CPU time without the collector's."""
+        return time.process_time() - self._gc_cpu
 
     def mark(self) -> None:
         """A recent point of the process's CPU clock: a slow call is confirmed against it."""
-        self.cpu_mark = time.process_time()
+        self.cpu_mark = self._cpu()
 
     def slow(self, fn: Callable[..., Any], args: tuple[Any, ...], wall: float) -> None:
         """A call took long by the clock (``World.call`` times each one): a
         violation if the CPU says so too."""
-        cpu = time.process_time() - self.cpu_mark
+        cpu = self._cpu() - self.cpu_mark
         if cpu > CALL_LIMIT:
             self.violation(f"allocator: {describe(fn, args)} took {wall:.2f} s ({cpu:.2f} s of CPU since the "
                            f"last mark): more than {CALL_LIMIT} s for one call")
@@ -65,7 +82,7 @@ class CallGuard:
         if self.available and not self._installed:
             self._old = signal.signal(signal.SIGPROF, self._overrun)
             self._installed = True
-        start = time.process_time()
+        start = self._cpu()
         self._in_call = True
         if self.available:
             signal.setitimer(signal.ITIMER_PROF, CALL_LIMIT, 0.02)
@@ -79,7 +96,7 @@ class CallGuard:
             if self.available:
                 signal.setitimer(signal.ITIMER_PROF, 0)
             self._in_call = False
-        cpu = time.process_time() - start
+        cpu = self._cpu() - start
         if cpu > CALL_LIMIT:
             self.violation(f"allocator: {describe(fn, args)} took {cpu:.2f} s of CPU: more than {CALL_LIMIT} s "
                            f"for one call")
@@ -90,7 +107,9 @@ class CallGuard:
             raise CallOverrun()
 
     def close(self) -> None:
-        """Put back whatever handled SIGPROF before."""
+        """Put back whatever handled SIGPROF before, and stop hearing the collector."""
+        if self._collecting in gc.callbacks:
+            gc.callbacks.remove(self._collecting)
         if self._installed:
             signal.setitimer(signal.ITIMER_PROF, 0)
             signal.signal(signal.SIGPROF, self._old if self._old is not None else signal.SIG_DFL)
