@@ -140,6 +140,24 @@ class VllmServer:
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
             self.proc.wait(30)
+            self._wait_port_free()
+
+    def _wait_port_free(self, timeout: float = 30.0) -> None:
+        """Until the server's port can be bound again: a forked EngineCore
+        inherits the listening socket and may outlive the front end by a
+        moment, and a server restarted on the same port would fail to bind."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as vLLM binds it
+                try:
+                    s.bind(("127.0.0.1", self.port))
+                    return
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"port {self.port} still bound {timeout:g} s after the server was "
+                                           "killed") from None
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc is None:
