@@ -67,10 +67,10 @@ def plugin_runs(tmp_path_factory, worker_id) -> dict:
 def _plugin_runs(tmp: pathlib.Path) -> dict:
     import json
     import os
-    import subprocess
     import sys
 
     from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
+    from tests.vllm import zygote
 
     tmp.mkdir(parents=True, exist_ok=True)
     model = build_tiny_llama(tmp / "tiny-llama")
@@ -81,8 +81,7 @@ def _plugin_runs(tmp: pathlib.Path) -> dict:
         for name, env in (("plain", PLUGIN_PLAIN), ("tuned", PLUGIN_TUNED)):
             full = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVELASTIC_ENABLE": "1",
                     "KVELASTIC_SOCKET": daemon.socket, **env}
-            out = subprocess.run([sys.executable, str(script), str(model), daemon.socket], env=full,
-                                 capture_output=True, text=True, timeout=300)
+            out = zygote.run([sys.executable, str(script), str(model), daemon.socket], env=full, timeout=300)
             assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
             runs[name] = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:])
         with open(daemon.socket + ".hash-secret", "rb") as f:

@@ -243,7 +243,6 @@ def _socket_group(node: Node, request: pytest.FixtureRequest) -> None:
 def _operator_group(node: Node, request: pytest.FixtureRequest) -> None:
     """A tenant in the operator group may set limits; one outside it may not."""
     import shutil
-    import subprocess
     import tempfile
 
     if os.geteuid() != 0:
@@ -377,11 +376,13 @@ def _log_level(node: Node, request: pytest.FixtureRequest) -> None:
 @probe("KVELASTIC_ENABLE")
 def _enable(node: Node, request: pytest.FixtureRequest) -> None:
     pytest.importorskip("vllm")
+    from tests.vllm import zygote
+
     script = ("import kvelastic_vllm, vllm.v1.core.kv_cache_coordinator as c; kvelastic_vllm.register(); "
               "print(c.BlockPool.__name__)")
     def block_pool(enable: str) -> str:
-        out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVELASTIC_ENABLE": enable},
-                             capture_output=True, text=True, timeout=120)
+        out = zygote.run([sys.executable, "-c", script], env={**os.environ, "KVELASTIC_ENABLE": enable},
+                         timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
         return out.stdout.split()[-1]
 

@@ -31,12 +31,14 @@ def test_router_sends_each_request_where_its_longest_prefix_is(tmp_path_factory)
     from kvelastic_tools.vllm_bench.route import Cluster
     from kvelastic_tools.vllm_bench.tinymodel import build_tiny_llama
     from tests.vllm.forked import VLLM_FORKED
+    from tests.vllm.zygote import launch
 
     model = build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
     folder = pathlib.Path(tempfile.mkdtemp(prefix="kvrt-", dir="/tmp"))     # short ipc:// paths
     shape = load.Shape(tenants=2, users=4, turns=3, system_len=96, message_len=40, max_tokens=8)
     try:
-        with Cluster(folder, model, per_node=1, command=VLLM_FORKED).up() as cluster, cluster.router("kv") as base:
+        cluster_up = Cluster(folder, model, per_node=1, command=VLLM_FORKED, popen=launch).up()
+        with cluster_up as cluster, cluster.router("kv") as base:
             def idle_router() -> bool:   # the last reply's load is given back (a scripted sequence: no queue)
                 return not any(json.loads(vllm_serve.http_get(base + "/health"))["load_tokens"].values())
 

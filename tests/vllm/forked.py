@@ -29,10 +29,13 @@ VLLM_FORKED = [sys.executable, "-m", "tests.vllm.forked", "-m", "kvelastic_vllm.
 
 
 class ForkedServer(VllmServer):
-    """``vllm serve`` whose engine processes are forked (``VLLM_FORKED``)."""
+    """``vllm serve`` whose engine processes are forked (``VLLM_FORKED``), its
+    front end forked from this worker's fork server (``zygote.py``)."""
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, command=VLLM_FORKED, **kwargs)
+        from tests.vllm.zygote import launch  # it imports this module's main
+
+        super().__init__(*args, command=VLLM_FORKED, popen=launch, **kwargs)
 
 
 def fork_engine_processes() -> None:

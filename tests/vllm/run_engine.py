@@ -6,7 +6,10 @@ EngineCore in a process of its own, as ``LLM()`` and every RL framework run
 it), unless ``in_process``: only for a command that reads the engine's
 objects (``warm-up``, ``poison``). Its engine processes are forked, as vLLM
 starts them on a GPU (``forked.py``), unless ``forked=False``: spawned, as
-vLLM's CPU build starts them (``test_default_layout.py``). Stock vLLM, the oracle the tests compare
+vLLM's CPU build starts them (``test_default_layout.py``). A forked engine's
+front end is itself forked from this worker's fork server (``zygote.py``),
+which imported vLLM once, as is an engine in one process and the oracle;
+an engine in vLLM's CPU layout (``forked=False``) is a fresh process. Stock vLLM, the oracle the tests compare
 with (``Stock``), runs in one process per pytest worker that opens engines
 one after another in-process: its tokens and hits are those of a fresh
 process in any layout (each engine starts with an empty cache and the
@@ -25,6 +28,8 @@ import tempfile
 import threading
 from typing import IO
 
+from tests.vllm.zygote import launch
+
 SCRIPT = pathlib.Path(__file__).resolve().parent / "weights_run.py"
 
 
@@ -38,8 +43,9 @@ class Engine:
         full = {**os.environ, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1",
                 "KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": daemon.socket}
         starter = ["-m", "tests.vllm.forked"] if forked and not in_process else []
-        self.proc = subprocess.Popen([sys.executable, *starter, *self.script, str(model), *args], env=full, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        start = launch if forked or in_process else subprocess.Popen    # vLLM's own start: a fresh process
+        self.proc = start([sys.executable, *starter, *self.script, str(model), *args], env=full, text=True,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self._read("READY")
 
     def _read(self, prefix: str) -> str:
@@ -102,8 +108,8 @@ class _Oracle:
     def __init__(self) -> None:
         self.log: IO[str] = tempfile.NamedTemporaryFile("w+", prefix="stock-oracle-", suffix=".log")
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVELASTIC_ENABLE": "0"}
-        self.proc = subprocess.Popen([sys.executable, str(SCRIPT), "--many"], env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self.proc = launch([sys.executable, str(SCRIPT), "--many"], env=env, text=True,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
         self.open_engine = False
         self.opened = 0
         _read(self.proc, "READY", self._log_tail)

@@ -10,10 +10,11 @@ tokens as stock vLLM.
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
+
+from tests.vllm import zygote
 
 pytest.importorskip("vllm")
 
@@ -26,8 +27,8 @@ PROMPT_TOKENS = 6000
 
 def run(model, **env) -> dict:
     full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
-    out = subprocess.run([sys.executable, str(HERE / "long_prompt_run.py"), str(model), str(PROMPT_TOKENS)],
-                         env=full_env, capture_output=True, text=True, timeout=240)
+    out = zygote.run([sys.executable, str(HERE / "long_prompt_run.py"), str(model), str(PROMPT_TOKENS)],
+                     env=full_env, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])

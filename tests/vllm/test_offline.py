@@ -4,10 +4,11 @@ own prefix-cache counters see the same hits."""
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
+
+from tests.vllm import zygote
 
 pytest.importorskip("vllm")
 
@@ -25,8 +26,7 @@ def tiny_model(tmp_path_factory):
 def run(model, **env):
     # One process (EngineCore and worker in the caller) keeps the run short.
     full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
-    out = subprocess.run([sys.executable, str(HERE / "offline_run.py"), str(model)], env=full_env,
-                         capture_output=True, text=True, timeout=300)
+    out = zygote.run([sys.executable, str(HERE / "offline_run.py"), str(model)], env=full_env, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
@@ -53,7 +53,6 @@ def test_greedy_outputs_and_hits_match_stock_vllm(daemon_factory, tiny_model):
 def test_no_daemon_stops_vllm_with_a_clear_message(tmp_path, tiny_model):
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVELASTIC_ENABLE": "1",
            "KVELASTIC_SOCKET": str(tmp_path / "nobody-home.sock")}
-    out = subprocess.run([sys.executable, str(HERE / "offline_run.py"), str(tiny_model)], env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = zygote.run([sys.executable, str(HERE / "offline_run.py"), str(tiny_model)], env=env, timeout=300)
     assert out.returncode != 0
     assert f"no kvelastic daemon answered on {tmp_path / 'nobody-home.sock'}" in out.stderr

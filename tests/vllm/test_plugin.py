@@ -1,11 +1,12 @@
 """The plugin's switch, version check, entry point and geometry checks."""
 
 import os
-import subprocess
 import sys
 from importlib.metadata import entry_points
 
 import pytest
+
+from tests.vllm import zygote
 
 pytest.importorskip("vllm")
 
@@ -20,8 +21,7 @@ print(c.BlockPool.__name__, "wrapped" if hasattr(r.allocate_kv_cache, "__wrapped
 
 
 def probe(code=PROBE, **env):
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "KVELASTIC_ENABLE": "0", **env})
+    return zygote.run([sys.executable, "-c", code], timeout=120, env={**os.environ, "KVELASTIC_ENABLE": "0", **env})
 
 
 def test_entry_point_is_registered():
@@ -189,8 +189,7 @@ def test_every_replacement_keeps_the_originals_signature_name_and_hints():
     import pathlib
 
     script = pathlib.Path(__file__).resolve().parent / "signatures.py"
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "KVELASTIC_ENABLE": "1"})
+    out = zygote.run([sys.executable, str(script)], timeout=300, env={**os.environ, "KVELASTIC_ENABLE": "1"})
     assert out.returncode == 0, out.stderr[-4000:]
     got = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:])
     report = got["report"]

@@ -13,20 +13,22 @@ import sys
 
 import pytest
 
+from tests.vllm import zygote
+
 pytest.importorskip("vllm")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def replica(model, daemon, role: str, **env) -> subprocess.Popen:
+def replica(model, daemon, role: str, **env):
     full = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVELASTIC_ENABLE": "1",
             "KVELASTIC_SOCKET": daemon.socket, "KVELASTIC_IDLE_GRACE": "1s", **env}
-    return subprocess.Popen([sys.executable, str(HERE / "replica_run.py"), str(model), role], env=full,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return zygote.launch([sys.executable, str(HERE / "replica_run.py"), str(model), role], env=full,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def result(proc: subprocess.Popen) -> dict:
+def result(proc) -> dict:
     for line in proc.stdout:
         if line.startswith("RESULT "):
             return json.loads(line[7:])

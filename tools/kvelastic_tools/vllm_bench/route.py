@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvelastic_tools.figures import percentile
@@ -56,9 +56,11 @@ class Cluster:
     """Two daemons, four engines, their event subscribers and the indexer."""
 
     def __init__(self, folder: pathlib.Path, model: pathlib.Path, per_node: int = ENGINES_PER_NODE,
-                 shared_secret: bool = True, command: list[str] | None = None) -> None:
+                 shared_secret: bool = True, command: list[str] | None = None,
+                 popen: Callable[..., Any] = subprocess.Popen) -> None:
         self.folder, self.model, self.per_node, self.shared_secret = folder, model, per_node, shared_secret
         self.command = command                                 # the `vllm` command (None: VllmServer's)
+        self.popen = popen                                     # how a server is started (VllmServer's popen)
         self.engines: dict[int, vllm_serve.VllmServer] = {}   # instance id -> server
         self.names: dict[int, str] = {}                       # instance id -> kvelastic engine id
         self.events: dict[int, tuple[str, str]] = {}          # instance id -> (endpoint, replay)
@@ -94,7 +96,7 @@ class Cluster:
                     stack.callback(self.node_streams[instance].close)
                     server = vllm_serve.VllmServer(
                         self.model, nf / f"vllm-{name}.log", flags=["--kv-events-config", json.dumps(cfg)],
-                        command=self.command,
+                        command=self.command, popen=self.popen,
                         env={"KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": sock, "KVELASTIC_ENGINE_ID": name,
                              "KVELASTIC_METRICS_PORT": "0", "VLLM_SERVER_DEV_MODE": "1"})
                     stack.callback(server.stop)

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 # What vLLM needs on a CPU-only, offline machine shared by other work.
@@ -58,9 +59,11 @@ def counter(metrics: str, name: str) -> float:
 
 class VllmServer:
     def __init__(self, model: pathlib.Path, log_path: pathlib.Path, env: dict[str, str] | None = None,
-                 flags: list[str] | None = None, command: list[str] | None = None) -> None:
+                 flags: list[str] | None = None, command: list[str] | None = None,
+                 popen: Callable[..., Any] = subprocess.Popen) -> None:
         self.model = model
         self.command = command or VLLM           # the `vllm` command (the tests may start it another way)
+        self.popen = popen                       # how it is started (the tests' fork server, for one)
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, **VLLM_ENV, **(env or {})}
@@ -72,8 +75,8 @@ class VllmServer:
         self._log = open(self.log_path, "ab")
         cmd = [*self.command, "serve", str(self.model), "--host", "127.0.0.1", "--port", str(self.port), *SERVE_FLAGS,
                *self.flags]
-        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = self.popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -131,9 +134,17 @@ class VllmServer:
                    "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,e2el",
                    "--metric-percentiles", "50,99", "--save-result", "--result-dir", tmp,
                    "--result-filename", "result.json"]
-            out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)
-            if out.returncode:
-                raise RuntimeError(f"vllm bench serve failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+            with open(pathlib.Path(tmp, "bench.log"), "w+") as log:
+                proc = self.popen(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                try:
+                    code = proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=60)
+                    raise
+                log.seek(0)
+                if code:
+                    raise RuntimeError(f"vllm bench serve failed ({code}):\n{log.read()[-4000:]}")
             return json.loads(pathlib.Path(tmp, "result.json").read_text())
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
