@@ -105,6 +105,14 @@ def parse_names(text: str) -> tuple[str, ...]:
     return names
 
 
+def parse_directory(text: str) -> str:
+    """An absolute directory path, or empty for none."""
+    path = text.strip()
+    if path and not os.path.isabs(path):
+        raise ValueError(f"expected an absolute directory path (or nothing), got {text!r}")
+    return path
+
+
 def parse_power_of_two_size(text: str) -> int:
     size = parse_size(text)
     if size < 4096 or size & (size - 1):
@@ -204,6 +212,14 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVELASTIC_ORPHAN_CACHE_TTL", "orphan_cache_ttl", "10m", parse_duration,
              "Daemon: a departed engine's valid cached slabs are kept this long for the next engine of its "
              "namespace (warm restart), as the first memory to yield; `0` drops them at once."),
+    Variable("KVELASTIC_TIER_DIR", "tier_dir", "", parse_directory,
+             "Daemon: a local directory (absolute) for the node's disk tier, shared by every engine: blocks "
+             "that leave device memory kept by value, and checked (CRC-32) on every read; rebuilt from what "
+             "the directory holds when the daemon starts. Empty: no tier. Demotion and promotion are being "
+             "built (docs/tier.md)."),
+    Variable("KVELASTIC_TIER_SIZE", "tier_size", "8GiB", parse_size,
+             "Daemon: the disk tier's budget; when it is full the blocks of least value (hits, decayed, times "
+             "cost per byte) go first."),
     Variable("KVELASTIC_LOG_LEVEL", "log_level", "info", parse_choice("debug", "info", "warning", "error"),
              "Log level of the daemon and the client."),
 )
@@ -238,6 +254,8 @@ class Config:
     idle_grace: float
     hold_down: float
     orphan_cache_ttl: float
+    tier_dir: str
+    tier_size: int
     log_level: str
 
     @classmethod

@@ -195,6 +195,7 @@ def render_status(status: dict) -> str:
         f"usage        {_bar(held / budget if budget else 0.0)} {100.0 * held / budget if budget else 0.0:.1f}% held",
         f"pages        created {pages.get('created', 0)}, free {pages.get('free', 0)}, "
         f"adopted {pages.get('adopted', 0)}",
+        *_tier_lines(status.get("tier")),
         "",
     ]
     engines = sorted(status.get("engines", []), key=lambda e: e["engine_id"])
@@ -206,6 +207,17 @@ def render_status(status: dict) -> str:
     if orphans:   # departed engines' cache, waiting for the next engine of its namespace
         lines += ["", *_table(_ORPHAN_COLUMNS, [_orphan_row(o) for o in orphans])]
     return "\n".join(lines)
+
+
+def _tier_lines(tier: dict | None) -> list[str]:
+    """The node's tier, when one is configured (KVELASTIC_TIER_DIR)."""
+    if not tier:
+        return []
+    counters = tier.get("counters", {})
+    failed = sum(n for name, n in counters.items() if name.startswith("failures_"))
+    return [f"tier         {tier['blocks']} block(s), {fmt_bytes(tier['bytes'])} of {fmt_bytes(tier['budget_bytes'])}, "
+            f"{len(tier.get('namespaces', {}))} namespace(s); demoted {counters.get('demotions', 0)}, "
+            f"promoted {counters.get('promotions', 0)}, lost {failed}"]
 
 
 _ORPHAN_COLUMNS = ("ORPHANED CACHE", "DEVICE", "SLABS", "BLOCKS", "BYTES", "AGE")
@@ -285,7 +297,8 @@ def run_command(args: argparse.Namespace) -> int:
         elif args.command == "invalidate":
             done = invalidate(path, args.target)
             print(f"invalidated the prefix cache of {args.target}: {done.engines} running engine(s), "
-                  f"{done.kept_blocks} kept block(s) dropped")
+                  f"{done.kept_blocks} kept block(s) dropped"
+                  + (f", {done.tier_blocks} block(s) of the tier dropped" if done.tier_blocks else ""))
         else:  # pragma: no cover - the parser only routes the commands above
             raise ValueError(args.command)
     except DaemonUnavailable as exc:

@@ -19,7 +19,9 @@ from prometheus_client.registry import Collector
 
 from kvelastic.core.stats import EVICTION_REASONS
 from kvelastic.protocol import Reason
-from kvelastic.status_report import StatusReport
+from kvelastic.status_report import StatusReport, TierStatus
+from kvelastic.tier.stats import EVICTION_REASONS as TIER_EVICTION_REASONS
+from kvelastic.tier.stats import FAILURE_REASONS as TIER_FAILURE_REASONS
 
 PREFIX = "kvelastic"
 # Every reason the daemon rejects a message for, so each counter exists from
@@ -179,6 +181,50 @@ class DaemonCollector(Collector):
             for reason in ("ttl", "reclaim", "invalidate"):
                 evictions.add_metric([d.device, "", reason], d.kept_evictions.get(reason, 0))
         yield from (held, cached, idle, starved, limit, *slabs.values(), *stats.values(), evictions)
+        if s.tier is not None:
+            yield from tier_families(s.tier)
+
+
+# The tier's counters (``TierStats``): (metric name without the prefix, the counters key, help).
+TIER_COUNTERS = (
+    ("tier_demotions", "demotions", "Blocks written to the node's tier (findable from then on)."),
+    ("tier_promotions", "promotions", "Blocks loaded back from the tier by an engine."),
+    ("tier_lookup_blocks", "lookup_blocks", "Blocks engines asked the tier for."),
+    ("tier_hit_blocks", "hit_blocks", "Blocks the tier held when asked (pinned for a load)."),
+    ("tier_rejected_full", "rejected_full", "Demotions refused: the room left is held by loads and writes."),
+    ("tier_restored", "restored", "Blocks found whole on disk when the daemon started."),
+)
+
+
+def tier_families(tier: TierStatus) -> Iterator[Metric]:
+    """The node's tier (``KVELASTIC_TIER_DIR``): only when one is configured."""
+    budget = GaugeMetricFamily(f"{PREFIX}_tier_budget_bytes", "The node's tier's budget (KVELASTIC_TIER_SIZE).")
+    budget.add_metric([], tier.budget_bytes)
+    used = GaugeMetricFamily(f"{PREFIX}_tier_bytes",
+                             "Bytes in the tier: blocks that can be found, being written, or held by a load.")
+    used.add_metric([], tier.bytes)
+    blocks = GaugeMetricFamily(f"{PREFIX}_tier_blocks", "Blocks in the tier that can be found, by namespace.",
+                               labels=["namespace"])
+    for namespace, n in sorted(tier.namespaces.items()):
+        blocks.add_metric([namespace], n)
+    yield from (budget, used, blocks)
+    for name, key, help_ in TIER_COUNTERS:
+        family = CounterMetricFamily(f"{PREFIX}_{name}", help_)
+        family.add_metric([], tier.counters.get(key, 0))
+        yield family
+    evictions = CounterMetricFamily(f"{PREFIX}_tier_evictions",
+                                    "Blocks that left the tier without a failure: value (pushed out by a more "
+                                    "valuable one), invalidate, budget (a smaller budget after a restart).",
+                                    labels=["reason"])
+    for reason in TIER_EVICTION_REASONS:
+        evictions.add_metric([reason], tier.counters.get(f"evictions_{reason}", 0))
+    failures = CounterMetricFamily(f"{PREFIX}_tier_failures",
+                                   "Blocks lost to a failure: disk_full, io, torn, checksum, identity (bytes that "
+                                   "failed their check, never served), load (a load not finished).",
+                                   labels=["reason"])
+    for reason in TIER_FAILURE_REASONS:
+        failures.add_metric([reason], tier.counters.get(f"failures_{reason}", 0))
+    yield from (evictions, failures)
 
 
 ROUTER_ERRORS = ("bad_request", "tokenize", "indexer", "engine")

@@ -403,9 +403,11 @@ class Error(Msg):
 
 class Invalidated(Msg):
     """The answer to ``Invalidate``: engines told to clear their index, and
-    blocks of kept cache (departed engines') dropped."""
+    blocks of kept cache (departed engines') dropped, and blocks of the
+    node's tier (``KVELASTIC_TIER_DIR``) dropped."""
     engines: int
     kept_blocks: int
+    tier_blocks: int = 0
 
 
 class Registered(Msg):

@@ -72,6 +72,15 @@ class OrphanStatus(msgspec.Struct, kw_only=True):
     oldest_seconds: float        # age of the oldest (it expires at the orphan TTL)
 
 
+class TierStatus(msgspec.Struct, kw_only=True):
+    """The node's tier below device memory (``KVELASTIC_TIER_DIR``)."""
+    budget_bytes: int
+    bytes: int                   # in use: blocks found, being written, or held by a load
+    blocks: int                  # blocks that can be found
+    namespaces: dict[ShownName, int] = {}   # namespace -> its blocks
+    counters: dict[str, int] = {}           # TierStats.counters(): demotions, hits, evictions_*, failures_*
+
+
 class StatusReport(msgspec.Struct, kw_only=True):
     """The daemon's state as ``status``, ``top`` and ``/metrics`` show it; the
     top-level memory and pages add up every device's."""
@@ -85,3 +94,4 @@ class StatusReport(msgspec.Struct, kw_only=True):
     devices: list[DeviceStatus]
     engines: list[EngineStatus]
     orphans: list[OrphanStatus] = []
+    tier: TierStatus | None = None

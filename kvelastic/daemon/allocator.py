@@ -61,6 +61,7 @@ from kvelastic.daemon.tenancy import Credential
 from kvelastic.daemon.unmapping import Unmapping
 from kvelastic.kv_events import AllBlocksCleared, kv_events_topic
 from kvelastic.status_report import StatusReport
+from kvelastic.tier.index import TierIndex
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -72,13 +73,15 @@ class Allocator:
                  timing: Timing = Timing(), events: bool = True,
                  token_source: Callable[[], bytes] = lambda: secrets.token_bytes(16),
                  max_engines: int = 256, hash_secret: bytes | None = None,
-                 aliases: dict[str, str] | None = None) -> None:
+                 aliases: dict[str, str] | None = None, tier: TierIndex | None = None) -> None:
         """``budgets``: device name -> budget in pages (the first is the default device).
         ``aliases``: other names of a device -> its name (a GPU's UUID, which
         a worker knows whatever ``CUDA_VISIBLE_DEVICES`` numbers it).
         ``hash_secret``: the key of the namespaces' hash seeds (``hash_seed``);
-        the daemon keeps one across restarts, by default a fresh random one."""
+        the daemon keeps one across restarts, by default a fresh random one.
+        ``tier``: the node's tier's index (its store is the loop's), or None."""
         self.books = books = Books(budgets, page_size, backend, timing, events)
+        books.tier = tier
         self.cache = CacheHandoff(books)
         self.growth = Growth(books, self.cache)
         self.unmapping = Unmapping(books, self.cache, self.growth)

@@ -84,4 +84,12 @@ class GrantLatency:
     demand: bool = False
 
 
-Effect = Send | SendPages | CreatePages | ReleasePages | Publish | Rejected | GrantLatency
+@dataclasses.dataclass(frozen=True)
+class DeleteTierBlocks:
+    """Delete the tier's files of ``slots``: the index freed them (invalidated,
+    evicted), and a slot is never handed out again (``kvelastic/tier``)."""
+
+    slots: tuple[int, ...]
+
+
+Effect = Send | SendPages | CreatePages | ReleasePages | Publish | Rejected | GrantLatency | DeleteTierBlocks

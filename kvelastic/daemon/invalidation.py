@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from kvelastic import protocol as p
+from kvelastic.daemon import effects as fx
 from kvelastic.daemon.books import Books
 from kvelastic.daemon.handoff import CacheHandoff
 from kvelastic.daemon.parts import GrowPass
@@ -31,12 +32,15 @@ class CacheScope:
     def on_invalidate(self, identity: bytes, m: p.Invalidate) -> p.Msg:
         """Drop the prefix cache of a namespace or an engine: running engines
         clear their index, kept cache is released, cache in transit loses its
-        keys. The operator may name anything; a tenant its own names only."""
+        keys, and a namespace's blocks leave the node's tier (whose files the
+        loop deletes). The operator may name anything; a tenant its own names only."""
         target = self._target(m.target)
         targets = [e for e in self.books.engines.values() if target in (e.engine_id, e.namespace)]
         kept = sum(len(o.cached) for o in self.books.orphans if target in (o.namespace, o.engine_id))
         departing = any(target in (e.engine_id, e.namespace) for e in self.books.departing.values())
-        if not targets and not kept and not departing:
+        tier = self.books.tier
+        in_tier = tier is not None and target in tier.namespaces()
+        if not targets and not kept and not departing and not in_tier:
             raise Rejected(p.Reason.UNKNOWN_TARGET, f"no engine, namespace or kept cache called {target!r}")
         for engine in targets:
             self.books.command(engine.identity, p.ClearIndex())
@@ -45,7 +49,12 @@ class CacheScope:
         dropped = self._invalidate_kept(target)
         if dropped:
             log.info("%s: %d kept cached block(s) invalidated", target, dropped)
-        return p.Invalidated(engines=len(targets), kept_blocks=dropped)
+        tier_blocks = 0
+        if tier is not None and in_tier:
+            tier_blocks = tier.invalidate(target)
+            self.books.emit(fx.DeleteTierBlocks(tuple(tier.take_released())))
+            log.info("%s: %d block(s) of the tier invalidated", target, tier_blocks)
+        return p.Invalidated(engines=len(targets), kept_blocks=dropped, tier_blocks=tier_blocks)
 
     def _target(self, target: str) -> str:
         """``target`` as the daemon knows it. A tenant names its own engines
@@ -60,6 +69,7 @@ class CacheScope:
         books = self.books
         names = {n for e in (*books.engines.values(), *books.departing.values()) for n in (e.engine_id, e.namespace)}
         names |= {n for o in books.orphans for n in (o.namespace, o.engine_id)}
+        names |= set(books.tier.namespaces()) if books.tier is not None else set()
         if target in names:
             raise Rejected(p.Reason.NOT_OPERATOR, f"{target!r} is not uid {cred.uid}'s: only the operator or its "
                                                   "owner may invalidate it")

@@ -9,6 +9,7 @@ import signal
 import socket
 import stat
 import sys
+import time
 
 from kvelastic import protocol as p
 from kvelastic.config import Config
@@ -19,6 +20,9 @@ from kvelastic.daemon.server import Daemon, sd_notify
 from kvelastic.daemon.tenancy import Tenancy
 from kvelastic.errors import ConfigError, KvelasticError
 from kvelastic.protocol import fd_socket_path
+from kvelastic.tier.disk import DiskStore
+from kvelastic.tier.index import TierIndex
+from kvelastic.tier.restart import rebuild
 from kvelastic.vmm import get_backend
 
 log = logging.getLogger("kvelastic.daemon")
@@ -165,6 +169,31 @@ def raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def open_tier(config: Config, now: float) -> tuple[TierIndex, DiskStore] | None:
+    """The node's disk tier (``KVELASTIC_TIER_DIR``), its index rebuilt from
+    what the directory holds; None when none is configured. The directory
+    must be the daemon's alone: blocks found there are served to engines as
+    their KV, so one that another user could write to is refused."""
+    if not config.tier_dir:
+        return None
+    where = f"KVELASTIC_TIER_DIR={config.tier_dir!r}"
+    try:
+        store = DiskStore(config.tier_dir)
+        st = os.stat(config.tier_dir)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise ConfigError(f"{where}: must be owned by the daemon's user (uid {os.geteuid()}) and writable by "
+                              f"no one else (it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}): "
+                              "chmod 700 it")
+        index = TierIndex(config.tier_size)
+        found = rebuild(index, store, now)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot use it ({exc.strerror or exc})") from None
+    dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(found.dropped.items())) or "none"
+    log.info("tier %s: %d block(s) in %d MiB of %d MiB rebuilt from disk; files dropped: %s", config.tier_dir,
+             sum(index.namespaces().values()), index.bytes_used >> 20, config.tier_size >> 20, dropped)
+    return index, store
+
+
 def main() -> int:
     try:
         config = Config.from_env()
@@ -185,9 +214,11 @@ def main() -> int:
                         orphan_ttl=config.orphan_cache_ttl)
         group = socket_group(config.socket_group)
         operators = socket_group(config.operator_group, "KVELASTIC_OPERATOR_GROUP") if config.operator_group else None
+        tier, tier_store = open_tier(config, time.monotonic()) or (None, None)
         daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing, access=Access(group=group),
                         tenancy=Tenancy(operator_group=operators),
-                        max_engines=config.max_engines, hash_secret=load_hash_secret(config.socket))
+                        max_engines=config.max_engines, hash_secret=load_hash_secret(config.socket),
+                        tier=tier, tier_store=tier_store)
     except KvelasticError as exc:
         print(f"kvelastic daemon: {exc}", file=sys.stderr)
         return 1

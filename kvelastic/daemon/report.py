@@ -8,7 +8,8 @@ from kvelastic.daemon.arbiter import is_idle
 from kvelastic.daemon.books import Books
 from kvelastic.daemon.state import Phase
 from kvelastic.errors import require
-from kvelastic.status_report import EngineStatus, MemoryStatus, PageCounts, StatusReport
+from kvelastic.status_report import EngineStatus, MemoryStatus, PageCounts, StatusReport, TierStatus
+from kvelastic.tier.index import TierIndex
 
 
 def status(books: Books) -> StatusReport:
@@ -53,7 +54,14 @@ def status(books: Books) -> StatusReport:
                                  for k in ("held", "cached", "free", "unallocated", "orphaned")}),
         pages=PageCounts(**{k: sum(getattr(d.pages, k) for d in devices)
                               for k in ("created", "free", "adopted", "quarantined")}),
-        devices=devices, engines=engines, orphans=books.orphans.status(books.now, books.page_size))
+        devices=devices, engines=engines, orphans=books.orphans.status(books.now, books.page_size),
+        tier=None if books.tier is None else tier_status(books.tier))
+
+
+def tier_status(tier: TierIndex) -> TierStatus:
+    namespaces = tier.namespaces()
+    return TierStatus(budget_bytes=tier.budget_bytes, bytes=tier.bytes_used, blocks=sum(namespaces.values()),
+                      namespaces=namespaces, counters=tier.stats.counters())
 
 
 def check(books: Books) -> None:

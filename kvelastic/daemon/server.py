@@ -32,6 +32,8 @@ from kvelastic.daemon.tenancy import Credential, Tenancy
 from kvelastic.errors import require
 from kvelastic.metrics import DaemonMetrics
 from kvelastic.status_report import StatusReport
+from kvelastic.tier.disk import DiskStore
+from kvelastic.tier.index import TierIndex
 from kvelastic.vmm.errors import FdChannelError, VmmError
 
 log = logging.getLogger("kvelastic.daemon")
@@ -54,13 +56,16 @@ class Daemon:
                  clock: Callable[[], float] = time.monotonic,
                  kv_events: tuple[str, str, int] | None = None, timing: Timing = Timing(),
                  access: Access | None = None, max_engines: int = 256, hash_secret: bytes | None = None,
-                 tenancy: Tenancy | None = None) -> None:
+                 tenancy: Tenancy | None = None, tier: TierIndex | None = None,
+                 tier_store: DiskStore | None = None) -> None:
+        """``tier``, ``tier_store``: the node's tier (``main.open_tier``), or None."""
         self.devices = {d.name: d for d in devices}
+        self.tier_store = tier_store
         self.clock = clock
         self.allocator = Allocator({d.name: d.budget_pages for d in devices}, devices[0].page_size,
                                    backend=devices[0].backend.name, timing=timing, events=kv_events is not None,
                                    max_engines=max_engines, hash_secret=hash_secret,
-                                   aliases={a: d.name for d in devices for a in d.aliases})
+                                   aliases={a: d.name for d in devices for a in d.aliases}, tier=tier)
         self.snapshot = self.allocator.status()
         self.metrics = DaemonMetrics(lambda: self.snapshot, list(self.devices))
         self.socket_path = socket_path
@@ -335,6 +340,10 @@ class Daemon:
                 self.events.publish(effect.topic, list(effect.events))
         elif isinstance(effect, fx.Rejected):
             self.metrics.rejected.labels(effect.reason.value).inc()
+        elif isinstance(effect, fx.DeleteTierBlocks):
+            if self.tier_store is not None:
+                for slot in effect.slots:
+                    self.tier_store.delete(slot)
         elif isinstance(effect, fx.GrantLatency):
             self.metrics.grant_latency.labels(effect.device).observe(effect.seconds)
             if effect.demand:

@@ -74,6 +74,10 @@ class TierBooks:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def namespaces(self) -> dict[str, int]:
+        """Namespace -> its blocks that can be found (committed, live)."""
+        return {ns: len(keys) for ns, keys in self._keys.items() if keys}
+
     def key_of(self, slot: int) -> tuple[str, bytes]:
         """(namespace, key) of a slot's entry: what its bytes must say they are."""
         e = self._entry(slot)

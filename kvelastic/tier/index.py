@@ -110,6 +110,15 @@ class TierIndex(TierBooks):
         self._refresh(e)
         return True
 
+    def set_budget(self, budget_bytes: int) -> bool:
+        """A new budget; over it, leaves of least value are evicted (``budget``)
+        until the entries fit. False when what loads and writes hold does not
+        fit (the budget is set, and the rest goes as they let go)."""
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        return self._make_room(0, "budget")
+
     # -------------------------------------------------------- promotion
     def lookup(self, namespace: str, keys: Sequence[bytes], now: float) -> list[int]:
         """The slots of the longest run of committed entries for ``keys[0]``,

@@ -27,7 +27,7 @@ from kvelastic.config import VARIABLES
 from kvelastic.status_report import DeviceStatus, EngineStatus
 from tests.daemon.engines import EngineProcess, with_engine_token
 from tests.daemon.hostile import Driver, RawEngine, kv_event_batches, register_message, tenant_script
-from tests.daemon_proc import DaemonProcess, wait_for
+from tests.daemon_proc import DaemonProcess, short_dir, wait_for
 
 MiB = 1 << 20
 
@@ -369,6 +369,24 @@ def _log_level(node: Node, request: pytest.FixtureRequest) -> None:
     quiet = node.daemon(KVELASTIC_LOG_LEVEL="error")
     quiet.request(p.Status())
     assert " INFO " not in quiet.log() and " WARNING " not in quiet.log()
+
+
+@probe("KVELASTIC_TIER_DIR")
+def _tier_dir(node: Node, request: pytest.FixtureRequest) -> None:
+    from kvelastic.tier.disk import DiskStore
+
+    assert node.daemon().request(p.Status()).status.tier is None        # no tier by default
+    folder = short_dir(node.tmp) / "tier"
+    DiskStore(folder).write(0, "ns", b"key", b"kv" * 100, cost=1.0)      # a block a former daemon left
+    tier = node.daemon(KVELASTIC_TIER_DIR=str(folder)).request(p.Status()).status.tier
+    assert tier is not None and tier.namespaces == {"ns": 1} and tier.bytes == 200
+
+
+@probe("KVELASTIC_TIER_SIZE")
+def _tier_size(node: Node, request: pytest.FixtureRequest) -> None:
+    folder = short_dir(node.tmp) / "tier"
+    tier = node.daemon(KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="3MiB").request(p.Status()).status.tier
+    assert tier is not None and tier.budget_bytes == 3 << 20
 
 
 # ------------------------------------------------------ the vLLM plugin

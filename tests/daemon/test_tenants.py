@@ -567,3 +567,32 @@ def test_only_the_operator_or_the_namespaces_owner_may_invalidate_its_kept_cache
     assert invalidate_as(ALICE, "llama") == "kept 4"                     # the owner, by its own name
     assert daemon.status()["orphans"] == []
     assert rejected(daemon).get("not_operator") == 2
+
+
+def test_only_the_operator_or_the_namespaces_owner_may_invalidate_its_tier_blocks(shared):
+    """Step 19: ``invalidate`` reaches the node's tier; a tenant of another
+    uid can drop neither another tenant's blocks nor the operator's."""
+    from kvelastic.tier.disk import DiskStore
+
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="kvelastic-tier-"))
+    store = DiskStore(folder)
+    store.write(0, "llama@uid6001", b"alice's", b"a" * 4096, cost=1.0)     # alice's namespace
+    store.write(1, "model", b"operator's", b"o" * 4096, cost=1.0)           # the operator's engines'
+    daemon = shared(KVELASTIC_TIER_DIR=str(folder))
+
+    def invalidate_as(user, target: str) -> str:
+        return as_tenant(user, f"e = RawEngine({daemon.socket!r}, 'probe')\n"
+                               f"r = e.request(p.Invalidate(target={target!r}))\n"
+                               "print(getattr(r, 'reason', None) or f'tier {r.tier_blocks}', flush=True)\n").strip()
+
+    try:
+        assert invalidate_as(MALLORY, "llama@uid6001") == "not_operator"
+        assert invalidate_as(MALLORY, "model") == "not_operator"
+        assert invalidate_as(MALLORY, "llama") == "unknown_target"      # its own "llama": it has none
+        assert daemon.status()["tier"]["namespaces"] == {"llama@uid6001": 1, "model": 1}
+        assert sorted(os.listdir(folder)) == [store.path(0).name, store.path(1).name]
+        assert invalidate_as(ALICE, "llama") == "tier 1"                 # the owner, by its own name
+        assert daemon.status()["tier"]["namespaces"] == {"model": 1}
+        assert os.listdir(folder) == [store.path(1).name]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -31,6 +31,7 @@ class TierMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.index = TierIndex(BUDGET, half_life=100.0)
+        self.budget = BUDGET
         self.now = 0.0
         self.entries: dict[int, dict] = {}      # slot -> entry
         self.seen: set[int] = set()             # every slot ever handed out
@@ -86,7 +87,7 @@ class TierMachine(RuleBasedStateMachine):
         if was_live:
             assert slot is None and len(values) == len([s for s in self.entries if s in values])
         elif slot is None:
-            assert nbytes > BUDGET - held_before or not any(self.evictable(s) for s in self.entries)
+            assert nbytes > self.budget - held_before or not any(self.evictable(s) for s in self.entries)
         else:
             assert slot not in self.seen
             self.seen.add(slot)
@@ -95,6 +96,25 @@ class TierMachine(RuleBasedStateMachine):
             if commit:
                 assert self.index.commit(slot)
                 self.entries[slot]["committed"] = True
+
+    @rule(fraction=st.sampled_from([1.0, 0.75, 0.5, 0.25]))
+    def set_budget(self, fraction):
+        """An operator's new KVELASTIC_TIER_SIZE (or a rebuild's): over it, least valuable leaves go first."""
+        budget = int(BUDGET * fraction)
+        values = {s: self.index.value(s, self.now) for s, e in self.entries.items()
+                  if e["committed"] and not e["dead"]}
+        fits = self.index.set_budget(budget)
+        for victim in self.index.take_released():
+            assert self.evictable(victim), victim
+            least = min(values[s] for s in self.entries if self.evictable(s))
+            assert values[victim] <= least * (1 + 1e-9), (victim, values)
+            del self.entries[victim]
+        if fits:
+            self.budget = budget
+            assert self.index.bytes_used <= budget
+        else:       # held bytes leave too little, or no leaf is left to evict (held entries' ancestors)
+            assert self.held() > budget or not any(self.evictable(s) for s in self.entries)
+            assert self.index.set_budget(self.budget)   # back to the budget they fit in
 
     @rule(data=st.data())
     def commit(self, data):
@@ -191,7 +211,7 @@ class TierMachine(RuleBasedStateMachine):
     @invariant()
     def agrees_with_the_model(self):
         self.index.check()
-        assert self.index.bytes_used == sum(e["nbytes"] for e in self.entries.values()) <= BUDGET
+        assert self.index.bytes_used == sum(e["nbytes"] for e in self.entries.values()) <= self.budget
         assert self.index.held_bytes == self.held()
         assert sorted(self.index._entries) == sorted(self.entries)
         for slot, e in self.entries.items():
