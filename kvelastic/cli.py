@@ -39,6 +39,12 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
     return daemon_main()
 
 
+def _cmd_keeper(args: argparse.Namespace) -> int:
+    from kvelastic.keeper.main import main as keeper_main
+
+    return keeper_main()
+
+
 def _cmd_router(args: argparse.Namespace) -> int:
     import logging
 
@@ -148,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("daemon", help="run the per-node daemon in the foreground")
     p.set_defaults(func=_cmd_daemon)
+
+    p = sub.add_parser("keeper", help="hold the daemon's page descriptors so its pages outlive it (Step 20)")
+    p.set_defaults(func=_cmd_keeper)
 
     p = sub.add_parser("config", help="print the configuration read from KVELASTIC_* variables")
     p.add_argument("--markdown", action="store_true", help="print the variables as a Markdown table")

@@ -478,6 +478,11 @@ def fd_socket_path(socket_path: str) -> str:
     return socket_path + ".fd"
 
 
+def keeper_socket_path(socket_path: str) -> str:
+    """The keeper of the daemon's pages (``kvelastic keeper``) listens beside it too."""
+    return socket_path + ".keeper"
+
+
 class Hello(msgspec.Struct):
     version: int
     engine_id: Name

@@ -15,12 +15,16 @@ and workers are vLLM's own processes, started by vLLM, talking to a real
 daemon. What a test observes differs from a fresh ``python`` in one thing:
 modules were imported before the test's environment was set.
 
-So a command is forked only when that cannot matter: the environment it
-asks for differs from the server's only in variables that are read when
-used, not when imported (``LAZY``: the plugin's settings and a few of
-vLLM's). Anything else (another ``PYTHONPATH``, ``OMP_NUM_THREADS``, a
-logging level) runs as a plain subprocess, as does every command that is
-not ``forked.py``'s, and everything when ``KVELASTIC_TEST_ZYGOTE=0``. The
+So a command is forked only when that cannot matter: its environment
+differs from the server's in no variable read at import (``AT_IMPORT``:
+the interpreter's, the OpenMP and BLAS runtimes', torch's, Hugging Face's,
+CUDA's, vLLM's logging). The child's environment is the one asked for, so
+everything read when used (the plugin's settings, vLLM's ``envs``, what
+the processes it starts inherit) sees it; ``PYTHONPATH`` is applied to
+``sys.path`` as Python's start would. A command whose environment differs
+in a variable read at import runs as a plain subprocess (the server's log
+says which and why), as does every command that is not a script, ``-c``
+or ``forked.py``'s, and everything when ``KVELASTIC_TEST_ZYGOTE=0``. The
 tests that prove vLLM's own start (``test_readme.py``, ``test_default_layout.py``,
 the spawned engines) never come here.
 
@@ -51,11 +55,15 @@ import traceback
 from kvelastic_tools.vllm_bench.vllm_serve import VLLM_ENV
 
 FORKED = ["-m", "tests.vllm.forked"]
-# Read when used (the plugin's settings, vLLM's envs module), never at import:
-# a forked child may differ from the server in these.
-LAZY_PREFIXES = ("KVELASTIC_",)
-LAZY = frozenset({"VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_SERVER_DEV_MODE",
-                  "VLLM_WORKER_MULTIPROC_METHOD", "PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER"})
+# Read at import (or at the process's start) by what the server imported:
+# a child asking for another value of one of these runs as a plain process.
+# Everything else is read when used: vLLM's ``envs`` module is lazy, the
+# plugin reads its settings at registration, a library's later imports read
+# theirs in the child (cv2's LD_LIBRARY_PATH, say, which it sets for its
+# subprocesses, and which the child's os.environ passes on to them).
+AT_IMPORT = ("PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "HF_", "HUGGINGFACE_",
+             "TRANSFORMERS_", "CUDA_", "NVIDIA_", "LD_PRELOAD", "MALLOC_", "VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING",
+             "VLLM_PROCESS_NAME_PREFIX", "VLLM_TARGET_DEVICE")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # What the server imports, in this order: quick_exit first, as forked.py imports
 # it (its atexit handler must run after vLLM's), then what a front end imports.
@@ -86,12 +94,12 @@ def _forkable(argv: list[str], env: dict[str, str], started: dict[str, str], imp
     if _command(argv) is None:
         return "not a script, -c or forked.py command"
     for key in set(env) | set(imported):
-        if env.get(key) == imported.get(key) or key.startswith(LAZY_PREFIXES) or key in LAZY:
+        if env.get(key) == imported.get(key) or not key.startswith(AT_IMPORT):
             continue
         if key not in env and (key in VLLM_ENV or key not in started):
             continue              # set before or by the imports, as the command's own would set it
-        if key == "PYTHONPATH":
-            continue              # the child puts its entries on sys.path as Python's start would (_python_path)
+        if key in ("PYTHONPATH", "PYTHONUNBUFFERED"):
+            continue              # the child applies them as Python's start would (_python_path, its streams)
         return f"{key} differs"
     return None
 
