@@ -1,8 +1,22 @@
+import os
 import pathlib
 
 import pytest
 
 from tests.daemon_proc import DaemonProcess
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """``os.environ`` as it was before each test: what a test, or vLLM run
+    in its process (its CPU platform sets variables of torch's and its own),
+    sets there never reaches the next test's processes (the fork server,
+    tests/vllm/zygote.py, forks only for an environment like its own)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture

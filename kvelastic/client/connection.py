@@ -171,6 +171,13 @@ class Connection:
         self._post(msg, pending)
         if not pending.event.wait(timeout):
             self._pending.pop(msg.req_id, None)
+            # Not sent yet (no daemon, the I/O thread between two attempts): it never will be. A
+            # request its caller gave up on must not reach the next daemon (a stale Grow would be
+            # granted memory nobody waits for).
+            try:
+                self._outbox.remove((msg, pending))
+            except ValueError:
+                pass
             raise DaemonUnavailable(f"no answer to {type(msg).__name__} within {timeout:.1f} s")
         return self._result(pending.reply)
 
