@@ -20,6 +20,7 @@ from kvelastic.daemon.server import Daemon, sd_notify
 from kvelastic.daemon.tenancy import Tenancy
 from kvelastic.errors import ConfigError, KvelasticError
 from kvelastic.protocol import fd_socket_path
+from kvelastic.startup import configured
 from kvelastic.tier.disk import DiskStore
 from kvelastic.tier.index import TierIndex
 from kvelastic.tier.restart import rebuild
@@ -195,13 +196,9 @@ def open_tier(config: Config, now: float) -> tuple[TierIndex, DiskStore] | None:
 
 
 def main() -> int:
-    try:
-        config = Config.from_env()
-    except ConfigError as exc:
-        print(f"kvelastic daemon: configuration error: {exc}", file=sys.stderr)
+    config = configured("kvelastic daemon")
+    if config is None:
         return 2
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_fd_limit()
     try:
         devices = open_devices(config)

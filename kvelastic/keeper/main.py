@@ -6,22 +6,18 @@ import logging
 import signal
 import sys
 
-from kvelastic.config import Config
-from kvelastic.errors import ConfigError, KvelasticError
+from kvelastic.errors import KvelasticError
 from kvelastic.keeper.server import Keeper
 from kvelastic.protocol import keeper_socket_path
+from kvelastic.startup import configured
 
 log = logging.getLogger("kvelastic.keeper")
 
 
 def main() -> int:
-    try:
-        config = Config.from_env()
-    except ConfigError as exc:
-        print(f"kvelastic keeper: configuration error: {exc}", file=sys.stderr)
+    config = configured("kvelastic keeper")
+    if config is None:
         return 2
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = keeper_socket_path(config.socket)
     try:
         keeper = Keeper(path)

@@ -52,7 +52,7 @@ import threading
 import time
 import traceback
 
-from kvelastic_tools.vllm_bench.vllm_serve import VLLM_ENV
+from kvelastic_tools.vllm_bench.vllm_serve import VLLM_ENV, wait_or_kill
 
 FORKED = ["-m", "tests.vllm.forked"]
 # Read at import (or at the process's start) by what the server imported:
@@ -271,13 +271,7 @@ def run(argv: list[str], *, env: dict[str, str], timeout: float) -> subprocess.C
     text=True)`` through ``launch``: a finished command's output and status;
     one still running at ``timeout`` is killed and ``TimeoutExpired`` raised."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:   # files: no pipe to fill
-        proc = launch(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=60)
-            raise
+        code = wait_or_kill(launch(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err), timeout)
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(argv, code, out.read(), err.read())

@@ -57,6 +57,17 @@ def counter(metrics: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", metrics, re.M))
 
 
+def wait_or_kill(proc: Any, timeout: float) -> int:
+    """``proc``'s exit status within ``timeout``; past it, ``proc`` is killed
+    (and reaped) and ``subprocess.TimeoutExpired`` raised."""
+    try:
+        return int(proc.wait(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=60)
+        raise
+
+
 class VllmServer:
     def __init__(self, model: pathlib.Path, log_path: pathlib.Path, env: dict[str, str] | None = None,
                  flags: list[str] | None = None, command: list[str] | None = None,
@@ -136,12 +147,7 @@ class VllmServer:
                    "--result-filename", "result.json"]
             with open(pathlib.Path(tmp, "bench.log"), "w+") as log:
                 proc = self.popen(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-                try:
-                    code = proc.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=60)
-                    raise
+                code = wait_or_kill(proc, timeout)
                 log.seek(0)
                 if code:
                     raise RuntimeError(f"vllm bench serve failed ({code}):\n{log.read()[-4000:]}")
