@@ -92,6 +92,10 @@ def test_summary_and_plot(tmp_path):
                                           for t in range(40)]
     out = elastic.summarize(modes["static"], workload)
     assert out["finished"] == len(workload.requests) and out["ttft_p99_ms"] == 6000.0
+    assert out["ttft_p50_ms"] <= out["ttft_p90_ms"] <= out["ttft_p99_ms"]
+    ratios = elastic.ttft_ratios(out, elastic.summarize(modes["elastic"], workload))
+    assert ratios == {"p50": 0.25, "p90": 0.25, "p99": 0.25}          # every elastic TTFT a quarter of static's
+    assert elastic.ttft_ratios(out, {"ttft_p50_ms": None}) == dict.fromkeys(elastic.QUANTILES)
     assert out["preemptions"] == 2 and out["preemptions_per_engine"] == [2, None, 0]
     assert out["prefix_cache_hit_rate"] == 0.25 and len(out["ttft_p99_ms_by_phase"]) == 3
     png = tmp_path / "elastic.png"
