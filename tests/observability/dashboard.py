@@ -90,16 +90,17 @@ def metric_names_in(expr: str) -> set[str]:
 def metric_definitions() -> list[tuple[re.Pattern, str]]:
     """The metrics ``kvelastic/metrics.py`` exports, read from its own
     registry over the books of a real allocator with one engine registered
-    (so every per-engine family has samples): (the family's sample names as
+    and a tier (so every per-engine and tier family has samples): (the family's sample names as
     one pattern, its type). No daemon, and no reading of source code."""
     import os
 
     from kvelastic import protocol as p
     from kvelastic.daemon.allocator import Allocator
     from kvelastic.metrics import DaemonMetrics
+    from kvelastic.tier.index import TierIndex
 
     page = 2 << 20
-    allocator = Allocator({"0": 4}, page)
+    allocator = Allocator({"0": 4}, page, tier=TierIndex(1 << 20))     # a tier: its families too
     allocator.handle(b"engine", p.RegisterEngine(
         version=p.PROTOCOL_VERSION, engine_id="e", pid=os.getpid(), namespace="ns", page_size=page,
         pages_per_worker=1, num_workers=1, blocks_per_slab=4, block_bytes=page // 4), now=0.0)

@@ -182,7 +182,8 @@ def test_docs_and_grafana_readme_document_the_alerts():
 def node(tmp_path_factory):
     """A daemon with one registered engine, so its per-engine series exist."""
     tmp = tmp_path_factory.mktemp("alerts")
-    daemon = DaemonProcess(tmp, memory="16MiB").start()
+    # With the node's tier on, so that its series are exported too.
+    daemon = DaemonProcess(tmp, memory="16MiB", KVELASTIC_TIER_DIR=str(tmp / "tier")).start()
     engine = None
     try:
         engine = EngineProcess(daemon.socket, "a", grace=1.0, namespace="llama")
