@@ -14,6 +14,7 @@ import time
 from kvelastic import protocol as p
 from kvelastic.config import Config
 from kvelastic.daemon.devices import Device
+from kvelastic.daemon.keeping import PageKeeper
 from kvelastic.daemon.peers import Access
 from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.server import Daemon, sd_notify
@@ -212,10 +213,13 @@ def main() -> int:
         group = socket_group(config.socket_group)
         operators = socket_group(config.operator_group, "KVELASTIC_OPERATOR_GROUP") if config.operator_group else None
         tier, tier_store = open_tier(config, time.monotonic()) or (None, None)
+        keeper = PageKeeper.find(config.socket)
+        if keeper is not None:
+            keeper.start()
         daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing, access=Access(group=group),
                         tenancy=Tenancy(operator_group=operators),
                         max_engines=config.max_engines, hash_secret=load_hash_secret(config.socket),
-                        tier=tier, tier_store=tier_store)
+                        tier=tier, tier_store=tier_store, keeper=keeper)
     except KvelasticError as exc:
         print(f"kvelastic daemon: {exc}", file=sys.stderr)
         return 1

@@ -26,6 +26,7 @@ from kvelastic.daemon import effects as fx
 from kvelastic.daemon.allocator import Allocator
 from kvelastic.daemon.devices import Device
 from kvelastic.daemon.events import KVEventPublisher
+from kvelastic.daemon.keeping import PageKeeper
 from kvelastic.daemon.peers import Access, Peer, PeerTable
 from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.tenancy import Credential, Tenancy
@@ -57,10 +58,12 @@ class Daemon:
                  kv_events: tuple[str, str, int] | None = None, timing: Timing = Timing(),
                  access: Access | None = None, max_engines: int = 256, hash_secret: bytes | None = None,
                  tenancy: Tenancy | None = None, tier: TierIndex | None = None,
-                 tier_store: DiskStore | None = None) -> None:
-        """``tier``, ``tier_store``: the node's tier (``main.open_tier``), or None."""
+                 tier_store: DiskStore | None = None, keeper: PageKeeper | None = None) -> None:
+        """``tier``, ``tier_store``: the node's tier (``main.open_tier``), or None.
+        ``keeper``: where pages are deposited so they outlive this process, or None."""
         self.devices = {d.name: d for d in devices}
         self.tier_store = tier_store
+        self.keeper = keeper
         self.clock = clock
         self.allocator = Allocator({d.name: d.budget_pages for d in devices}, devices[0].page_size,
                                    backend=devices[0].backend.name, timing=timing, events=kv_events is not None,
@@ -137,6 +140,9 @@ class Daemon:
     def close(self) -> None:
         """Stop without unmapping anything: engines keep serving from the pages
         they hold and adopt them again from the next daemon (invariant 9)."""
+        if self.keeper is not None:
+            self.keeper.detach()          # the pages stay with the keeper for the next daemon
+            self.keeper = None
         self._perform(self.allocator.shutdown())
         self.peers.close()
         self.router.close(0)
@@ -331,9 +337,14 @@ class Daemon:
             return self._send_pages(effect, now)
         elif isinstance(effect, fx.CreatePages):
             ids = self.allocator.new_page_ids(effect.count)
-            return self.allocator.pages_created(effect.device, effect.count,
-                                                self.devices[effect.device].create(ids), now)
+            device = self.devices[effect.device]
+            created = device.create(ids)
+            if self.keeper is not None:
+                self.keeper.keep(device, created)
+            return self.allocator.pages_created(effect.device, effect.count, created, now)
         elif isinstance(effect, fx.ReleasePages):
+            if self.keeper is not None:
+                self.keeper.forget(effect.pages)
             self.devices[effect.device].release(effect.pages)
         elif isinstance(effect, fx.Publish):
             if self.events is not None:

@@ -27,8 +27,9 @@ PAGE = 64 << 10
 
 
 class KeeperProcess:
-    def __init__(self, folder: pathlib.Path) -> None:
-        self.socket = str(folder / "kv.sock")
+    def __init__(self, folder: pathlib.Path, socket: str | None = None) -> None:
+        """``socket``: the daemon's (its keeper listens beside it), by default one in ``folder``."""
+        self.socket = socket or str(folder / "kv.sock")
         self.path = keeper_socket_path(self.socket)
         self.log_path = folder / "keeper.log"
         self.env = dict(os.environ, KVELASTIC_SOCKET=self.socket)
