@@ -23,6 +23,9 @@ from kvelastic.protocol import keeper_socket_path
 from kvelastic.vmm.errors import VmmError
 
 log = logging.getLogger("kvelastic.daemon")
+# The loop waits this long at most for the keeper (a local process of the same
+# user, answering in well under a millisecond); past it the keeper is dropped.
+KEEPER_TIMEOUT = 1.0
 
 
 class PageKeeper:
@@ -37,7 +40,7 @@ class PageKeeper:
             log.info("no keeper on %s: pages die with the daemon (`kvelastic keeper` keeps them)", path)
             return None
         try:
-            return cls(KeeperClient(path))
+            return cls(KeeperClient(path, timeout=KEEPER_TIMEOUT))
         except KvelasticError as exc:
             log.warning("keeper on %s not used: %s", path, exc)
             return None
