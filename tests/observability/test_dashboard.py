@@ -46,6 +46,8 @@ REQUIRED_PANELS = {
     "Quarantined memory": {"kvelastic_quarantined_bytes"},
     "Kept cache of departed engines": {"kvelastic_orphaned_cache_bytes"},
     "Blocks adopted and their hits per second": {"kvelastic_adopted_blocks_total", "kvelastic_adopted_hits_total"},
+    "Node tier memory": {"kvelastic_tier_bytes", "kvelastic_tier_budget_bytes"},
+    "Node tier blocks lost per second": {"kvelastic_tier_failures_total"},
 }
 # Per-engine panels: they follow the Engine variable.
 ENGINE_PANELS = ("Memory per engine", "Slab grants, returns and reclaims per second",

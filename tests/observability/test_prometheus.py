@@ -45,6 +45,7 @@ pytestmark = [
 ]
 
 SLAB = 2 * MiB
+TIER_BLOCK, TIER_BUDGET = 32 << 10, 8 * MiB          # the tier's blocks hold twice TIER_BLOCK bytes
 PREFIX = "kv-prompt-You are a helpful assistant"      # a's block keys are sha256 of f"{PREFIX}-{i}"
 ALLOWED_LABELS = {"__name__", "instance", "job", "device", "engine", "namespace", "reason", "state", "bound", "le"}
 COUNTERS = ("grants", "returns", "reclaims")
@@ -62,7 +63,15 @@ def engine(daemon: DaemonProcess, engine_id: str) -> dict:
 def run(tmp_path_factory):
     """Daemon, two engines and Prometheus; the workload; everything the tests need."""
     tmp = tmp_path_factory.mktemp("observability")
-    daemon = DaemonProcess(tmp, memory="16MiB").start()
+    # The node's tier: two blocks a former daemon left, and one file cut short (a torn block).
+    from kvelastic.tier.disk import DiskStore
+
+    store = DiskStore(tmp / "tier")
+    for slot in range(3):
+        store.write(slot, "llama", b"key-%d" % slot, b"kv" * TIER_BLOCK, cost=1.0)
+    store.path(2).write_bytes(store.path(2).read_bytes()[:-1])
+    daemon = DaemonProcess(tmp, memory="16MiB", KVELASTIC_TIER_DIR=str(tmp / "tier"),
+                           KVELASTIC_TIER_SIZE=str(TIER_BUDGET)).start()
     engines: list[EngineProcess] = []
     prom = None
     try:
@@ -202,6 +211,14 @@ def test_every_panel_query_returns_data_that_agrees_with_the_workload(run):
     # daemon has no eviction counts for an engine before it), not at the baseline
     # scrape, so their samples span a shorter time and extrapolate a little more.
     assert evictions == {r: pytest.approx(unit * n, rel=0.25) for r, n in want.items()}
+
+    tier = {ref: single(results[("Node tier memory", ref)]) for ref in "AB"}
+    assert tier == {"A": 2 * 2 * TIER_BLOCK, "B": TIER_BUDGET} == {"A": status["tier"]["bytes"],
+                                                                "B": status["tier"]["budget_bytes"]}
+    lost = by(results[("Node tier blocks lost per second", "A")], "reason")
+    assert set(lost) == {"disk_full", "io", "torn", "checksum", "identity", "load"}   # every reason has a series
+    assert set(lost.values()) == {0.0}          # the torn block was dropped at start: no loss since
+    assert status["tier"]["counters"]["failures_torn"] == 1
 
     rejected = by(results[("Rejected messages", "A")], "reason")
     assert {r: v for r, v in rejected.items() if v} == {"unknown_engine": 1}   # every reason has a series
