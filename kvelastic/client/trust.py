@@ -47,11 +47,16 @@ class UntrustedDaemon(KvelasticError):
         self.message = message
 
 
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a connected AF_UNIX
+    socket, as the kernel says (for a client: whoever called ``listen``)."""
+    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return pid, uid, gid
+
+
 def peer_uid(sock: socket.socket) -> int:
-    """The uid of the process at the other end of a connected AF_UNIX socket
-    (for a client: whoever called ``listen``)."""
-    _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    return uid
+    """The uid of the process at the other end of a connected AF_UNIX socket."""
+    return peer_credentials(sock)[1]
 
 
 def check_daemon(sock: socket.socket, socket_path: str) -> int:

@@ -9,15 +9,13 @@ on the path would be handed every page of the node, so the listener's uid
 from __future__ import annotations
 
 import os
-import socket
-import struct
 from collections.abc import Sequence
 
+from kvelastic.client.trust import peer_uid
 from kvelastic.errors import KvelasticError
 from kvelastic.keeper import messages as m
 from kvelastic.vmm.fdchannel import FdChannel
 
-_UCRED = struct.Struct("3i")
 TIMEOUT = 10.0
 
 
@@ -29,8 +27,7 @@ class KeeperClient:
     def __init__(self, path: str, timeout: float = TIMEOUT) -> None:
         self.chan = FdChannel.connect(path)
         self.chan.sock.settimeout(timeout)
-        _pid, uid, _gid = _UCRED.unpack(self.chan.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                  _UCRED.size))
+        uid = peer_uid(self.chan.sock)
         if uid not in (0, os.geteuid()):
             self.chan.close()
             raise KeeperRefused(f"the keeper on {path} runs as uid {uid}, not as this user or root: "

@@ -20,11 +20,11 @@ import os
 import resource
 import selectors
 import socket
-import struct
 from collections.abc import Callable
 
 import msgspec
 
+from kvelastic.client.trust import peer_credentials
 from kvelastic.errors import KvelasticError
 from kvelastic.keeper import messages as m
 from kvelastic.keeper.holdings import Holdings
@@ -34,7 +34,6 @@ from kvelastic.vmm.fdchannel import FdChannel, listen
 log = logging.getLogger("kvelastic.keeper")
 REQUEST_TIMEOUT = 5.0          # s: a request's bytes must all arrive within this
 SPARE_FDS = 64                 # descriptors the keeper keeps for itself (sockets, logs)
-_UCRED = struct.Struct("3i")
 
 
 def fd_budget() -> int:
@@ -79,7 +78,7 @@ class Keeper:
 
     def _accept(self) -> None:
         chan = FdChannel.accept(self.listener)
-        pid, uid, _ = _UCRED.unpack(chan.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        pid, uid, _ = peer_credentials(chan.sock)
         if uid not in (0, self.uid):
             log.warning("keeper: refused a connection of pid %d (uid %d): only uid %d may use the keeper",
                         pid, uid, self.uid)
