@@ -14,45 +14,49 @@ from kvelastic.core.block import BlockRecord
 
 
 class HashIndex:
-    __slots__ = ("_map",)
+    __slots__ = ("entries",)
 
     def __init__(self) -> None:
         # key -> its block, or {block_id: block} when several blocks hold the key.
-        self._map: dict[Hashable, BlockRecord] = {}
+        # The pool's per-block loops (``SlabPool.cache``, ``_reuse_cached``)
+        # handle a bare entry here themselves and call ``insert``/``remove``
+        # only for the shared case: a method call per key was a large share
+        # of their cost.
+        self.entries: dict[Hashable, BlockRecord] = {}
 
     def get_one(self, key: Hashable) -> BlockRecord | None:
-        entry = self._map.get(key)
+        entry = self.entries.get(key)
         if entry is None or type(entry) is not dict:
             return entry
         return next(iter(entry.values()))
 
     def insert(self, key: Hashable, block: BlockRecord) -> None:
-        entry = self._map.get(key)
+        entry = self.entries.get(key)
         if entry is None:
-            self._map[key] = block
+            self.entries[key] = block
         elif type(entry) is dict:
             entry[block.block_id] = block
         else:
-            self._map[key] = {entry.block_id: entry, block.block_id: block}
+            self.entries[key] = {entry.block_id: entry, block.block_id: block}
 
     def remove(self, key: Hashable, block: BlockRecord) -> None:
-        entry = self._map[key]
+        entry = self.entries[key]
         if type(entry) is dict:
             del entry[block.block_id]
             if len(entry) == 1:
-                self._map[key] = next(iter(entry.values()))
+                self.entries[key] = next(iter(entry.values()))
         else:
-            del self._map[key]
+            del self.entries[key]
 
     def clear(self) -> None:
-        self._map.clear()
+        self.entries.clear()
 
     def __len__(self) -> int:
-        return len(self._map)
+        return len(self.entries)
 
     def items(self) -> Iterator[tuple[Hashable, int]]:
         """(key, block_id) for every entry; for checks and snapshots only."""
-        for key, entry in self._map.items():
+        for key, entry in self.entries.items():
             if type(entry) is dict:
                 for block_id in entry:
                     yield key, block_id

@@ -32,11 +32,12 @@ layer calls only the ones below it.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from operator import length_hint
 from typing import NoReturn
 
 from kvelastic.core.block import BlockRecord, Slab
 from kvelastic.core.handon import HandOnPool
-from kvelastic.core.journal import ADD_SLAB, LABEL, REMOVE_SLAB
+from kvelastic.core.journal import ADD_SLAB, LABEL, REMOVE, REMOVE_SLAB, STORE
 from kvelastic.errors import (
     BlockNotCached,
     BlockNotLive,
@@ -156,10 +157,14 @@ class SlabPool(HandOnPool):
     def _reuse_cached(self, reused: int, out: list[BlockRecord]) -> None:
         """``allocate``'s second half: the ``reused`` least recently used
         cached blocks lose their keys and join ``out``, live (``_drop_key``
-        inline, over locals bound once: the LRU's head is known, no lookup)."""
+        inline, with ``HashIndex.remove`` for a bare entry and ``Journal.drop``,
+        over locals bound once: the LRU's head is known, no lookup)."""
         head, cached_at, dirty = self._head, self._cached_at, self.journal.dirty
-        adopted, labels, index_remove = self._adopted, self._labels, self._index.remove
-        drop, on_removed, aliases = self.journal.drop, self.on_key_removed, self._aliases
+        adopted, labels, index = self._adopted, self._labels, self._index.entries
+        journal = self.journal
+        stored, ops, demoted = journal.stored, journal.ops, journal.demoted
+        on_removed, aliases = self.on_key_removed, self._aliases
+        removed = False
         for _ in range(reused):
             blk = head.next_free_block      # the least recently used, unlinked
             nxt = blk.next_free_block
@@ -174,8 +179,19 @@ class SlabPool(HandOnPool):
                 adopted.discard(block_id)
             if labels:
                 labels.pop(block_id, None)
-            index_remove(key, blk)
-            drop(key, block_id)
+            if type(index[key]) is dict:     # several blocks hold the key
+                self._index.remove(key, blk)
+            else:
+                del index[key]
+            at = stored.pop(block_id, None)  # Journal.drop: stored in this batch, cancelled
+            if at is not None:
+                ops[at] = None
+            else:
+                ops.append((REMOVE, key, block_id))
+                if demoted and block_id in demoted:
+                    demoted.remove(block_id)
+                else:
+                    removed = True
             blk._block_hash = blk._block_hash_num_tokens = None
             if on_removed is not None:
                 on_removed(key)
@@ -185,6 +201,8 @@ class SlabPool(HandOnPool):
             slab.cached -= 1
             dirty.add(slab.slab_id)
             out.append(blk)
+        if removed:
+            journal.removed = True
         self.num_available -= reused
         self.stats.evictions["lru"] += reused
 
@@ -240,54 +258,60 @@ class SlabPool(HandOnPool):
         first). A block reaching 0 becomes cached if it has a key, else free."""
         if type(blocks) is not list:
             blocks = list(blocks)       # vLLM passes an iterator; a bad block's undo walks back
-        dirty, tail = self.journal.dirty, self._tail
+        tail = self._tail
         cached_at = self._cached_at if self.ttl else None
         now = self._clock() if cached_at is not None else 0.0
-        done = released = 0
+        cached = 0
         last = None
-        grown: dict[Slab, int] = {}     # slab -> its free count before: rebucketed once at the end if it grew
+        # slab -> its free count before: marked dirty and rebucketed once at
+        # the end. A request's blocks spread over many slabs (best fit takes
+        # each decode block from the fullest), so the loop does as little per
+        # slab as it can, and nothing per block it can do once per call.
+        grown: dict[Slab, int] = {}
+        it = iter(blocks)
         try:
-            for blk in blocks:
+            for blk in it:
                 slab = blk.slab
-                ref = blk.ref_cnt
-                if ref <= 0 or slab.owner is not self:
+                ref = blk.ref_cnt - 1
+                if ref < 0 or slab.owner is not self:
                     raise AttributeError
-                blk.ref_cnt = ref = ref - 1
-                done += 1
+                blk.ref_cnt = ref
                 if ref:
                     continue
-                released += 1
                 if slab is not last:  # a request's blocks mostly share slabs (best fit)
                     last = slab
-                    dirty.add(slab.slab_id)
                     if slab not in grown:
                         grown[slab] = len(slab.free)
                 if blk._block_hash is None:
                     slab.free.append(blk)
                 else:
                     slab.cached += 1
+                    cached += 1
                     prev = tail.prev_free_block     # last in the LRU: the most recently used
                     prev.next_free_block = tail.prev_free_block = blk
                     blk.prev_free_block, blk.next_free_block = prev, tail
                     if cached_at is not None:
                         cached_at[blk.block_id] = now
         except AttributeError:   # a bad block: no slab, a slab not held, or not live
+            done = len(blocks) - length_hint(it) - 1    # the blocks before it (no count kept per block)
             self._undo_free(blocks[:done], blocks[done])
         self.stats.block_ops += 1
-        if grown:   # _rebucket, inline: each slab that gained free blocks, once
-            by_free, hint = self._by_free, self._min_hint
+        if grown:   # _rebucket, inline: each slab that released a block, once
+            dirty, by_free, hint, freed = self.journal.dirty, self._by_free, self._min_hint, 0
             for slab, old in grown.items():
+                slab_id = slab.slab_id
+                dirty.add(slab_id)
                 new = len(slab.free)
-                if new == old:
-                    continue
-                self.num_free += new - old
-                del by_free[old][slab.slab_id]
-                by_free[new][slab.slab_id] = slab
-                if new < hint:
-                    hint = new
+                if new != old:
+                    freed += new - old
+                    del by_free[old][slab_id]
+                    by_free[new][slab_id] = slab
+                    if new < hint:
+                        hint = new
             self._min_hint = hint
-        self.num_available += released
-        if self.ttl or self.max_cached_blocks is not None:
+            self.num_free += freed
+            self.num_available += freed + cached
+        if cached_at is not None or self.max_cached_blocks is not None:
             self._enforce_limits(now)
 
     def _undo_free(self, done: list[BlockRecord], bad: BlockRecord) -> NoReturn:
@@ -328,20 +352,27 @@ class SlabPool(HandOnPool):
             raise UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds") from None
         journal = self.journal
         journal.mark_store()
+        index, stored, ops = self._index.entries, journal.stored, journal.ops
         for i, blk in enumerate(blocks):
             key = keys[i]
-            if blk._block_hash == key:
-                continue
-            if blk._block_hash is not None:
+            old = blk._block_hash
+            if old is not None:
+                if old == key:
+                    continue
                 self._drop_key(blk)
             blk._block_hash = key
             if num_tokens is not None:
                 blk._block_hash_num_tokens = num_tokens[i]
-            self._index.insert(key, blk)
-            journal.store(key, blk.block_id)
+            if key in index:                # HashIndex.insert; a bare entry inline
+                self._index.insert(key, blk)
+            else:
+                index[key] = blk
+            block_id = blk.block_id
+            stored[block_id] = len(ops)     # Journal.store, inline
+            ops.append((STORE, key, block_id))
             if labels is not None and labels[i]:
-                self._labels[blk.block_id] = labels[i]
-                journal.ops.append((LABEL, blk.block_id, labels[i]))
+                self._labels[block_id] = labels[i]
+                ops.append((LABEL, block_id, labels[i]))
 
     def alias(self, blk: BlockRecord, key: Hashable) -> bool:
         """Make a keyed block reachable under ``key`` too (lookups only, never
