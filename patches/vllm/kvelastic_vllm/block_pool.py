@@ -310,10 +310,27 @@ class ElasticBlockPool(BlockPool):
                           block_mask: list[bool] | None = None) -> None:
         if num_cached_blocks >= num_full_blocks:
             return
-        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
-        events = self.enable_kv_cache_events
         # make_block_hash_with_group_id, with the group's 4-byte suffix cached
         suffix = self._group_suffix.get(kv_cache_group_id) or self._suffix(kv_cache_group_id)
+        core = self.core
+        if block_mask is None and block_size == self.hash_block_size and not self.enable_kv_cache_events:
+            # The common case, one pass each (vLLM calls this per request per
+            # step): every block stored, the request's own hashes (what
+            # resolve_block_hashes returns at this block size), no labels.
+            to_cache = blocks[num_cached_blocks:num_full_blocks]
+            for block in to_cache:
+                if block.is_null:
+                    break
+            else:
+                keys = [h + suffix for h in request.block_hashes[num_cached_blocks:num_full_blocks]]
+                lengths = range((num_cached_blocks + 1) * block_size, (num_full_blocks + 1) * block_size, block_size)
+                if self.in_step:
+                    core.cache(to_cache, keys, lengths)
+                else:
+                    self._locked(core.cache, to_cache, keys, lengths)
+                return
+        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        events = self.enable_kv_cache_events
         to_cache, keys, prefix_lengths, stored = [], [], [], []
         for i, block in enumerate(blocks[num_cached_blocks:num_full_blocks]):
             if block.is_null or (block_mask is not None and not block_mask[i]):
@@ -327,7 +344,6 @@ class ElasticBlockPool(BlockPool):
             extra_keys = self._extra_keys(request, num_cached_blocks, num_full_blocks, block_size, stored)
             labels = [self._label(request, hashes, num_cached_blocks + i, block_size, kv_cache_group_id, extra)
                       for i, extra in zip(stored, extra_keys)]
-        core = self.core
         if self.in_step:
             core.cache(to_cache, keys, prefix_lengths, labels)
         else:
