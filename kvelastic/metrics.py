@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from kvelastic.core.stats import EVICTION_REASONS
 from kvelastic.protocol import Reason
-from kvelastic.status_report import StatusReport, TierStatus
+from kvelastic.status_report import RestartStatus, StatusReport, TierStatus
 from kvelastic.tier.stats import EVICTION_REASONS as TIER_EVICTION_REASONS
 from kvelastic.tier.stats import FAILURE_REASONS as TIER_FAILURE_REASONS
 
@@ -183,6 +183,36 @@ class DaemonCollector(Collector):
         yield from (held, cached, idle, starved, limit, *slabs.values(), *stats.values(), evictions)
         if s.tier is not None:
             yield from tier_families(s.tier)
+        if s.restart is not None:
+            yield from restart_families(s.restart)
+
+
+# Why a saved kept slab was not adopted (``saved._unfit``).
+RESTART_DROP_REASONS = ("pages_gone", "over_budget", "device_gone", "malformed")
+# What became of the state file at start: read, or why not (``statefile.py``'s reasons, ``invalid`` for
+# books of another version).
+STATE_FILE_STATES = ("ok", "missing", "torn", "checksum", "version", "stale", "invalid", "io")
+
+
+def restart_families(restart: RestartStatus) -> Iterator[Metric]:
+    """What the daemon took back at start from its keeper and state file."""
+    blocks = GaugeMetricFamily(f"{PREFIX}_restart_kept_blocks_adopted",
+                               "Kept cache blocks this daemon adopted from its predecessor at start.")
+    blocks.add_metric([], restart.kept_blocks)
+    dropped = GaugeMetricFamily(f"{PREFIX}_restart_kept_slabs_dropped",
+                                "Saved kept cache slabs this daemon did not adopt at start, by reason.",
+                                labels=["reason"])
+    for reason in RESTART_DROP_REASONS:
+        dropped.add_metric([reason], restart.dropped.get(reason, 0))
+    state = GaugeMetricFamily(f"{PREFIX}_restart_state_file",
+                              "1 for what became of the state file at start: ok (read), missing, or why it was "
+                              "not trusted (torn, checksum, version, stale, invalid, io).", labels=["state"])
+    for name in STATE_FILE_STATES:
+        state.add_metric([name], int(restart.state_file == name))
+    let_go = GaugeMetricFamily(f"{PREFIX}_restart_pages_let_go",
+                               "Pages the keeper held at start that no saved books proved current (released).")
+    let_go.add_metric([], restart.pages_let_go)
+    yield from (blocks, dropped, state, let_go)
 
 
 # The tier's counters (``TierStats``): (metric name without the prefix, the counters key, help).

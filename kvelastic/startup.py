@@ -4,6 +4,8 @@ configuration, saying what is wrong with it, and set up the operators' log."""
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import sys
 
 from kvelastic.config import Config
@@ -22,3 +24,15 @@ def configured(program: str) -> Config | None:
         return None
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr, format=LOG_FORMAT)
     return config
+
+
+def sd_notify(state: str) -> None:
+    """systemd's readiness protocol (Type=notify), without a dependency."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.connect(addr)
+        sock.sendall(state.encode())

@@ -81,6 +81,15 @@ class TierStatus(msgspec.Struct, kw_only=True):
     counters: dict[str, int] = {}           # TierStats.counters(): demotions, hits, evictions_*, failures_*
 
 
+class RestartStatus(msgspec.Struct, kw_only=True):
+    """What this daemon took back of its predecessor's at start (Step 20)."""
+    state_file: str              # "ok", or why the saved books were not used (metrics.STATE_FILE_STATES)
+    kept_slabs: int = 0          # kept cache slabs adopted
+    kept_blocks: int = 0         # their cached blocks
+    dropped: dict[str, int] = {} # saved kept slabs not adopted, by reason
+    pages_let_go: int = 0        # pages the keeper held that nothing proved current
+
+
 class StatusReport(msgspec.Struct, kw_only=True):
     """The daemon's state as ``status``, ``top`` and ``/metrics`` show it; the
     top-level memory and pages add up every device's."""
@@ -95,3 +104,4 @@ class StatusReport(msgspec.Struct, kw_only=True):
     engines: list[EngineStatus]
     orphans: list[OrphanStatus] = []
     tier: TierStatus | None = None
+    restart: RestartStatus | None = None   # None: no keeper was used at start

@@ -56,11 +56,13 @@ from kvelastic.daemon.reclaims import Reclaims
 from kvelastic.daemon.registration import Registration
 from kvelastic.daemon.rejected import RefusalLog, Rejected
 from kvelastic.daemon.requests import GrowRequest, ReclaimRequest, ReturnRequest, Timing
+from kvelastic.daemon.saved import Adoption
 from kvelastic.daemon.state import EngineRecord, PagePool, owner_tag
 from kvelastic.daemon.tenancy import Credential
 from kvelastic.daemon.unmapping import Unmapping
+from kvelastic.errors import require
 from kvelastic.kv_events import AllBlocksCleared, kv_events_topic
-from kvelastic.status_report import StatusReport
+from kvelastic.status_report import RestartStatus, StatusReport
 from kvelastic.tier.index import TierIndex
 
 log = logging.getLogger("kvelastic.daemon")
@@ -255,6 +257,33 @@ class Allocator:
         ids = list(range(self._next_page, self._next_page + n))
         self._next_page += n
         return ids
+
+    @property
+    def next_page(self) -> int:
+        return self._next_page
+
+    def skip_page_ids(self, below: int) -> None:
+        """Never hand out an id below ``below`` (a predecessor's, which its keeper may still name)."""
+        self._next_page = max(self._next_page, below)
+
+    def adopt_kept(self, adoption: Adoption, status: RestartStatus) -> None:
+        """Take back a predecessor's kept cache at start (``saved.adopt``
+        chose it within ``room()``; the loop holds its pages now);
+        ``status``: all that was taken back, as ``status`` shows it."""
+        self.books.restart = status
+        self.skip_page_ids(adoption.next_page)
+        for device, pages in adoption.pages.items():
+            pool = self.books.pools[device]
+            require(len(pages) <= pool.creatable(), f"device {device}: adopted kept cache over budget")
+            pool.created += len(pages)
+        self.books.orphans.adopt(adoption.kept)
+        for o in adoption.kept:
+            log.info("namespace %s: kept cache slab with %d cached block(s) of %s adopted from the last daemon",
+                     o.namespace, len(o.cached), o.engine_id)
+
+    def room(self) -> dict[str, int]:
+        """Device -> pages that may still be created or adopted."""
+        return {name: pool.creatable() for name, pool in self.books.pools.items()}
 
     def resume(self, now: float) -> list[fx.Effect]:
         """Go on with grows paced in an earlier pass (``more_work``)."""

@@ -20,6 +20,7 @@ from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.state import EngineRecord, PagePool
 from kvelastic.daemon.tenancy import Credential
+from kvelastic.status_report import RestartStatus
 from kvelastic.tier.index import TierIndex
 
 
@@ -44,6 +45,7 @@ class Books:
         self.moves = dict.fromkeys(budgets, 0)     # device -> slabs moved between engines
         self.thrash = dict.fromkeys(budgets, 0)    # device -> moves back within THRASH_WINDOW
         self.tier: TierIndex | None = None  # the node's tier below device memory (None: none configured)
+        self.restart: RestartStatus | None = None  # what was taken back at start (None: no keeper)
         self.now = 0.0                      # the time of the input being handled
         self.cred: Credential | None = None  # its sender, as the kernel says (None: in-process)
         self._out: list[fx.Effect] = []

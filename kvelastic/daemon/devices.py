@@ -75,6 +75,12 @@ class Device:
             if page is not None:
                 self.backend.release_page(page)
 
+    def adopt(self, page_id: int, fd: int) -> None:
+        """A page a former daemon made (its descriptor, from the keeper) under its id;
+        takes ``fd`` on success, leaves it open on failure."""
+        self.backend.make_current()
+        self.pages[page_id] = self.backend.import_page(fd)
+
     def export(self, page_id: int) -> int:
         self.backend.make_current()
         return self.backend.export(self.pages[page_id])

@@ -5,9 +5,9 @@ the keeper always holds the daemon's pages and they outlive its process.
 Used when a keeper listens beside the daemon's socket (``$KVELASTIC_SOCKET.keeper``)
 at start; none, none used. A keeper that fails (gone, refusing) is dropped with
 one log line: the daemon goes on without it, as with none. A stopping daemon
-leaves its pages with the keeper (``detach``). Until the daemon's books are
-saved (``statefile.py``), a new daemon cannot prove what its predecessor's
-pages held, so it has the keeper let them go at start, counted and logged.
+leaves its pages with the keeper (``detach``). A new daemon takes back the
+kept cache its predecessor saved and has the keeper let go of every other
+page (``succession.py``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ from kvelastic.vmm.errors import VmmError
 
 log = logging.getLogger("kvelastic.daemon")
 # The loop waits this long at most for the keeper (a local process of the same
-# user, answering in well under a millisecond); past it the keeper is dropped.
-KEEPER_TIMEOUT = 1.0
+# user, answering in well under a millisecond when the node is not starved);
+# past it the keeper is dropped, and the kept cache will not survive this
+# daemon. As long as the keeper's own deadline per request: on a node whose
+# CPUs are swamped a second passes without either being at fault.
+KEEPER_TIMEOUT = 5.0
 
 
 class PageKeeper:
@@ -45,20 +48,35 @@ class PageKeeper:
             log.warning("keeper on %s not used: %s", path, exc)
             return None
 
-    def start(self) -> int:
-        """Let go of what a former daemon deposited (nothing proves it current
-        yet); how many pages that was."""
+    def held(self) -> list[int]:
+        """The page ids the keeper holds (a former daemon's, at start)."""
         if self.client is None:
+            return []
+        try:
+            return self.client.status().page_ids
+        except (KvelasticError, OSError) as exc:
+            self._lost(exc)
+            return []
+
+    def take(self, page_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """``(page id, fd)`` of the held ones among ``page_ids``: the caller's to close (the keeper keeps its own)."""
+        if self.client is None or not page_ids:
+            return []
+        try:
+            return self.client.take(page_ids)
+        except (KvelasticError, OSError) as exc:
+            self._lost(exc)
+            return []
+
+    def let_go(self, page_ids: Sequence[int]) -> int:
+        """Have the keeper close a former daemon's pages nothing proves current; how many."""
+        if self.client is None or not page_ids:
             return 0
         try:
-            former = self.client.status().page_ids
-            if former:
-                self.client.forget(former)
+            return len(self.client.forget(page_ids))
         except (KvelasticError, OSError) as exc:
             self._lost(exc)
             return 0
-        log.info("keeper: %d page(s) of the former daemon let go (no saved books to prove them)", len(former))
-        return len(former)
 
     def keep(self, device: Device, page_ids: Sequence[int]) -> None:
         """Deposit new pages of ``device``."""

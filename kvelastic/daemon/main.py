@@ -17,11 +17,12 @@ from kvelastic.daemon.devices import Device
 from kvelastic.daemon.keeping import PageKeeper
 from kvelastic.daemon.peers import Access
 from kvelastic.daemon.requests import Timing
-from kvelastic.daemon.server import Daemon, sd_notify
+from kvelastic.daemon.server import Daemon
+from kvelastic.daemon.statefile import boot_id
 from kvelastic.daemon.tenancy import Tenancy
 from kvelastic.errors import ConfigError, KvelasticError
 from kvelastic.protocol import fd_socket_path
-from kvelastic.startup import configured
+from kvelastic.startup import configured, sd_notify
 from kvelastic.tier.disk import DiskStore
 from kvelastic.tier.index import TierIndex
 from kvelastic.tier.restart import rebuild
@@ -214,12 +215,12 @@ def main() -> int:
         operators = socket_group(config.operator_group, "KVELASTIC_OPERATOR_GROUP") if config.operator_group else None
         tier, tier_store = open_tier(config, time.monotonic()) or (None, None)
         keeper = PageKeeper.find(config.socket)
-        if keeper is not None:
-            keeper.start()
         daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing, access=Access(group=group),
                         tenancy=Tenancy(operator_group=operators),
                         max_engines=config.max_engines, hash_secret=load_hash_secret(config.socket),
                         tier=tier, tier_store=tier_store, keeper=keeper)
+        if keeper is not None:
+            daemon.take_back(boot_id())
     except KvelasticError as exc:
         print(f"kvelastic daemon: {exc}", file=sys.stderr)
         return 1

@@ -9,9 +9,11 @@ zeroed, and adopts the blocks (a warm start); nobody else ever sees them.
 
 Kept slabs are the first memory to yield: a demand of any engine that finds
 the budget full releases them (oldest first) before anything is reclaimed
-from a running engine, and each expires after the orphan TTL. They do not
-survive the daemon (its pages go with it). No I/O here: the allocator moves
-pages in and out of these books and the loop releases what it is told.
+from a running engine, and each expires after the orphan TTL. With a keeper
+(``kvelastic keeper``) they survive the daemon: the loop saves them
+(``saved.py``) whenever ``version`` moved, and a successor adopts them. No
+I/O here: the allocator moves pages in and out of these books and the loop
+releases what it is told.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class OrphanCache:
         self.slabs: list[OrphanSlab] = []
         # Blocks dropped from the kept cache, by (device, eviction reason).
         self.evicted: dict[tuple[str, str], int] = {}
+        # Moves on every change of ``slabs``: the saved books are current
+        # while it has not moved since they were written.
+        self.version = 0
 
     def __bool__(self) -> bool:
         return bool(self.slabs)
@@ -51,6 +56,12 @@ class OrphanCache:
 
     def keep(self, slab: OrphanSlab) -> None:
         self.slabs.append(slab)
+        self.version += 1
+
+    def adopt(self, slabs: list[OrphanSlab]) -> None:
+        """A predecessor's kept slabs (``saved.adopt``), ahead of any kept since, oldest first."""
+        self.slabs[:0] = sorted(slabs, key=lambda o: o.since)
+        self.version += 1
 
     def count(self, namespace: str, shape: SlabShape) -> int:
         return sum(1 for o in self.slabs if o.namespace == namespace and o.shape == shape)
@@ -113,3 +124,4 @@ class OrphanCache:
         if slabs:
             ids = {id(o) for o in slabs}
             self.slabs = [o for o in self.slabs if id(o) not in ids]
+            self.version += 1

@@ -55,7 +55,7 @@ def status(books: Books) -> StatusReport:
         pages=PageCounts(**{k: sum(getattr(d.pages, k) for d in devices)
                               for k in ("created", "free", "adopted", "quarantined")}),
         devices=devices, engines=engines, orphans=books.orphans.status(books.now, books.page_size),
-        tier=None if books.tier is None else tier_status(books.tier))
+        tier=None if books.tier is None else tier_status(books.tier), restart=books.restart)
 
 
 def tier_status(tier: TierIndex) -> TierStatus:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from kvelastic.daemon.events import KVEventPublisher
 from kvelastic.daemon.keeping import PageKeeper
 from kvelastic.daemon.peers import Access, Peer, PeerTable
 from kvelastic.daemon.requests import Timing
+from kvelastic.daemon.succession import Succession, state_path, take_back
 from kvelastic.daemon.tenancy import Credential, Tenancy
 from kvelastic.errors import require
 from kvelastic.metrics import DaemonMetrics
@@ -98,6 +98,19 @@ class Daemon:
         # holds it (each batch is at most ``growth.CREATE_BATCH`` pages).
         self._slow: deque[fx.CreatePages] = deque()
         self._draining = False
+        self.succession: Succession | None = None     # with a keeper: what the next daemon takes back
+
+    def take_back(self, boot: str) -> None:
+        """At start, with a keeper: adopt the kept cache the last daemon saved
+        (``succession.py``), then save this daemon's books from now on."""
+        require(self.keeper is not None, "taking back needs a keeper")
+        assert self.keeper is not None
+        path = state_path(self.socket_path)
+        now = self.clock()
+        take_back(path, boot, self.keeper, self.devices, self.allocator, now)
+        self.succession = Succession(path, boot, self.keeper)
+        self.succession.save(self.allocator, now)
+        self.snapshot = self.allocator.status()
 
     # ------------------------------------------------------------------ loop
     def serve(self, should_stop: Callable[[], bool]) -> None:
@@ -140,6 +153,9 @@ class Daemon:
     def close(self) -> None:
         """Stop without unmapping anything: engines keep serving from the pages
         they hold and adopt them again from the next daemon (invariant 9)."""
+        if self.succession is not None:
+            self.succession.save(self.allocator, self.clock())   # the kept cache, for the next daemon
+            self.succession = None        # what follows releases this daemon's handles, not the kept cache
         if self.keeper is not None:
             self.keeper.detach()          # the pages stay with the keeper for the next daemon
             self.keeper = None
@@ -321,6 +337,8 @@ class Daemon:
                 except Exception:  # a bug must not take the node's memory manager down
                     log.exception("internal error performing %s", type(effect).__name__)
                     self.metrics.rejected.labels(p.Reason.INTERNAL.value).inc()
+            if self.succession is not None:   # the kept cache as this input left it, before any reply after
+                self.succession.save(self.allocator, self.clock())
         finally:
             self._draining = False
 
@@ -379,6 +397,8 @@ class Daemon:
         peer = self.peers.find(effect.engine_id, effect.rank, effect.token)
         if peer is None:
             return self.allocator.channel_failed(effect.engine_id, effect.rank, "no page channel", now)
+        if self.succession is not None:    # written ahead: the file never names a slab lent since
+            self.succession.save(self.allocator, now)
         device = self.devices[effect.device]
         fds: list[int] = []
         try:
@@ -434,14 +454,3 @@ def _req_id_of(frame: bytes) -> int:
     except _UNDECODABLE:
         return 0
 
-
-def sd_notify(state: str) -> None:
-    """systemd's readiness protocol (Type=notify), without a dependency."""
-    addr = os.environ.get("NOTIFY_SOCKET")
-    if not addr:
-        return
-    if addr.startswith("@"):
-        addr = "\0" + addr[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.connect(addr)
-        sock.sendall(state.encode())

@@ -9,7 +9,7 @@ import sys
 from kvelastic.errors import KvelasticError
 from kvelastic.keeper.server import Keeper
 from kvelastic.protocol import keeper_socket_path
-from kvelastic.startup import configured
+from kvelastic.startup import configured, sd_notify
 
 log = logging.getLogger("kvelastic.keeper")
 
@@ -28,6 +28,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     log.info("kvelastic keeper ready on %s: up to %d pages", path, keeper.holdings.max_pages)
+    sd_notify("READY=1")
     try:
         keeper.serve(lambda: bool(stopping))
     finally:

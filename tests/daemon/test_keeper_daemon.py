@@ -1,12 +1,20 @@
 """The daemon with a keeper (Step 20): the keeper holds every page the daemon
 has, keeps them past the daemon's ``kill -9`` and a graceful stop, and lets
-go of what the daemon releases; a new daemon, with no saved books yet, has
-the keeper let go of its predecessor's pages. Real processes throughout."""
+go of what the daemon releases; a new daemon has
+the keeper let go of its predecessor's pages but for the kept cache it saved,
+which a new daemon adopts. Real processes throughout."""
 
 from __future__ import annotations
 
+import pathlib
+import signal
+import zlib
+
+import pytest
+
+from kvelastic.daemon.succession import state_path
 from kvelastic.keeper.client import KeeperClient
-from tests.daemon.test_orphan_cache import KEEP, cache_in_a_step
+from tests.daemon.test_orphan_cache import KEEP, cache_in_a_step, kept_blocks
 from tests.daemon_proc import DaemonProcess, wait_for
 from tests.keeper.test_keeper import KeeperProcess
 
@@ -24,7 +32,7 @@ def test_the_keeper_holds_the_daemons_pages_past_its_death(tmp_path, engines):
     keeper = KeeperProcess(tmp_path, socket=daemon.socket).start()
     try:
         daemon.start()
-        assert "keeper: 0 page(s) of the former daemon let go" in daemon.log()
+        assert "(state file: missing): 0 kept slab(s)" in daemon.log()
 
         def in_step() -> bool:                  # the keeper holds exactly the pages the daemon created
             return kept(keeper)[0] == daemon.status()["pages"]["created"]
@@ -40,7 +48,7 @@ def test_the_keeper_holds_the_daemons_pages_past_its_death(tmp_path, engines):
         daemon.stop()
 
         daemon = DaemonProcess(tmp_path, memory="32MiB", KVELASTIC_ORPHAN_CACHE_TTL="1s").start()
-        assert f"keeper: {created} page(s) of the former daemon let go" in daemon.log()
+        assert f"kept slabs dropped: none; {created} other page(s) of the keeper let go" in daemon.log()
         wait_for(lambda: daemon.status()["engines"], timeout=15, what="a re-registered")
         assert kept(keeper)[0] == daemon.status()["pages"]["created"] == 0     # a's slabs: adopted, no pages here
 
@@ -59,5 +67,136 @@ def test_the_keeper_holds_the_daemons_pages_past_its_death(tmp_path, engines):
         assert daemon.stop() == 0                                 # a graceful stop
         assert kept(keeper) == held                               # leaves the pages with the keeper
     finally:
+        daemon.stop()
+        keeper.stop()
+
+
+def cache_kept_then_daemon_gone(tmp_path, engines, how: str):
+    """A daemon with a keeper; engine ``a`` of llama-1 caches 4 blocks ("sys",
+    KV bytes 7) and is killed, so they are kept; engine ``c`` (another
+    namespace) keeps serving from its own slab; then the daemon goes (``kill``:
+    SIGKILL; ``stop``: SIGTERM). Returns the keeper, the live engine and the
+    page count the daemon had."""
+    daemon = DaemonProcess(tmp_path, memory="32MiB")
+    keeper = KeeperProcess(tmp_path, socket=daemon.socket).start()
+    daemon.start()
+    a = engines(daemon, "a", namespace="llama-1", **KEEP)
+    assert a.do("ensure", n=4)["ok"]
+    cache_in_a_step(a, "sys", 4, value=7)
+    a.do("flush")
+    a.kill()
+    wait_for(lambda: kept_blocks(daemon, "llama-1") == 4, what="a's cache kept")
+    c = engines(daemon, "c", namespace="qwen", **KEEP)
+    assert c.do("ensure", n=4)["ok"]
+    cache_in_a_step(c, "own", 4, value=5)
+    wait_for(lambda: kept(keeper)[0] == daemon.status()["pages"]["created"], what="every page deposited")
+    created = daemon.status()["pages"]["created"]
+    if how == "kill":
+        daemon.kill()
+    daemon.stop()
+    return keeper, c, created
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_the_kept_cache_survives_the_daemon(tmp_path, engines, how):
+    """SIGKILL or SIGTERM, then a new daemon: it adopts the kept slab with its
+    pages (the bytes as written, not zeroed), the running engine re-registers
+    with its slab, the next engine of the namespace hits the kept blocks, and
+    the books balance: the keeper holds exactly the pages the new daemon has."""
+    keeper, c, before = cache_kept_then_daemon_gone(tmp_path, engines, how)
+    try:
+        daemon = DaemonProcess(tmp_path, memory="32MiB").start()
+        status = daemon.status()
+        assert status["restart"] == {"state_file": "ok", "kept_slabs": 1, "kept_blocks": 4, "dropped": {},
+                                     "pages_let_go": before - 1}
+        assert kept_blocks(daemon, "llama-1") == 4
+        assert status["pages"]["created"] == 1 and kept(keeper)[0] == 1      # the kept slab's page
+        assert 'kvelastic_restart_kept_blocks_adopted 4.0' in daemon.metrics()
+        assert 'kvelastic_restart_state_file{state="ok"} 1.0' in daemon.metrics()
+        wait_for(lambda: [e["engine_id"] for e in daemon.status()["engines"]] == ["c"], timeout=15,
+                 what="c re-registered")
+        assert c.do("lookup", prefix="own", n=4)["hits"] == 4                 # c serves on
+        b = engines(daemon, "b", namespace="llama-1", **KEEP)
+        assert b.do("ensure", n=1)["ok"]
+        assert b.do("lookup", prefix="sys", n=4)["hits"] == 4
+        assert sorted(b.do("read")["values"]) == [0, 7]     # a's KV through two daemons; a fresh page
+        assert kept_blocks(daemon, "llama-1") == 0
+        wait_for(lambda: kept(keeper)[0] == daemon.status()["pages"]["created"], what="books and keeper agree")
+        daemon.stop()
+        daemon = DaemonProcess(tmp_path, memory="32MiB").start()              # the kept slab is lent now:
+        assert daemon.status()["restart"]["kept_slabs"] == 0                  # never adopted as kept again
+        daemon.stop()
+    finally:
+        keeper.stop()
+
+
+@pytest.mark.parametrize("damage", ["torn", "checksum", "version"])
+def test_a_damaged_state_file_is_never_trusted(tmp_path, engines, damage):
+    """A state file cut short, with a flipped bit, or of another format: the
+    kept cache it names is dropped, counted by what went wrong, and its pages
+    are let go; the next engine of the namespace gets a fresh page."""
+    keeper, _, before = cache_kept_then_daemon_gone(tmp_path, engines, "kill")
+    try:
+        path = pathlib.Path(state_path(DaemonProcess(tmp_path).socket))
+        data = bytearray(path.read_bytes())
+        if damage == "torn":
+            data = data[:-3]
+        elif damage == "checksum":
+            data[-1] ^= 0x10
+        else:
+            data[4] += 1                                  # the format's version (its header checksum fixed)
+            data[56:60] = zlib.crc32(bytes(data[:56])).to_bytes(4, "little")
+        path.write_bytes(bytes(data))
+        daemon = DaemonProcess(tmp_path, memory="32MiB").start()
+        assert daemon.status()["restart"] == {"state_file": damage, "kept_slabs": 0, "kept_blocks": 0,
+                                              "dropped": {}, "pages_let_go": before}
+        assert f'kvelastic_restart_state_file{{state="{damage}"}} 1.0' in daemon.metrics()
+        assert kept_blocks(daemon, "llama-1") == 0 and kept(keeper)[0] == daemon.status()["pages"]["created"] == 0
+        b = engines(daemon, "b", namespace="llama-1", **KEEP)
+        assert b.do("ensure", n=1)["ok"]
+        assert b.do("lookup", prefix="sys", n=4)["hits"] == 0
+        assert b.do("read")["values"] == [0]
+        daemon.stop()
+    finally:
+        keeper.stop()
+
+
+def test_kept_pages_the_keeper_lost_are_dropped(tmp_path, engines):
+    """The keeper died with the daemon: the state file names pages nobody
+    holds, so the kept slab is dropped (``pages_gone``), never served."""
+    keeper, _, _ = cache_kept_then_daemon_gone(tmp_path, engines, "kill")
+    keeper.stop()
+    keeper = KeeperProcess(tmp_path, socket=DaemonProcess(tmp_path).socket).start()
+    try:
+        daemon = DaemonProcess(tmp_path, memory="32MiB").start()
+        assert daemon.status()["restart"] == {"state_file": "ok", "kept_slabs": 0, "kept_blocks": 0,
+                                              "dropped": {"pages_gone": 1}, "pages_let_go": 0}
+        assert kept_blocks(daemon, "llama-1") == 0
+        daemon.stop()
+    finally:
+        keeper.stop()
+
+
+def test_a_hung_keeper_is_dropped_with_the_state_file_and_the_daemon_serves_on(tmp_path, engines):
+    """A keeper that stops answering (SIGSTOP) holds the loop at most
+    ``KEEPER_TIMEOUT``: the daemon drops it, removes the state file (what it
+    saved can no longer be vouched for), and grants as before."""
+    daemon = DaemonProcess(tmp_path, memory="32MiB")
+    keeper = KeeperProcess(tmp_path, socket=daemon.socket).start()
+    try:
+        daemon.start()
+        path = pathlib.Path(state_path(daemon.socket))
+        assert path.exists()                                    # written at start
+        keeper.proc.send_signal(signal.SIGSTOP)
+        a = engines(daemon, "a", namespace="llama-1", **KEEP)
+        assert a.do("ensure", n=4, timeout=30)["ok"]            # its pages could not be deposited
+        wait_for(lambda: "keeper failed" in daemon.log(), timeout=30, what="the keeper dropped")
+        wait_for(lambda: not path.exists(), what="the state file removed")
+        assert a.do("ensure", n=8)["ok"]                        # no keeper now: no wait
+        keeper.proc.send_signal(signal.SIGCONT)
+        daemon.stop()
+        assert not path.exists()                                # a graceful stop writes none without a keeper
+    finally:
+        keeper.proc.send_signal(signal.SIGCONT)
         daemon.stop()
         keeper.stop()

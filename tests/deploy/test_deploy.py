@@ -420,3 +420,45 @@ def test_a_squattable_socket_folder_is_refused(tmp_path):
                              capture_output=True, text=True, timeout=20, cwd=ROOT)
         assert out.returncode == 1 and says in out.stderr and "KVELASTIC_SOCKET" in out.stderr, out.stderr
         assert not (folder / "kv.sock").exists()
+
+
+KEEPER_UNIT = DAEMON_DIR / "kvelastic-keeper.service"
+
+
+def test_the_keeper_runs_beside_the_daemon_under_systemd():
+    """The daemon's unit wants the keeper and starts after it is ready; the
+    keeper runs as the daemon's user on the same socket folder, and a
+    restart of the daemon's unit does not touch it (no PartOf=)."""
+    daemon = UNIT_FILE.read_text()
+    assert "Wants=kvelastic-keeper.service" in daemon and "After=kvelastic-keeper.service" in daemon
+    keeper = KEEPER_UNIT.read_text()
+    for line in ("Type=notify", "User=kvelastic", "RuntimeDirectory=kvelastic", "RuntimeDirectoryPreserve=yes",
+                 "Environment=KVELASTIC_SOCKET=/run/kvelastic/kvelastic.sock",
+                 "ExecStart=/usr/local/bin/kvelastic keeper"):
+        assert line in keeper.splitlines(), line
+    assert "PartOf=" not in keeper and "BindsTo=" not in keeper
+    assert "Environment=KVELASTIC_SOCKET=/run/kvelastic/kvelastic.sock" in daemon.splitlines()
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_the_keeper_unit_passes_systemd_analyze_verify(tmp_path):
+    unit = tmp_path / "kvelastic-keeper.service"
+    unit.write_text(KEEPER_UNIT.read_text().replace("/usr/local/bin/kvelastic", sys.executable))
+    result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    ours = [line for line in (result.stdout + result.stderr).splitlines() if "kvelastic-keeper.service" in line]
+    assert result.returncode == 0 and not ours, result.stdout + result.stderr
+
+
+def test_the_daemonset_runs_the_keeper_as_a_sidecar_on_the_socket_folder():
+    docs = load_daemonset_documents()
+    spec = docs["DaemonSet"]["spec"]["template"]["spec"]
+    (keeper,) = spec["initContainers"]
+    (daemon,) = spec["containers"]
+    assert keeper["restartPolicy"] == "Always"          # a native sidecar: up before the daemon, outlives its restarts
+    assert keeper["command"] == ["kvelastic", "keeper"] and keeper["image"] == daemon["image"]
+    assert keeper["envFrom"] == daemon["envFrom"]       # the same KVELASTIC_SOCKET
+    socket_dir = os.path.dirname(docs["ConfigMap"]["data"]["KVELASTIC_SOCKET"])
+    assert {m["mountPath"]: m["name"] for m in keeper["volumeMounts"]}[socket_dir] == \
+        {m["mountPath"]: m["name"] for m in daemon["volumeMounts"]}[socket_dir]
+    assert "runAsUser" not in keeper.get("securityContext", {})   # the pod's user: the daemon's
+    assert keeper["startupProbe"]["exec"]["command"][-1] == docs["ConfigMap"]["data"]["KVELASTIC_SOCKET"] + ".keeper"

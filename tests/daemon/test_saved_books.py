@@ -1,0 +1,67 @@
+"""What a new daemon may adopt of the saved books (``saved.py``): only kept
+slabs whose every page the keeper holds, named once, on a device it has,
+within its budget; everything else dropped and counted. Pure logic."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvelastic import protocol as p
+from kvelastic.daemon import saved
+from kvelastic.daemon.orphans import OrphanSlab
+from kvelastic.daemon.state import SlabShape
+
+SHAPE = SlabShape("0", 1, 1, 1, 4, 1 << 19, ((0, "0"),))
+
+
+def slab(pages: list[int], since: float = 0.0, ns: str = "llama", device: str = "0") -> OrphanSlab:
+    return OrphanSlab(ns, SHAPE, pages, [device] * len(pages), (p.CachedBlock(0, b"k" * 32, b""),), since, "a")
+
+
+def test_saved_books_round_trip_with_their_ages():
+    kept = [slab([3], since=10.0), slab([5, 6], since=40.0, ns="qwen")]
+    books = saved.load(saved.save(kept, next_page=7, now=100.0))
+    assert books.next_page == 7
+    assert [(s.namespace, s.pages, s.age) for s in books.kept] == [("llama", [3], 90.0), ("qwen", [5, 6], 60.0)]
+    out = saved.adopt(books, held={3, 5, 6}, room={"0": 8}, now=500.0)
+    assert [(o.namespace, o.pages, o.since) for o in out.kept] == [("llama", [3], 410.0), ("qwen", [5, 6], 440.0)]
+    assert out.pages == {"0": [3, 5, 6]} and out.dropped == {}
+    assert out.kept[0].cached == kept[0].cached and out.kept[0].shape == SHAPE
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x90", msgspec.msgpack.encode({"version": 1}),
+                                     msgspec.msgpack.encode(saved.SavedBooks(2, 0, []))])
+def test_books_that_do_not_decode_or_of_another_version_are_refused(payload):
+    with pytest.raises(saved.SavedBooksInvalid):
+        saved.load(payload)
+
+
+def test_each_reason_to_drop_a_slab():
+    books = saved.load(saved.save([
+        slab([1]),                        # adopted
+        slab([2]),                        # the keeper lost its page
+        slab([1]),                        # a page named twice
+        slab([9]),                        # an id its daemon never handed out
+        slab([3], device="1"),            # a device this daemon does not have
+        slab([4, 5]),                     # no room left for two pages
+    ], next_page=8, now=0.0))
+    out = saved.adopt(books, held={1, 3, 4, 5, 9}, room={"0": 2}, now=0.0)
+    assert [o.pages for o in out.kept] == [[1]]
+    assert out.dropped == {"pages_gone": 1, "malformed": 2, "device_gone": 1, "over_budget": 1}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 20), min_size=1, max_size=4), st.floats(0, 100)), max_size=8),
+       st.sets(st.integers(0, 20)), st.integers(0, 12), st.integers(0, 25))
+def test_adoption_never_names_a_page_twice_nor_one_not_held_nor_past_the_budget(slabs, held, room, next_page):
+    books = saved.load(saved.save([slab(pages, since) for pages, since in slabs], next_page, now=100.0))
+    out = saved.adopt(books, held=held, room={"0": room}, now=100.0)
+    pages = [pg for o in out.kept for pg in o.pages]
+    assert len(pages) == len(set(pages)) <= room
+    assert set(pages) <= held and all(pg < next_page for pg in pages)
+    assert sorted(pages) == sorted(out.pages.get("0", []))
+    assert len(out.kept) + sum(out.dropped.values()) == len(slabs)
+    assert [o.since for o in out.kept] == sorted(o.since for o in out.kept)     # oldest first
