@@ -72,6 +72,10 @@ class PoolBooks:
         # None. The index's own lookup, bound here instead of wrapped in a
         # method: this is the scheduler's most frequent call.
         self.get_cached_block: Callable[[Hashable], BlockRecord | None] = self._index.get_one
+        # The index's map itself (never rebound), for a lookup loop that
+        # inlines ``get_cached_block`` (the vLLM adapter's, once per group
+        # per block of every request looked up: a call each was most of it).
+        self.index_entries: dict[Hashable, BlockRecord] = self._index.entries
         self.num_free = 0
         # Free plus cached blocks: what ``allocate`` can hand out now. Kept,
         # not derived: vLLM asks it once per request per step, and a sum

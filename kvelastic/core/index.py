@@ -20,8 +20,9 @@ class HashIndex:
         # key -> its block, or {block_id: block} when several blocks hold the key.
         # The pool's per-block loops (``SlabPool.cache``, ``_reuse_cached``)
         # handle a bare entry here themselves and call ``insert``/``remove``
-        # only for the shared case: a method call per key was a large share
-        # of their cost.
+        # only for the shared case, and the vLLM adapter's lookup inlines
+        # ``get_one`` (``PoolBooks.index_entries``): a method call per key
+        # was a large share of their cost.
         self.entries: dict[Hashable, BlockRecord] = {}
 
     def get_one(self, key: Hashable) -> BlockRecord | None:

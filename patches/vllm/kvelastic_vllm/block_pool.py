@@ -292,12 +292,16 @@ class ElasticBlockPool(BlockPool):
 
     # ------------------------------------------------------- prefix cache
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[KVCacheBlock] | None:
+        # The core's get_cached_block, inline: key -> its block, or
+        # {block_id: block} when several hold the key (``HashIndex``).
+        entries = self.core.index_entries
         cached = []
-        get = self.core.get_cached_block
         for group_id in kv_cache_group_ids:
-            block = get(block_hash + (self._group_suffix.get(group_id) or self._suffix(group_id)))
+            block = entries.get(block_hash + (self._group_suffix.get(group_id) or self._suffix(group_id)))
             if block is None:
                 return None
+            if type(block) is dict:
+                block = next(iter(block.values()))
             cached.append(block)
         return cached
 
