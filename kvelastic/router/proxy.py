@@ -231,10 +231,17 @@ class RouterServer(ThreadingHTTPServer):
 
 
 def register_engines(engines: list[Engine], indexer: IndexerClient, block_size: int) -> int:
-    """Register every engine that names its event endpoint; returns how many."""
+    """Register every engine that names its event endpoint; returns how many.
+    One the indexer lists already (a router before this one registered it:
+    this is a restart, or a second router) is registered anew, as
+    ``Registrations`` does: the indexer refuses a second registration, and
+    the engine may have restarted since the first."""
+    listed = indexer.workers()
     count = 0
     for engine in engines:
         if engine.events:
+            if engine.id in listed:
+                indexer.unregister(engine.id)
             indexer.register(engine.id, engine.events, engine.replay, block_size)
             log.info("router: engine %d registered with the indexer (%s)", engine.id, engine.events)
             count += 1
