@@ -106,47 +106,55 @@ class SlabPool(HandOnPool):
             raise PoolError(f"cannot allocate a negative number of blocks ({n})")
         if n > self.num_available:
             raise OutOfBlocks(f"asked for {n} blocks, {num_free} free + {self.num_cached} evictable held")
-        dirty = self.journal.dirty
         self.stats.block_ops += 1
         if n == 1 and num_free:         # a decode step, the common case: one block from the fullest slab
             buckets, i = self._by_free, self._min_hint
             while not buckets[i]:
                 i += 1
-            slab = next(iter(buckets[i].values()))
+            bucket = buckets[i]
+            for slab in bucket.values():  # noqa: B007  the first (``next(iter(...))`` without two calls)
+                break
             blk = slab.free.pop()
             blk.ref_cnt = 1
             self.num_free = num_free - 1
             self.num_available -= 1
             # _rebucket, inline: from bucket i to i - 1, which becomes the lowest non-empty one.
-            del buckets[i][slab.slab_id]
-            buckets[i - 1][slab.slab_id] = slab
+            slab_id = slab.slab_id
+            del bucket[slab_id]
+            buckets[i - 1][slab_id] = slab
             self._min_hint = i - 1 if i > 1 else i
-            dirty.add(slab.slab_id)
+            self.journal.dirty.add(slab_id)
             return [blk]
         out: list[BlockRecord] = []
-        want, num_free = n, self.num_free
+        want = n
         if want and num_free:
             # Best fit: slab after slab from the lowest non-empty bucket i
             # (none below _min_hint), each taken slab moving to bucket
             # i - take (_rebucket, inline; 0 when emptied: the scan goes on from i).
+            dirty = self.journal.dirty
             buckets, i = self._by_free, self._min_hint
             while want and num_free:
                 while not buckets[i]:
                     i += 1
                 bucket = buckets[i]
-                slab = next(iter(bucket.values()))
+                for slab in bucket.values():  # noqa: B007
+                    break
                 free = slab.free                # len(free) == i
                 take = want if want < i else i
                 chunk = free[i - take:]
                 del free[i - take:]
                 for blk in chunk:
                     blk.ref_cnt = 1
-                out += chunk
+                if out:
+                    out += chunk
+                else:
+                    out = chunk                 # one slab is enough: no copy
                 want -= take
                 num_free -= take
-                del bucket[slab.slab_id]
-                buckets[i - take][slab.slab_id] = slab
-                dirty.add(slab.slab_id)
+                slab_id = slab.slab_id
+                del bucket[slab_id]
+                buckets[i - take][slab_id] = slab
+                dirty.add(slab_id)
             self._min_hint = i - take if take < i else i
             self.num_available -= n - want
             self.num_free = num_free
@@ -210,28 +218,30 @@ class SlabPool(HandOnPool):
         """A cache hit: each block gains a reference; a cached block turns live.
         One pass takes the references (a bad block gives them back: nothing
         else changed yet), a second moves the revived cached blocks out of the LRU."""
+        if type(blocks) is not list:
+            blocks = list(blocks)       # a bad block's undo counts the blocks before it from the iterator
         revived: list[BlockRecord] = []
-        done = 0
+        it = iter(blocks)
         try:
-            for blk in blocks:
+            for blk in it:
                 if blk.slab.owner is not self:
                     raise AttributeError
                 ref = blk.ref_cnt
                 if not ref:
                     if blk._block_hash is None:
-                        self._untouch(blocks, done)
+                        self._untouch(blocks, len(blocks) - length_hint(it) - 1)
                         raise BlockNotCached(f"block {blk.block_id} is free, not cached: it cannot be touched")
                     revived.append(blk)
                 blk.ref_cnt = ref + 1
-                done += 1
         except AttributeError:   # no slab (None, or not a record of this pool), or a slab not held
-            self._untouch(blocks, done)
+            self._untouch(blocks, len(blocks) - length_hint(it) - 1)   # the blocks before it
             raise UnknownBlock(f"block {blk.block_id} does not belong to a slab this pool holds") from None
         self.stats.block_ops += 1
         if not revived:
             return
         dirty, cached_at, adopted = self.journal.dirty, self._cached_at, self._adopted
         demoted = self.demoted
+        last = None
         for blk in revived:
             prev, nxt = blk.prev_free_block, blk.next_free_block   # out of the LRU
             prev.next_free_block = nxt
@@ -245,7 +255,9 @@ class SlabPool(HandOnPool):
                 self._promote(blk)
             slab = blk.slab
             slab.cached -= 1
-            dirty.add(slab.slab_id)
+            if slab is not last:    # a prefix's blocks mostly share slabs
+                last = slab
+                dirty.add(slab.slab_id)
         self.num_available -= len(revived)
 
     @staticmethod
