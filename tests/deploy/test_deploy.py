@@ -462,3 +462,19 @@ def test_the_daemonset_runs_the_keeper_as_a_sidecar_on_the_socket_folder():
         {m["mountPath"]: m["name"] for m in daemon["volumeMounts"]}[socket_dir]
     assert "runAsUser" not in keeper.get("securityContext", {})   # the pod's user: the daemon's
     assert keeper["startupProbe"]["exec"]["command"][-1] == docs["ConfigMap"]["data"]["KVELASTIC_SOCKET"] + ".keeper"
+
+
+def test_the_keeper_says_ready_once_it_listens(tmp_path):
+    """The keeper's unit is ``Type=notify``: READY=1 comes once its socket accepts."""
+    notify = NotifySocket(tmp_path / "notify")
+    sock = tmp_path / "kvelastic.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "keeper"], env=daemon_env(sock, notify),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        notify.wait_for("READY=1", timeout=30, proc=proc)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(str(sock) + ".keeper")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        notify.close()
