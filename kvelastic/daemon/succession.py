@@ -47,11 +47,12 @@ class Succession:
         self.boot = boot
         self.keeper = keeper
         self._version = -1          # the kept cache's version last written (-1: none yet)
+        self._dropped = False       # the keeper was lost: nothing is saved any more
 
     def save(self, allocator: Allocator, now: float) -> None:
         """Write the kept cache if it moved since the last write."""
-        if self._version < 0 and self.keeper.client is None:
-            return                                  # dropped already
+        if self._dropped:
+            return
         if self.keeper.client is None:
             self._drop("the keeper was lost")
             return
@@ -68,7 +69,7 @@ class Succession:
 
     def _drop(self, why: str) -> None:
         log.warning("state file %s removed: %s; the kept cache will not survive this daemon", self.path, why)
-        self._version = -1
+        self._dropped = True
         try:
             os.unlink(self.path)
         except FileNotFoundError:

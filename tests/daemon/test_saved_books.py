@@ -65,3 +65,25 @@ def test_adoption_never_names_a_page_twice_nor_one_not_held_nor_past_the_budget(
     assert sorted(pages) == sorted(out.pages.get("0", []))
     assert len(out.kept) + sum(out.dropped.values()) == len(slabs)
     assert [o.since for o in out.kept] == sorted(o.since for o in out.kept)     # oldest first
+
+
+def test_a_state_file_is_removed_once_its_keeper_is_lost_and_never_written_again(tmp_path):
+    """Without a keeper the pages a file names may be gone or re-made: a
+    daemon that lost its keeper (even before it wrote anything) removes the
+    file its predecessor left and writes no other."""
+    from kvelastic.daemon.allocator import Allocator
+    from kvelastic.daemon.keeping import PageKeeper
+    from kvelastic.daemon.statefile import write_state
+    from kvelastic.daemon.succession import Succession
+
+    path = tmp_path / "kv.sock.state"
+    write_state(path, saved.save([slab([1])], next_page=2, now=0.0), boot="0" * 36)
+    keeper = PageKeeper.__new__(PageKeeper)
+    keeper.client = None                                   # lost (``PageKeeper._lost`` detaches it)
+    allocator = Allocator({"0": 8}, 2 << 20)
+    succession = Succession(str(path), "0" * 36, keeper)
+    succession.save(allocator, now=1.0)
+    assert not path.exists()
+    allocator.orphans.keep(slab([3]))                      # the kept cache moves: still nothing written
+    succession.save(allocator, now=2.0)
+    assert not path.exists()
