@@ -35,6 +35,7 @@ class SimResult:
     handed_blocks: int = 0       # cached blocks handed on with slabs by a live replica of the namespace
     orphan_blocks: int = 0       # cached blocks adopted from departed engines' kept cache (warm starts)
     kept_blocks: int = 0         # cached blocks of departed engines kept for their namespace
+    restored_blocks: int = 0     # of those adopted, blocks of kept slabs a new daemon took back (keeper.py)
 
     @property
     def replay(self) -> str:
@@ -53,6 +54,9 @@ NAMESPACE_CHANGE = 0.3     # an engine that left comes back serving the other na
 LONG_STEP, HOSTILE = 0.78, 0.79
 PAGES_EVERY = 4
 DEPART, RESTART = 0.835, 0.84
+# Of daemon restarts: killed part-way through its next inputs' effects below
+# KILL_LATER, killed between inputs below KILL_NOW, a graceful stop above.
+KILL_LATER, KILL_NOW = 0.3, 0.6
 
 
 def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = SIM_TIMING) -> SimResult:
@@ -67,10 +71,13 @@ def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = 
     finally:
         w.guard.close()
     injected.update(w.counts)
-    return SimResult(seed, steps, injected, w.violations, w.handed_blocks, w.orphan_blocks, w.kept_blocks)
+    return SimResult(seed, steps, injected, w.violations, w.handed_blocks, w.orphan_blocks, w.kept_blocks,
+                     w.restored_blocks)
 
 
 def tick(w: World) -> None:
+    if w.stopped:                              # a daemon killed part-way through this step
+        return
     w.perform(w.call(w.allocator.tick, w.now))
     checks.acks(w)
 
@@ -141,11 +148,16 @@ def run_steps(w: World, steps: int, faults: bool, injected: collections.Counter)
         elif r < DEPART:                       # (each fault's share is its own: none falls through)
             if engine.alive and not engine.dying and not engine.leaving:
                 depart(w, engine, rng, injected, doomed)
-        elif r < RESTART:
-            injected["daemon_restart"] += 1
-            corrupt = engine if engine.alive and rng.random() < 0.3 else None
-            injected["bad_adoption"] += corrupt is not None
-            w.restart_daemon(corrupt)
+        elif r < RESTART:                      # SIGTERM, kill -9 now, or kill -9 part-way through what comes
+            x = rng.random()
+            if x < KILL_LATER:
+                injected["daemon_crash_armed"] += 1
+                w.crash_armed = True
+            else:
+                injected["daemon_crash" if x < KILL_NOW else "daemon_restart"] += 1
+                corrupt = engine if engine.alive and rng.random() < 0.3 else None
+                injected["bad_adoption"] += corrupt is not None
+                w.restart_daemon(corrupt, kill=x < KILL_NOW)
         elif r < 0.88:
             if engine.alive and engine.workers:
                 injected["stuck_worker"] += 1
@@ -209,6 +221,8 @@ def check(w: World) -> None:
     mapping may have changed them; the simulator's own view of every page,
     ``checks.pages``, at most every PAGES_EVERY steps: what it finds lasts)."""
     w.checked += 1
+    if w.crashed:                              # killed part-way through an input: its successor starts
+        w.restart_daemon(kill=True)
     if w.dirty:
         w.dirty, w.pages_due = False, True
         try:
@@ -253,6 +267,7 @@ def settle(w: World) -> None:
     """End of the run: first some quiet seconds (longer than any deadline: what
     waits must be answered, with the invariants checked all along), then every
     engine exits; then nothing may be held or leak."""
+    w.crash_armed = False
     for i in range(int((p.GROW_TIMEOUT + GROW_SLACK) / 0.05) + 20):
         w.now += 0.05
         if i % 16 == 0:
@@ -308,7 +323,7 @@ def main(argv: list[str]) -> int:
     result = run_seed(seed, steps)
     print(f"seed {seed}: {result.steps} steps, faults {dict(result.faults)}; cached blocks adopted: "
           f"{result.handed_blocks} handed on by replicas, {result.orphan_blocks} from departed engines' "
-          f"kept cache ({result.kept_blocks} kept)")
+          f"kept cache ({result.kept_blocks} kept; {result.restored_blocks} of them through a daemon restart)")
     for v in result.violations:
         print("  VIOLATION", v)
     return 1 if result.violations else 0

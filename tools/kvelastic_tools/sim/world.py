@@ -19,6 +19,14 @@ is checked against the device: KV of exactly that key, of the taker's
 namespace, written whole by a step that finished and not rewritten since, on
 pages no other engine maps.
 
+The daemon restarts (``restart_daemon``): stopped gracefully, killed
+between inputs, or killed part-way through an input's effects (``crash``).
+A keeper holds the pages it creates and its state file names its kept cache
+(``keeper.py``, written where the real loop writes it); its successor takes
+back what the file names and the keeper holds, through the real
+``saved.adopt`` and ``Allocator.adopt_kept``, and what it adopted is checked
+as every kept slab is.
+
 Hostile scenarios (issue 21): an engine id registered again while workers of
 its last registration still run (``ghosts.py``), model steps that outlive the
 ack deadline (their workers say ``Busy``; the world tracks every ack a
@@ -54,6 +62,7 @@ from kvelastic_tools.sim import ghosts
 from kvelastic_tools.sim.engine import SimEngine
 from kvelastic_tools.sim.guard import CALL_LIMIT, CallGuard
 from kvelastic_tools.sim.hostile import Hostile
+from kvelastic_tools.sim.keeper import Keeper, take_back
 from kvelastic_tools.sim.records import BLOCKS_PER_SLAB, BUSY, Device, Ghost, SimWorker, Step
 
 WORKERS = (1, 1, 2)                # engine i's workers (its slab shape)
@@ -134,13 +143,19 @@ class World:
         self.grow_sent: dict[tuple[bytes, int], float] = {}
         self.daemon_epoch = 0
         self.stopped = False       # the daemon exited: its successor is not up yet
+        # Its keeper and state file (keeper.py); a daemon killed part-way
+        # through an input's effects (``crash_armed``: the next effects may be
+        # its last) is replaced at the end of the step (``crashed``).
+        self.keeper = Keeper()
+        self.crash_armed = self.crashed = False
+        self.restored_pages: set[int] = set()   # pages of kept slabs adopted from the last daemon
+        self.restored_blocks = 0    # cached blocks adopted by engines from kept slabs a new daemon took back
+        take_back(self, self.allocator, faults=False)
 
     def _new_allocator(self) -> Allocator:
         allocator = Allocator({"0": self.budget_pages}, PAGE, timing=self.timing, events=False,
                               token_source=lambda: self.rng.randbytes(16))
-        # Page ids of a restarted daemon must not collide with pages still mapped.
-        allocator._next_page = 1_000_000 * getattr(self, "daemon_epoch", 0)
-        allocator.books.orphans = WatchedOrphans(self)
+        allocator.books.orphans = WatchedOrphans(self)     # (its page ids: keeper.take_back)
         return allocator
 
     # ------------------------------------------------------------ transport
@@ -154,7 +169,10 @@ class World:
                 del self.owed[key]
 
     def call(self, fn: Any, *args: Any) -> list[fx.Effect]:
-        """One allocator input, timed (``guard.py``); the books may have changed."""
+        """One allocator input, timed (``guard.py``); the books may have changed.
+        A daemon killed (``crash``) hears nothing more."""
+        if self.stopped:
+            return []
         self.dirty = True
         guard = self.guard
         if guard.watch:
@@ -224,17 +242,16 @@ class World:
 
     # -------------------------------------------------------------- effects
     def perform(self, effects: list[fx.Effect]) -> None:
+        """Carry out one input's effects, as the loop does; then its state
+        file is written if the kept cache moved (``keeper.py``). A daemon
+        killed meanwhile (``crash_armed``) performs nothing more."""
+        if self.stopped:
+            return
         queue = deque(effects)
         while queue:
             e = queue.popleft()
             if isinstance(e, fx.Send):
-                wire = self.wires.get(e.to)
-                if wire is not None:
-                    wire.to_client.append(Envelope(self.now + self.delay(), e.msg))
-                    if isinstance(e.msg, (p.MapSlab, p.UnmapSlab)):
-                        self.owed[(e.to, e.msg.req_id)] = (self.now, e.msg.slab, isinstance(e.msg, p.UnmapSlab))
-                if isinstance(e.msg, (p.Granted, p.Error)):
-                    self.grow_sent.pop((e.to, e.msg.req_id), None)
+                self.send(e)
             elif isinstance(e, fx.SendPages):
                 worker = self.find_worker(e.engine_id, e.rank)
                 if worker is not None and worker.token != e.token:
@@ -243,21 +260,67 @@ class World:
                     self.excused.add(e.engine_id)
                     queue.extend(self.call(self.allocator.channel_failed, e.engine_id, e.rank, "gone", self.now))
                 else:
+                    self.keeper.save_ahead(self)          # written ahead: the file never names a slab lent since
+                    self.check_lent(worker, e.pages)
                     worker.channel.extend(e.pages)
                     then = getattr(e, "then", None)     # the MapSlab that names them, where the loop sends it
+                    # Killed once they left (with their MapSlab: one batch), most
+                    # often when they are a kept slab's: the write-ahead's moment.
+                    kept = not self.from_orphans.isdisjoint(e.pages)
+                    if self.crash_armed and self.rng.random() < (0.9 if kept else 0.3):
+                        if then is not None:
+                            self.send(then)
+                        self.crash()
+                        return
                     if then is not None:
                         queue.append(then)
             elif isinstance(e, fx.CreatePages):
                 ids = self.allocator.new_page_ids(e.count)
+                reused = set(ids) & (self.device.pages | self.keeper.held)
+                if reused:
+                    self.violation(f"new page ids {sorted(reused)[:5]} are pages the daemon or its keeper holds")
                 made = [] if self.device.fail_creation else ids
                 self.device.pages.update(made)
+                self.keeper.deposit(made)
                 queue.extend(self.call(self.allocator.pages_created, e.device, e.count, made, self.now))
             elif isinstance(e, fx.ReleasePages):
+                self.keeper.forget(e.pages)
                 mapped = self.mapped_pages()
                 for page in e.pages:
                     self.device.pages.discard(page)
-                    if page not in mapped:
+                    if page not in mapped and page not in self.keeper.held:
                         self.device.forget(page)
+            if self.crash_armed and self.rng.random() < 0.01:  # kill -9 at any point of the effects
+                self.crash()
+                return
+        self.keeper.save_after(self)
+
+    def send(self, e: fx.Send) -> None:
+        wire = self.wires.get(e.to)
+        if wire is not None:
+            wire.to_client.append(Envelope(self.now + self.delay(), e.msg))
+            if isinstance(e.msg, (p.MapSlab, p.UnmapSlab)):
+                self.owed[(e.to, e.msg.req_id)] = (self.now, e.msg.slab, isinstance(e.msg, p.UnmapSlab))
+        if isinstance(e.msg, (p.Granted, p.Error)):
+            self.grow_sent.pop((e.to, e.msg.req_id), None)
+
+    def crash(self) -> None:
+        """kill -9 of the daemon part-way through an input: what it did so far
+        stands, nothing more is done or written; its successor starts at the
+        end of the step (``run.check``)."""
+        self.counts["daemon_crash_mid_input"] += 1
+        self.crash_armed = False
+        self.crashed = self.stopped = True
+
+    def check_lent(self, worker: SimWorker, pages: tuple[int, ...]) -> None:
+        """A page is never sent to a worker while a worker of another registration maps it (lent twice)."""
+        for other in self.mappers():
+            if other.token != worker.token:
+                for slab_id, mapped in other.mapped.items():
+                    twice = set(pages).intersection(mapped)
+                    if twice:
+                        self.violation(f"pages {sorted(twice)} sent to worker {worker.identity!r} while "
+                                       f"{other.identity!r} maps them (slab {slab_id}): lent twice")
 
     def find_worker(self, engine_id: str, rank: int) -> SimWorker | None:
         for engine in self.engines:
@@ -270,7 +333,7 @@ class World:
         """Deliver every message that is due, in order per connection."""
         moved = False
         for identity, wire in list(self.wires.items()):
-            while wire.to_daemon and wire.to_daemon[0].due <= self.now:
+            while wire.to_daemon and wire.to_daemon[0].due <= self.now and not self.stopped:
                 msg = wire.to_daemon.popleft().msg
                 if self.owed:
                     self.heard(identity, msg)
@@ -304,11 +367,17 @@ class World:
                     return engine, w
         return None, None
 
-    def restart_daemon(self, corrupt: SimEngine | None = None) -> None:
-        """SIGTERM and a new daemon: nothing is unmapped; engines reconnect and adopt.
+    def restart_daemon(self, corrupt: SimEngine | None = None, kill: bool = False) -> None:
+        """SIGTERM (or ``kill``: -9, or a ``crash`` already) and a new daemon:
+        nothing is unmapped; engines reconnect and adopt; the new daemon takes
+        back the kept cache its predecessor saved (``keeper.take_back``).
         What the old daemon sent before it exited still reaches the clients."""
-        self.perform(self.call(self.allocator.shutdown))
+        if not kill and not self.stopped:     # a graceful stop: its file last, its pages left to the keeper
+            self.keeper.save_at_stop(self)
+            self.keeper.attached = False
+            self.perform(self.call(self.allocator.shutdown))
         self.stopped = True
+        self.crash_armed = self.crashed = False
         for ghost in list(self.ghosts.values()):   # their connections went with the daemon; nothing more is heard
             self.close(ghost.worker.identity)
             del self.ghosts[ghost.worker.identity]
@@ -329,6 +398,8 @@ class World:
         self.stopped = False
         self.daemon_epoch += 1
         self.allocator = self._new_allocator()
+        take_back(self, self.allocator)
+        self.dirty = True
         self.grow_sent.clear()
         for engine in self.engines:
             if engine.alive:
@@ -351,6 +422,9 @@ class World:
         that finished and not rewritten since; and no other engine maps those
         pages (an adopted block is never live elsewhere)."""
         pages = [page for w in engine.workers for page in w.mapped.get(slab_id, [])]
+        if any(page in self.restored_pages for page in pages):
+            self.restored_blocks += len(cached)      # kept through a daemon restart
+            self.restored_pages.difference_update(pages)
         if any(page in self.from_orphans for page in pages):
             self.orphan_blocks += len(cached)
             self.from_orphans.difference_update(pages)

@@ -1,0 +1,166 @@
+"""The daemon's keeper and state file in the simulated node (Step 20).
+
+The real loop (``kvelastic/daemon/server.py`` with ``succession.py``) has a
+keeper process hold every page it creates (deposited on creation, forgotten
+on ``ReleasePages``) and rewrites its state file (``saved.save``: the kept
+cache) whenever ``orphans.version`` moved: *before* it performs a
+``SendPages`` (written ahead: the file never names a slab lent since), after
+each input's effects, and at a graceful stop. A new daemon reads the file,
+adopts what ``saved.adopt`` accepts of the pages the keeper holds, and has
+the keeper let go of every other page. Here ``Keeper`` plays the keeper and
+the file (its bytes, in memory) and ``take_back`` the new daemon's start,
+through the real ``saved`` functions and ``Allocator.adopt_kept``.
+
+A daemon stops in one of three ways (``World.restart_daemon``): gracefully
+(SIGTERM: the file written last, nothing unmapped), killed between inputs,
+or killed part-way through an input's effects (``World.crash``: often right
+after pages went to a worker, before the input's own write). Sometimes the
+file is torn (nothing of it may be used) or the keeper is lost (it holds
+nothing; half the time its file went with it, half the time the file names
+pages nobody holds). What is checked at start, and ever after, is in
+``take_back`` and ``World.perform``: no adopted page is mapped by a worker,
+each adopted block holds the KV of its key in its namespace, page ids the
+new daemon hands out never meet one it adopted or the keeper holds, and no
+page is sent to a worker while a worker of another registration maps it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvelastic.daemon import saved
+from kvelastic.status_report import RestartStatus
+
+if TYPE_CHECKING:
+    from kvelastic.daemon.allocator import Allocator
+    from kvelastic_tools.sim.world import World
+
+TORN = 0.1             # a restart finds the state file torn (statefile.py refuses it)
+KEEPER_LOST = 0.1      # a restart finds the keeper gone (a new one holds nothing)
+
+
+class Keeper:
+    def __init__(self) -> None:
+        self.held: set[int] = set()          # the page ids the keeper holds
+        self.attached = True                 # the daemon talks to it (not once it stops)
+        self.saved: bytes | None = None      # the state file's payload (None: no file)
+        self.version = -1                    # the kept cache's version last written (-1: none yet)
+        self.stopped_with = -1               # kept slabs at a graceful stop (-1: it was killed)
+
+    # ------------------------------------------------- where the loop writes
+    def save_ahead(self, w: World) -> None:
+        """Before a ``SendPages`` is performed: the file never names a slab lent since."""
+        self.save(w)
+
+    def save_after(self, w: World) -> None:
+        """Once an input's effects are carried out."""
+        self.save(w)
+
+    def save_at_stop(self, w: World) -> None:
+        """A graceful stop, before the keeper is detached: the next daemon
+        must find every kept slab (unless the file is torn or the keeper lost)."""
+        self.save(w)
+        self.stopped_with = len(w.allocator.orphans.slabs)
+
+    def save(self, w: World) -> None:
+        """Write the kept cache if it moved since the last write (``Succession.save``)."""
+        if not self.attached or w.stopped:
+            return
+        orphans = w.allocator.orphans
+        if orphans.version == self.version:
+            return
+        self.saved = saved.save(orphans, w.allocator.next_page, w.now)
+        self.version = orphans.version
+        w.counts["state_writes"] += 1
+
+    # --------------------------------------------------------------- pages
+    def deposit(self, pages: list[int]) -> None:
+        if self.attached:
+            self.held.update(pages)
+
+    def forget(self, pages: tuple[int, ...]) -> None:
+        if self.attached:                    # a stopping daemon leaves its pages with the keeper
+            self.held.difference_update(pages)
+
+
+def take_back(w: World, alloc: Allocator, faults: bool = True) -> None:
+    """A new daemon's start with a keeper (``succession.take_back``): read
+    the file, adopt the kept slabs whose pages the keeper holds, have it let
+    go of the rest; then check what was adopted, and save at once.
+    ``faults``: the file may be torn, the keeper lost."""
+    keeper, rng = w.keeper, w.rng
+    old = set(w.device.pages) | keeper.held          # every page the last daemon or the keeper had
+    whole = keeper.stopped_with                      # what a graceful stop left (-1: killed)
+    keeper.stopped_with = -1
+    if faults and rng.random() < KEEPER_LOST:
+        w.counts["keeper_lost"] += 1
+        whole = -1
+        keeper.held = set()
+        if rng.random() < 0.5:
+            keeper.saved = None                      # lost while the daemon ran: it removed its file
+    payload = keeper.saved
+    books = saved.SavedBooks(saved.BOOKS_VERSION, 0, [])
+    state = "missing" if payload is None else "ok"
+    if payload is not None:
+        torn = faults and rng.random() < TORN
+        state = "torn" if torn else state
+        whole = -1 if torn else whole
+        if torn:
+            w.counts["state_torn"] += 1
+            payload = payload[:rng.randrange(len(payload))]
+        try:
+            books = saved.load(payload)
+        except saved.SavedBooksInvalid as exc:
+            if not torn:
+                w.violation(f"the saved books do not load: {exc}")
+        else:
+            if torn:
+                w.violation("a torn state file decoded as saved books")
+                books = saved.SavedBooks(saved.BOOKS_VERSION, 0, [])
+    held = set(keeper.held)
+    alloc.skip_page_ids(max(held, default=-1) + 1)
+    adoption = saved.adopt(books, held, alloc.room(), w.now)
+    taken = {page for pages in adoption.pages.values() for page in pages}
+    status = RestartStatus(state_file=state, kept_slabs=len(adoption.kept),
+                           kept_blocks=sum(len(o.cached) for o in adoption.kept), dropped=adoption.dropped,
+                           pages_let_go=len(held - taken))
+    alloc.adopt_kept(adoption, status)
+    for why, n in adoption.dropped.items():
+        w.counts[f"kept_dropped_{why}"] += n
+    if whole >= 0 and len(adoption.kept) != whole:
+        w.violation(f"a graceful stop left {whole} kept slab(s); its successor adopted {len(adoption.kept)} "
+                    f"(dropped: {adoption.dropped}, state file: {state})")
+    if adoption.kept:
+        w.counts["daemon_restart_kept"] += 1
+        w.counts["kept_slabs_restored"] += len(adoption.kept)
+    beyond = [page for page in taken | held if page >= alloc.next_page]
+    if beyond:
+        w.violation(f"the new daemon would hand out page ids {sorted(beyond)[:5]} it adopted or its keeper holds")
+    check_adopted(w, alloc)
+    keeper.held = taken                              # the keeper lets go of the rest
+    keeper.attached = True
+    keeper.version = -1
+    w.device.pages = set(taken)
+    mapped = w.mapped_pages()
+    for page in old - taken - mapped:                # nothing holds them any more: gone
+        w.device.forget(page)
+    w.restored_pages = set(taken)
+    # The sim's device names a physical page by its id, so a fresh page
+    # takes an id no page still alive in an engine, or remembered, has
+    # (the real daemon's ids are its own; it never names those pages).
+    alive = set(w.device.content) | {page for page, _offset in w.device.kv} | mapped
+    alloc.skip_page_ids(max(alive - taken, default=-1) + 1)
+    keeper.save(w)
+
+
+def check_adopted(w: World, alloc: Allocator) -> None:
+    """Each adopted kept slab is mapped by no worker and holds, in every
+    page, the KV of each of its keys, of its namespace, written whole."""
+    mapped = w.mapped_pages()
+    for o in alloc.orphans:
+        for page in o.pages:
+            if page in mapped:
+                w.violation(f"kept slab of {o.engine_id} adopted by a new daemon, but a worker maps its page {page}")
+            for c in o.cached:
+                w.check_block(f"kept slab of {o.engine_id} adopted by a new daemon for {o.namespace}:",
+                              o.namespace, page, c)
