@@ -4,7 +4,8 @@ a slab moved between free-count buckets, the cache's limits applied).
 
 Invariants (``pool.py`` says why): for every held slab ``live + cached +
 free == blocks_per_slab``; ``_by_free[k]`` holds exactly the held slabs
-with ``k`` free blocks and no bucket in ``[1, _min_hint)`` is non-empty; the
+with ``k >= 1`` free blocks (``_by_free[0]`` stays empty) and no bucket in
+``[1, _min_hint)`` is non-empty; the
 LRU links exactly the cached blocks, least recently used first; the index
 maps exactly the keyed blocks' keys and aliases.
 """
@@ -53,8 +54,12 @@ class PoolBooks:
         self.on_adopted: Callable[[list[tuple[Hashable, bytes]]], None] | None = None
 
         self._slabs: dict[int, Slab] = {}
-        # _by_free[k]: held slabs with exactly k free blocks. Invariant: no
-        # bucket in [1, _min_hint) is non-empty, so best fit scans from there.
+        # _by_free[k]: held slabs with exactly k free blocks, k >= 1. Invariant:
+        # no bucket in [1, _min_hint) is non-empty, so best fit scans from there.
+        # A full slab is in no bucket (``_by_free[0]`` stays empty): nothing
+        # looks for one, and a bucket's order is its slabs' arrival there, so
+        # leaving it out skips a dict operation on most moves (a busy pool's
+        # slabs are mostly full) and changes no choice.
         self._by_free: list[dict[int, Slab]] = [{} for _ in range(blocks_per_slab + 1)]
         self._min_hint = 1
         # Cached blocks in eviction order, least recently used first: a
@@ -178,8 +183,10 @@ class PoolBooks:
     def _rebucket(self, slab: Slab, old_free: int) -> None:
         new_free = len(slab.free)
         if new_free != old_free:
-            del self._by_free[old_free][slab.slab_id]
-            self._by_free[new_free][slab.slab_id] = slab
+            if old_free:
+                del self._by_free[old_free][slab.slab_id]
+            if new_free:
+                self._by_free[new_free][slab.slab_id] = slab
             if 0 < new_free < self._min_hint:
                 self._min_hint = new_free
 

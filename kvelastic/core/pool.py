@@ -78,7 +78,8 @@ class SlabPool(HandOnPool):
             raise UnknownSlab(f"slab {slab_id} is not held")
         if slab.live:
             raise SlabBusy(f"slab {slab_id} has {slab.live} live block(s)")
-        del self._by_free[len(slab.free)][slab_id]
+        if slab.free:
+            del self._by_free[len(slab.free)][slab_id]
         evicted = 0
         removed = self.journal.removed   # the slab leaves whole: none of its blocks is rewritten here
         for blk in slab.blocks:
@@ -121,8 +122,11 @@ class SlabPool(HandOnPool):
             # _rebucket, inline: from bucket i to i - 1, which becomes the lowest non-empty one.
             slab_id = slab.slab_id
             del bucket[slab_id]
-            buckets[i - 1][slab_id] = slab
-            self._min_hint = i - 1 if i > 1 else i
+            if i > 1:
+                buckets[i - 1][slab_id] = slab
+                self._min_hint = i - 1
+            else:
+                self._min_hint = i    # full now: in no bucket
             self.journal.dirty.add(slab_id)
             return [blk]
         out: list[BlockRecord] = []
@@ -153,7 +157,8 @@ class SlabPool(HandOnPool):
                 num_free -= take
                 slab_id = slab.slab_id
                 del bucket[slab_id]
-                buckets[i - take][slab_id] = slab
+                if take < i:
+                    buckets[i - take][slab_id] = slab
                 dirty.add(slab_id)
             self._min_hint = i - take if take < i else i
             self.num_available -= n - want
@@ -316,7 +321,8 @@ class SlabPool(HandOnPool):
                 new = len(slab.free)
                 if new != old:
                     freed += new - old
-                    del by_free[old][slab_id]
+                    if old:
+                        del by_free[old][slab_id]
                     by_free[new][slab_id] = slab
                     if new < hint:
                         hint = new

@@ -28,6 +28,14 @@ def check_pool(pool: SlabPool, mirror: Mirror | None = None) -> None:
         assert n_live + n_cached + n_free == bps
         live, cached, free = live + n_live, cached + n_cached, free + n_free
     assert (pool.num_live, pool.num_cached, pool.num_free) == (live, cached, free)
+    # best fit's buckets: each held slab with k >= 1 free blocks in bucket k
+    # alone, a full one in none, and none below the scan's start
+    by_free = {}
+    for slab_id in pool.slab_ids():
+        by_free.setdefault(pool.occupancy(slab_id)[2], set()).add(slab_id)
+    by_free.pop(0, None)
+    assert {k: set(bucket) for k, bucket in enumerate(pool._by_free) if bucket} == by_free
+    assert all(not pool._by_free[k] for k in range(1, pool._min_hint))
     # every index entry points at a held block that holds that key
     for key, block_id in index:
         assert pool.block(block_id).block_hash == key
