@@ -33,7 +33,7 @@ STEPS = 300
 def _run(seeds: int, faults: bool) -> tuple[dict[str, Any], float]:
     injected: collections.Counter = collections.Counter()
     violations: list[str] = []
-    handed = orphaned = kept = 0
+    handed = orphaned = kept = restored = 0
     start = time.perf_counter()
     for seed in range(seeds):
         result = run_seed(seed, STEPS, faults=faults)
@@ -41,11 +41,12 @@ def _run(seeds: int, faults: bool) -> tuple[dict[str, Any], float]:
         handed += result.handed_blocks
         orphaned += result.orphan_blocks
         kept += result.kept_blocks
+        restored += result.restored_blocks   # kept blocks adopted by engines across a daemon restart
         violations += [f"{v}  (replay: {result.replay})" for v in result.violations[:1]]
     elapsed = time.perf_counter() - start
     return {"seeds": seeds, "steps": seeds * STEPS, "faults": dict(sorted(injected.items())),
             "faults_total": sum(injected.values()), "handed_blocks": handed, "orphan_blocks": orphaned,
-            "kept_blocks": kept, "violations": len(violations), "violation_examples": violations[:5]}, elapsed
+            "kept_blocks": kept, "restored_blocks": restored, "violations": len(violations), "violation_examples": violations[:5]}, elapsed
 
 
 NODE_SEED = 1
