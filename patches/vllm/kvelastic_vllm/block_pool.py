@@ -296,8 +296,19 @@ class ElasticBlockPool(BlockPool):
     # ------------------------------------------------------- prefix cache
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[KVCacheBlock] | None:
         # The core's get_cached_block, inline: key -> its block, or
-        # {block_id: block} when several hold the key (``HashIndex``).
+        # {block_id: block} when several hold the key (``HashIndex``). One
+        # group (attention-only models) answers without a loop.
         entries, suffixes = self.core.index_entries, self._group_suffix
+        if len(kv_cache_group_ids) == 1:
+            group_id = kv_cache_group_ids[0]
+            try:
+                suffix = suffixes[group_id]
+            except IndexError:
+                suffix = self._suffix(group_id)
+            block = entries.get(block_hash + suffix)
+            if block is None:
+                return None
+            return [next(iter(block.values())) if type(block) is dict else block]
         cached = []
         for group_id in kv_cache_group_ids:
             try:
@@ -307,9 +318,7 @@ class ElasticBlockPool(BlockPool):
             block = entries.get(block_hash + suffix)
             if block is None:
                 return None
-            if type(block) is dict:
-                block = next(iter(block.values()))
-            cached.append(block)
+            cached.append(next(iter(block.values())) if type(block) is dict else block)
         return cached
 
     def _suffix(self, group_id: int) -> bytes:
