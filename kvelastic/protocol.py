@@ -340,6 +340,31 @@ class Busy(Msg):
     slabs: SlabIds
 
 
+# ------------------------------------------------ the node's tier (docs/tier.md)
+MAX_TIER_KEYS = 4096         # keys of one TierLookup
+
+
+class TierLookup(Msg):
+    """Pin the longest run of ``keys`` (from the first) the tier holds for the
+    engine's namespace (its registration's, never named here) under a lease."""
+    engine_id: Name
+    keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_TIER_KEYS)]
+
+
+class TierFetch(Msg):
+    """Bytes of block ``block`` of a lease, from ``offset`` (a ``TierData``)."""
+    engine_id: Name
+    lease: Annotated[int, msgspec.Meta(ge=0)]
+    block: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TIER_KEYS)]
+    offset: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class TierRelease(Msg):
+    """The lease's blocks not fetched yet are not wanted: unpinned."""
+    engine_id: Name
+    lease: Annotated[int, msgspec.Meta(ge=0)]
+
+
 # ------------------------------------------- client answers to daemon commands
 class CachedBlock(msgspec.Struct, array_like=True, frozen=True):
     """A cached block of a slab, by its place in the slab (``block_id %
@@ -462,15 +487,32 @@ class UnmapSlab(Msg):
     offsets: list[int]
 
 
+class TierPinned(Msg):
+    """The answer to ``TierLookup``: the lease (0: nothing found) and the size
+    of each block pinned, the first keys' in order."""
+    lease: int
+    nbytes: list[int]
+
+
+class TierData(Msg):
+    """Bytes ``offset`` on of a block of ``size`` bytes (the last chunk ends
+    at ``size``); ``size`` -1: the block failed its check, dropped."""
+    lease: int
+    block: int
+    offset: int
+    size: int
+    data: bytes
+
+
 class StatusReply(Msg):
     status: StatusReport
 
 
 Message = (
     RegisterEngine | RegisterWorker | Grow | Return | Journal | Heartbeat | Unregister | Busy | Diverge
-    | ReclaimDone | Mapped | Unmapped | Status | SetLimit | Invalidate
+    | ReclaimDone | Mapped | Unmapped | Status | SetLimit | Invalidate | TierLookup | TierFetch | TierRelease
     | Ok | Error | Invalidated | Registered | Granted | Reclaim | Failed | ClearIndex | MapSlab | UnmapSlab
-    | StatusReply
+    | StatusReply | TierPinned | TierData
 )
 
 def fd_socket_path(socket_path: str) -> str:

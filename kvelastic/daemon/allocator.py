@@ -59,6 +59,7 @@ from kvelastic.daemon.requests import GrowRequest, ReclaimRequest, ReturnRequest
 from kvelastic.daemon.saved import Adoption
 from kvelastic.daemon.state import EngineRecord, PagePool, owner_tag
 from kvelastic.daemon.tenancy import Credential
+from kvelastic.daemon.tiering import Tiering
 from kvelastic.daemon.unmapping import Unmapping
 from kvelastic.errors import require
 from kvelastic.kv_events import AllBlocksCleared, kv_events_topic
@@ -84,7 +85,8 @@ class Allocator:
         ``tier``: the node's tier's index (its store is the loop's), or None."""
         self.books = books = Books(budgets, page_size, backend, timing, events)
         books.tier = tier
-        self.cache = CacheHandoff(books)
+        self.tiering = Tiering(books)
+        self.cache = CacheHandoff(books, self.tiering)
         self.growth = Growth(books, self.cache)
         self.unmapping = Unmapping(books, self.cache, self.growth)
         self.reclaiming = Reclaims(books, self.cache, self.growth, self.unmapping)
@@ -108,6 +110,8 @@ class Allocator:
             p.Busy: self.unmapping.on_busy,
             p.Invalidate: self.scope.on_invalidate, p.Diverge: self.scope.on_diverge,
             p.Journal: self._on_journal, p.Unregister: self._on_unregister, p.Status: self._on_status,
+            p.TierLookup: self.tiering.on_lookup, p.TierFetch: self.tiering.on_fetch,
+            p.TierRelease: self.tiering.on_release,
         }
 
     # The books and parts' state, as the loop, the simulator and the tests read them.
@@ -252,6 +256,18 @@ class Allocator:
         self.growth.pages_created(device, asked, page_ids)
         return self.books.take()
 
+    def tier_written(self, committed: list[int], failed: list[tuple[int, str]], now: float) -> list[fx.Effect]:
+        """The loop wrote a ``DemoteBlocks``' blocks (``failed``: slot, reason)."""
+        self.books.now = now
+        self.tiering.written(committed, failed)
+        return self.books.take()
+
+    def tier_read(self, lease: int, block: int, error: str, now: float) -> list[fx.Effect]:
+        """The loop sent a tier block's last chunk, or found it bad (``error``: why)."""
+        self.books.now = now
+        self.tiering.read(lease, block, error)
+        return self.books.take()
+
     def new_page_ids(self, n: int) -> list[int]:
         """Ids for pages the loop creates (unique across devices)."""
         ids = list(range(self._next_page, self._next_page + n))
@@ -317,6 +333,7 @@ class Allocator:
                 self.unmapping.quarantine(gone, f"no unmap acknowledgement within {t.ack_timeout:g} s")
         self.reclaiming.expire()
         self.cache.expire()
+        self.tiering.expire()
         self.growth.progress()
         self._release_stale()
         return books.take()
@@ -374,6 +391,7 @@ class Allocator:
         del books.engines[engine.engine_id]
         self.growth.answer_gone(engine, why)
         self.reclaiming.end_for(engine.engine_id)
+        self.tiering.end_for(engine)      # no pin outlives its engine
         if books.events:  # its prefix cache is gone with it
             books.emit(fx.Publish(kv_events_topic(engine.engine_id, engine.namespace), (AllBlocksCleared(),)))
         books.departing[engine.serial] = engine

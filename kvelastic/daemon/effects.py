@@ -92,4 +92,43 @@ class DeleteTierBlocks:
     slots: tuple[int, ...]
 
 
-Effect = Send | SendPages | CreatePages | ReleasePages | Publish | Rejected | GrantLatency | DeleteTierBlocks
+@dataclasses.dataclass(frozen=True)
+class DemoteBlock:
+    """One block to write to the tier at ``slot`` (reserved): its bytes are
+    ``runs`` (device, page id, offset, length) of pages nobody maps, in order."""
+
+    slot: int
+    key: bytes
+    parent: bytes | None
+    cost: float
+    runs: tuple[tuple[str, int, int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoteBlocks:
+    """Write these blocks of ``namespace`` to the tier, before anything that
+    follows releases their pages; the loop answers ``Allocator.tier_written``."""
+
+    namespace: str
+    blocks: tuple[DemoteBlock, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadTierBlock:
+    """Answer a ``TierFetch`` (``to``, ``req_id``) with up to ``chunk`` bytes
+    of the block at ``slot`` from ``offset`` (a ``TierData``); the loop
+    answers ``Allocator.tier_read`` once the block is read whole or failed."""
+
+    to: bytes
+    req_id: int
+    lease: int
+    block: int
+    slot: int
+    namespace: str
+    key: bytes
+    offset: int
+    chunk: int
+
+
+Effect = Send | SendPages | CreatePages | ReleasePages | Publish | Rejected | GrantLatency | DeleteTierBlocks | \
+    DemoteBlocks | ReadTierBlock

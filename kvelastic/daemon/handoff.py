@@ -22,13 +22,15 @@ from kvelastic.daemon.books import Books
 from kvelastic.daemon.orphans import OrphanSlab
 from kvelastic.daemon.requests import GrowRequest, Handoff
 from kvelastic.daemon.state import EngineRecord, Phase, SlabRecord, owner_tag, shape_of
+from kvelastic.daemon.tiering import Tiering
 
 log = logging.getLogger("kvelastic.daemon")
 
 
 class CacheHandoff:
-    def __init__(self, books: Books) -> None:
+    def __init__(self, books: Books, tiering: Tiering | None = None) -> None:
         self.books = books
+        self.tiering = tiering       # kept cache released is demoted into the node's tier first
 
     # ------------------------------------------------- between live replicas
     @staticmethod
@@ -138,6 +140,8 @@ class CacheHandoff:
         ``reason`` (``kvelastic_prefix_cache_evictions_total``, engine "")."""
         books = self.books
         books.orphans.count_evicted(slabs, reason)
+        if self.tiering is not None and reason != "invalidate":   # invalidated KV goes nowhere
+            self.tiering.demote(slabs)    # written before the pages go (``fx.DemoteBlocks``)
         by_device: dict[str, list[int]] = {}
         for o in slabs:
             for page, device in zip(o.pages, o.page_devices):

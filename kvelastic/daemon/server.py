@@ -30,6 +30,7 @@ from kvelastic.daemon.peers import Access, Peer, PeerTable
 from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.succession import Succession, state_path, take_back
 from kvelastic.daemon.tenancy import Credential, Tenancy
+from kvelastic.daemon.tier_io import TierIO
 from kvelastic.errors import require
 from kvelastic.metrics import DaemonMetrics
 from kvelastic.status_report import StatusReport
@@ -63,6 +64,7 @@ class Daemon:
         ``keeper``: where pages are deposited so they outlive this process, or None."""
         self.devices = {d.name: d for d in devices}
         self.tier_store = tier_store
+        self.tier_io = TierIO(self.devices, tier_store)
         self.keeper = keeper
         self.clock = clock
         self.allocator = Allocator({d.name: d.budget_pages for d in devices}, devices[0].page_size,
@@ -373,6 +375,12 @@ class Daemon:
             if self.tier_store is not None:
                 for slot in effect.slots:
                     self.tier_store.delete(slot)
+        elif isinstance(effect, fx.DemoteBlocks):    # before the ReleasePages that follow it
+            return self.allocator.tier_written(*self.tier_io.demote(effect), now)
+        elif isinstance(effect, fx.ReadTierBlock):
+            reply, error, finished = self.tier_io.read(effect)
+            follow = self.allocator.tier_read(effect.lease, effect.block, error, now) if finished else []
+            return [fx.Send(effect.to, reply), *follow]
         elif isinstance(effect, fx.GrantLatency):
             self.metrics.grant_latency.labels(effect.device).observe(effect.seconds)
             if effect.demand:

@@ -143,9 +143,11 @@ class TierIndex(TierBooks):
         self.stats.miss_blocks += len(keys) - len(found)
         return [e.slot for e in found]
 
-    def unpin(self, slots: Sequence[int], *, loaded: bool = True) -> None:
+    def unpin(self, slots: Sequence[int], *, loaded: bool | None = True) -> None:
         """The load of ``slots`` ended: well (``loaded``), or not (counted as a
-        ``load`` failure). A dead entry is freed with its last pin."""
+        ``load`` failure), or they were not loaded and that is no failure
+        (``None``: released unused, or dropped and counted as such). A dead
+        entry is freed with its last pin."""
         wanted: dict[int, int] = {}
         for slot in slots:
             wanted[slot] = wanted.get(slot, 0) + 1
@@ -163,7 +165,7 @@ class TierIndex(TierBooks):
                     self._refresh(e)
         if loaded:
             self.stats.promotions += len(slots)
-        else:
+        elif loaded is not None:
             self.stats.failures["load"] += len(slots)
 
     # ------------------------------------------------------------- loss

@@ -121,7 +121,7 @@ def test_a_fuzzed_daemon_lives_counts_and_keeps_its_engine(daemon):
 
         # A seed whose frames reach a grant (asserted below): the frames follow
         # the protocol's types, so a new field (of any message) moves the stream.
-        fuzzer = fuzz.Fuzzer(2030, (LEGIT, NAMESPACE), hints=fuzz.daemon_hints(PAGE, os.getpid()))
+        fuzzer = fuzz.Fuzzer(2033, (LEGIT, NAMESPACE), hints=fuzz.daemon_hints(PAGE, os.getpid()))
         channel_fuzzer = fuzz.Fuzzer(2025, (LEGIT, NAMESPACE))
         alive = lambda: daemon.proc.poll() is None               # noqa: E731
         join = fd.in_background(fd.channel_fuzz, daemon.socket, channel_fuzzer, CHANNELS)

@@ -1,0 +1,225 @@
+"""The tier's decisions in the allocator (docs/tier.md): what kept cache is
+demoted into the node's tier, and the leases under which engines load
+blocks back. No I/O: it emits ``fx.DemoteBlocks`` and ``fx.ReadTierBlock``,
+and the loop (``tier_io.py``) moves the bytes and reports back.
+
+**Demotion, source A.** When kept cache (``orphans.py``) is released on the
+host backend (expired, or yielded to a demand; never when invalidated), the
+daemon holds its pages alone: no process maps them. Each kept block is
+reserved in the index, and the loop reads its bytes from the pages before
+they are released, writes them to the store and commits (``written``).
+
+Where a block's bytes lie (``block_runs``): a slab has, in each worker
+(rank ``r``: pages ``r * pages_per_worker`` on), ``regions`` regions of
+``pages_per_region`` consecutive pages (layer-outer: a region per layer,
+vLLM's ``[layer][block]`` layout; block-outer: one region), and block ``k``
+of the slab takes ``k * stride`` to ``(k + 1) * stride`` of each region,
+``stride = pages_per_region * page_size / blocks_per_slab``. A block's
+payload is its runs in that order: rank 0's region 0 (layer 0), region 1,
+..., then rank 1's: for one worker, "layer 0's bytes | layer 1's | ...",
+what a worker's ``[L, B, block bytes]`` view of its KV gives for ``v[:, k]``.
+
+**Leases.** ``TierLookup`` pins the longest committed run of the engine's
+keys (in its registration's namespace, never one the message names) under
+a lease; ``TierFetch`` reads one block of it (in chunks under
+``p.MAX_MESSAGE_BYTES``), the last chunk unpinning it as loaded; a block
+that fails its check is dropped; ``TierRelease``, the lease's deadline and
+the engine's departure unpin what is left. No pin outlives its engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from kvelastic import protocol as p
+from kvelastic.daemon import effects as fx
+from kvelastic.daemon.books import Books
+from kvelastic.daemon.orphans import OrphanSlab
+from kvelastic.daemon.rejected import Rejected
+from kvelastic.daemon.state import EngineRecord, SlabShape
+from kvelastic.tier.index import TierIndex
+
+log = logging.getLogger("kvelastic.daemon")
+
+MAX_LEASES = 64              # leases one engine may hold at once
+LEASE_TIMEOUT = 30.0         # a lease not released by then is ended (its blocks unpinned, counted as failed loads)
+CHUNK = p.MAX_MESSAGE_BYTES - (64 << 10)   # bytes of a block per TierData (room for the envelope)
+
+Run = tuple[str, int, int, int]   # (device, page id, offset in the page, length)
+
+
+def block_runs(shape: SlabShape, page_size: int, pages: list[int], page_devices: list[str],
+               offset: int) -> list[Run] | None:
+    """Where block ``offset`` of a slab of ``shape`` lies in the slab's
+    ``pages``, in payload order (module docstring). None when the shape does
+    not split into whole blocks that way (nothing is demoted then)."""
+    run = shape.pages_per_region
+    workers = max(1, shape.num_workers)
+    if run <= 0 or shape.pages_per_worker % run or not 0 <= offset < shape.blocks_per_slab \
+            or len(pages) != shape.pages_per_worker * workers or (run * page_size) % shape.blocks_per_slab:
+        return None
+    regions = shape.pages_per_worker // run
+    stride = run * page_size // shape.blocks_per_slab
+    if stride * regions * workers != shape.block_bytes:
+        return None
+    out: list[Run] = []
+    for rank in range(workers):
+        for region in range(regions):
+            first = rank * shape.pages_per_worker + region * run    # the region's first page in ``pages``
+            at, left = offset * stride, stride
+            while left:
+                i, within = divmod(at, page_size)
+                n = min(left, page_size - within)
+                out.append((page_devices[first + i], pages[first + i], within, n))
+                at, left = at + n, left - n
+    return out
+
+
+@dataclasses.dataclass
+class Lease:
+    lease: int
+    engine_id: str
+    serial: int                       # the registration that holds it
+    namespace: str
+    slots: list[int]
+    keys: list[bytes]
+    done: list[bool]                  # unpinned already (loaded, or dropped)
+    deadline: float
+
+
+class Tiering:
+    """The allocator's part for the tier: demotion plans and load leases."""
+
+    def __init__(self, books: Books) -> None:
+        self.books = books
+        self.leases: dict[int, Lease] = {}
+        self._next_lease = 1
+
+    @property
+    def tier(self) -> TierIndex | None:
+        return self.books.tier
+
+    # ---------------------------------------------------------- demotion
+    def demote(self, slabs: list[OrphanSlab]) -> None:
+        """Kept slabs about to be released: reserve their blocks in the tier
+        and have the loop write them first (host backend only: the daemon
+        reads the memfd pages it holds)."""
+        tier, books = self.tier, self.books
+        if tier is None or books.backend != "host" or not slabs:
+            return
+        for o in slabs:
+            blocks: list[fx.DemoteBlock] = []
+            parent: bytes | None = None
+            for position, c in enumerate(o.cached, 1):
+                runs = block_runs(o.shape, books.page_size, o.pages, o.page_devices, c.offset)
+                if runs is None:
+                    break
+                nbytes = o.shape.block_bytes
+                # Cost: a monotone proxy of the work to compute it again (its
+                # place in the slab's order, which is the prefix's as far as known).
+                cost, par = float(position * nbytes), parent if parent != c.key else None
+                slot = tier.reserve(o.namespace, c.key, nbytes, cost, books.now, par)
+                parent = c.key
+                if slot is not None:
+                    blocks.append(fx.DemoteBlock(slot, c.key, par, cost, tuple(runs)))
+            if blocks:
+                books.emit(fx.DemoteBlocks(o.namespace, tuple(blocks)))
+        self._delete_released()
+
+    def written(self, committed: list[int], failed: list[tuple[int, str]]) -> None:
+        """The loop wrote (or could not write) the blocks of a ``DemoteBlocks``."""
+        tier = self.tier
+        if tier is None:
+            return
+        for slot in committed:
+            tier.commit(slot)
+        for slot, reason in failed:
+            tier.abort(slot, reason)
+        self._delete_released()
+
+    def _delete_released(self) -> None:
+        tier = self.tier
+        if tier is not None:
+            gone = tier.take_released()
+            if gone:
+                self.books.emit(fx.DeleteTierBlocks(tuple(gone)))
+
+    # ------------------------------------------------------------ leases
+    def on_lookup(self, identity: bytes, m: p.TierLookup) -> p.Msg:
+        engine = self.books.own_engine(identity, m.engine_id)
+        tier = self.tier
+        if tier is None or not m.keys:
+            return p.TierPinned(lease=0, nbytes=[])
+        if sum(1 for lease in self.leases.values() if lease.serial == engine.serial) >= MAX_LEASES:
+            raise Rejected(p.Reason.BUSY, f"engine {engine.engine_id} holds {MAX_LEASES} tier leases already")
+        slots = tier.lookup(engine.namespace, m.keys, self.books.now)
+        if not slots:
+            return p.TierPinned(lease=0, nbytes=[])
+        lease = Lease(self._next_lease, engine.engine_id, engine.serial, engine.namespace, slots,
+                      list(m.keys[:len(slots)]), [False] * len(slots), self.books.now + LEASE_TIMEOUT)
+        self._next_lease += 1
+        self.leases[lease.lease] = lease
+        return p.TierPinned(lease=lease.lease, nbytes=[tier.nbytes(s) for s in slots])
+
+    def on_fetch(self, identity: bytes, m: p.TierFetch) -> p.Msg | None:
+        lease = self._own_lease(identity, m.engine_id, m.lease)
+        if not 0 <= m.block < len(lease.slots) or lease.done[m.block]:
+            raise Rejected(p.Reason.BAD_REQUEST, f"block {m.block} of tier lease {m.lease} is not pinned")
+        assert self.tier is not None
+        if not 0 <= m.offset < self.tier.nbytes(lease.slots[m.block]):
+            raise Rejected(p.Reason.BAD_REQUEST, f"offset {m.offset} is outside block {m.block}")
+        self.books.emit(fx.ReadTierBlock(identity, m.req_id, lease.lease, m.block, lease.slots[m.block],
+                                         lease.namespace, lease.keys[m.block], m.offset, CHUNK))
+        return None
+
+    def read(self, lease_id: int, block: int, error: str) -> None:
+        """The loop read the last chunk of ``block`` (``error`` empty), or its
+        bytes failed their check (``error``: the reason): it is unpinned."""
+        lease, tier = self.leases.get(lease_id), self.tier
+        if lease is None or tier is None or lease.done[block]:
+            return
+        lease.done[block] = True
+        slot = lease.slots[block]
+        if error:
+            tier.drop(slot, error)
+            tier.unpin([slot], loaded=None)
+        else:
+            tier.unpin([slot], loaded=True)
+        if all(lease.done):
+            del self.leases[lease_id]
+        self._delete_released()
+
+    def on_release(self, identity: bytes, m: p.TierRelease) -> p.Msg:
+        lease = self._own_lease(identity, m.engine_id, m.lease)
+        self._end(lease, loaded=None)
+        return p.Ok()
+
+    def end_for(self, engine: EngineRecord) -> None:
+        """The engine left: its leases end with it."""
+        for lease in [x for x in self.leases.values() if x.serial == engine.serial]:
+            self._end(lease, loaded=False)
+
+    def expire(self) -> None:
+        now = self.books.now
+        for lease in [x for x in self.leases.values() if now > x.deadline]:
+            log.warning("engine %s: tier lease %d not released within %g s: ended", lease.engine_id,
+                        lease.lease, LEASE_TIMEOUT)
+            self._end(lease, loaded=False)
+
+    def pinned(self) -> int:
+        return sum(d is False for lease in self.leases.values() for d in lease.done)
+
+    def _end(self, lease: Lease, loaded: bool | None) -> None:
+        self.leases.pop(lease.lease, None)
+        left = [s for s, d in zip(lease.slots, lease.done) if not d]
+        if left and self.tier is not None:
+            self.tier.unpin(left, loaded=loaded)
+            self._delete_released()
+
+    def _own_lease(self, identity: bytes, engine_id: str, lease_id: int) -> Lease:
+        engine = self.books.own_engine(identity, engine_id)
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.serial != engine.serial:
+            raise Rejected(p.Reason.BAD_REQUEST, f"no tier lease {lease_id} of engine {engine_id}")
+        return lease
