@@ -137,7 +137,30 @@ def scheduler_patches() -> list[tuple[object, str, object]]:
         (sched, "update_from_output", engine.wrap_update_from_output(sched.update_from_output)),
         *[(mgr, name, demand.wrap_get_computed_blocks(getattr(mgr, name), ElasticBlockPool)) for name in lookups],
         (mgr, "record_prefix_cache_stats", engine.wrap_record_prefix_cache_stats(mgr.record_prefix_cache_stats)),
+        # A request resumed after an async KV load skips the lookup: its pool hears the need here.
+        *[(sched, name, wrap_resumed_after_load(getattr(sched, name), ElasticBlockPool))
+          for name in ("_update_waiting_for_remote_kv",) if hasattr(sched, name)],
     ]
+
+
+def wrap_resumed_after_load(original, elastic: type):
+    """``Scheduler._update_waiting_for_remote_kv``: a request whose KV a
+    connector loaded goes on to ``allocate_slots`` for the rest of its prompt
+    without the lookup that puts the demand hooks on (``demand.hear``): put
+    them on here, as ``wrap_get_computed_blocks`` does, so that allocation
+    can still grow the pool (``stop_hearing`` takes them off at step end)."""
+    from kvelastic_vllm import demand
+    from kvelastic_vllm.patching import keep_face
+
+    @keep_face(original)
+    def update_waiting_for_remote_kv(self, *args, **kwargs):
+        manager = self.kv_cache_manager
+        pool = manager.block_pool
+        if type(pool) is elastic and pool.demand.manager is None and pool.may_grow:
+            demand.hear(manager, pool)
+        return original(self, *args, **kwargs)
+
+    return update_waiting_for_remote_kv
 
 
 def install_scheduler_patches() -> list[Replacement]:

@@ -1,0 +1,216 @@
+"""``KvelasticTierConnector``: vLLM loads KV blocks back from the node's tier
+(docs/tier.md) through its KV connector API. Off unless configured::
+
+    --kv-transfer-config '{"kv_connector":"KvelasticTierConnector",
+      "kv_connector_module_path":"kvelastic_vllm.tier_connector",
+      "kv_role":"kv_both","kv_load_failure_policy":"recompute"}'
+
+and inert without ``KVELASTIC_ENABLE=1`` (no daemon to ask). This slice
+loads only; the daemon demotes (kept cache of departed engines).
+
+Scheduler side (the EngineCore): on a device miss, ``get_num_new_matched_tokens``
+asks the daemon for the longest run of the request's next keys the tier
+holds for this engine's namespace (``TierLookup``: the keys the pool
+journals, vLLM's block hash and the group's suffix, so they are the kept
+cache's), fetches their bytes at once (``TierFetch``, in chunks under the
+message bound; the daemon checks each block and drops one that fails,
+so only blocks that read well are counted) and answers with a *sync* load
+of them: vLLM allocates the blocks and runs the request in the same step.
+The bytes ride to the workers in the step's connector metadata, and each
+worker copies them into the blocks before the forward pass (after vLLM
+zeroed new blocks). At least one prompt token is always left to compute.
+
+Worker side: ``register_kv_caches`` only records the views (the arena has
+no page mapped yet: touching a byte would kill the worker); a block's
+payload is its bytes layer after layer in address order, which is the
+daemon's region order (``kvelastic/daemon/tiering.py``).
+
+One KV cache group and one worker (TP=PP=1) in this slice; otherwise the
+connector finds nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvelastic import protocol as p
+
+log = logging.getLogger("kvelastic.vllm")
+
+# Bytes of fetched blocks kept for requests not admitted yet (looked up again otherwise).
+MAX_HELD_BYTES = 256 << 20
+CALL_TIMEOUT = 5.0
+
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _DISK: Any = CacheHitSource.DISK
+except ImportError:   # an older vLLM: its default source
+    _DISK = None
+
+
+@dataclasses.dataclass
+class TierLoadMeta(KVConnectorMetadata):
+    loads: list[tuple[list[int], list[bytes]]] = dataclasses.field(default_factory=list)  # (block ids, payloads)
+
+
+@dataclasses.dataclass
+class _Fetched:
+    first: int                 # the request's first block the payloads are for
+    payloads: list[bytes]
+
+
+class KvelasticTierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if _DISK is not None:
+            self._cache_hit_source = _DISK
+        self.block_size = int(vllm_config.cache_config.block_size)
+        parallel = vllm_config.parallel_config
+        groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or [None])
+        self.enabled = groups == 1 and parallel.world_size == 1
+        if not self.enabled:
+            log.warning("kvelastic: the tier connector loads nothing here (%d KV cache groups, %d workers: "
+                        "one of each in this version)", groups, parallel.world_size)
+        self._held: OrderedDict[str, _Fetched] = OrderedDict()
+        self._pending: list[tuple[list[int], list[bytes]]] = []
+        self._suffix = b""
+        self._kv: dict[str, torch.Tensor] = {}
+        self._load_errors: set[int] = set()
+
+    # ------------------------------------------------------- scheduler side
+    def _link(self) -> Any:
+        from kvelastic_vllm.state import state
+
+        return state().link
+
+    def _key_suffix(self) -> bytes:
+        if not self._suffix:
+            from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+            self._suffix = make_block_hash_with_group_id(BlockHash(b""), 0)
+        return self._suffix
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        first = num_computed_tokens // self.block_size
+        held = self._held.get(request.request_id)
+        if held is not None and held.first == first:
+            return len(held.payloads) * self.block_size, False
+        self._held.pop(request.request_id, None)
+        link = self._link()
+        # Full blocks beyond the local hit, leaving at least one prompt token to compute.
+        last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+        if not self.enabled or link is None or last <= first:
+            return 0, False
+        suffix = self._key_suffix()
+        keys = [bytes(h) + suffix for h in request.block_hashes[first:last][:p.MAX_TIER_KEYS]]
+        payloads = self._fetch(link.client, keys, link.geometry.block_bytes)
+        if not payloads:
+            return 0, False
+        self._held[request.request_id] = _Fetched(first, payloads)
+        while len(self._held) > 1 and sum(len(b) for f in self._held.values() for b in f.payloads) > MAX_HELD_BYTES:
+            self._held.popitem(last=False)
+        return len(payloads) * self.block_size, False
+
+    def _fetch(self, client: Any, keys: list[bytes], block_bytes: int) -> list[bytes]:
+        """The bytes of the longest run of ``keys`` the tier holds and reads well."""
+        from kvelastic.client.connection import DaemonError, DaemonUnavailable
+
+        engine_id = client.engine_id
+        try:
+            pinned = client.conn.call(p.TierLookup(engine_id=engine_id, keys=keys), CALL_TIMEOUT)
+            if not isinstance(pinned, p.TierPinned) or not pinned.lease:
+                return []
+            payloads: list[bytes] = []
+            for block, size in enumerate(pinned.nbytes):
+                if size != block_bytes:
+                    break
+                data = bytearray()
+                while len(data) < size:
+                    reply = client.conn.call(p.TierFetch(engine_id=engine_id, lease=pinned.lease, block=block,
+                                                         offset=len(data)), CALL_TIMEOUT)
+                    if not isinstance(reply, p.TierData) or reply.size != size or reply.offset != len(data) \
+                            or not reply.data:
+                        break
+                    data += reply.data
+                if len(data) != size:
+                    break
+                payloads.append(bytes(data))
+            if len(payloads) < len(pinned.nbytes):
+                client.conn.call(p.TierRelease(engine_id=engine_id, lease=pinned.lease), CALL_TIMEOUT)
+            return payloads
+        except (DaemonError, DaemonUnavailable) as exc:
+            log.warning("kvelastic: tier lookup failed, computing instead: %s", exc)
+            return []
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        held = self._held.pop(request.request_id, None)
+        n = num_external_tokens // self.block_size
+        if held is None or n <= 0:
+            return
+        ids = blocks.get_block_ids()[0]
+        self._pending.append((list(ids[held.first:held.first + n]), held.payloads[:n]))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta = TierLoadMeta(loads=self._pending)
+        self._pending = []
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._held.pop(request.request_id, None)
+        return False, None
+
+    # ---------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv = dict(kv_caches)      # views only: no page is mapped yet
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TierLoadMeta):
+            return
+        for ids, payloads in meta.loads:
+            for block_id, payload in zip(ids, payloads):
+                if not self._scatter(block_id, payload):
+                    self._load_errors.add(block_id)
+
+    def _scatter(self, block_id: int, payload: bytes) -> bool:
+        """Copy a block's payload into its views, piece by piece in address order."""
+        pieces: dict[int, torch.Tensor] = {}
+        for view in self._kv.values():
+            piece = view[block_id]
+            pieces.setdefault(piece.data_ptr(), piece)
+        ordered = [pieces[ptr] for ptr in sorted(pieces)]
+        sizes = [t.numel() * t.element_size() for t in ordered]
+        if sum(sizes) != len(payload) or not all(t.is_contiguous() for t in ordered):
+            log.error("kvelastic: a tier block of %d bytes does not fit block %d (%d bytes)", len(payload),
+                      block_id, sum(sizes))
+            return False
+        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        at = 0
+        for t, n in zip(ordered, sizes):
+            t.view(-1).view(torch.uint8).copy_(src[at:at + n])
+            at += n
+        return True
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None

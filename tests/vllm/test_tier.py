@@ -1,0 +1,86 @@
+"""The node's tier end to end with real vLLM (CPU build, its default
+layout: EngineCore and worker in processes of their own) and a real daemon:
+an engine serves a long shared prompt and exits; its kept cache expires
+(``KVELASTIC_ORPHAN_CACHE_TTL=1s``) and the daemon demotes it to the tier;
+an engine of the same model with ``KvelasticTierConnector`` configured
+serves the same prompts, loading the blocks back (promotions counted), and
+its greedy tokens equal stock vLLM's. An engine of another tenant salt finds
+nothing; a block whose bytes were flipped on disk is dropped, counted, and
+computed again, with the same tokens."""
+
+import pathlib
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.daemon_proc import short_dir, wait_for
+from tests.vllm import run_engine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+class TierEngine(run_engine.Engine):
+    """``tier_run.py``: ``weights_run`` with the tier connector configured."""
+
+    script = [str(pathlib.Path(__file__).resolve().parent / "tier_run.py")]
+
+
+def tier(daemon) -> dict:
+    return daemon.status()["tier"]
+
+
+def counters(daemon) -> dict:
+    return tier(daemon)["counters"]
+
+
+def settled(daemon) -> dict:
+    """Once no engine is registered and no kept cache is left (expired: demoted), the tier."""
+    return wait_for(lambda: not daemon.status()["engines"] and not daemon.status().get("orphans")
+                    and tier(daemon), timeout=60, what="the engine gone and its kept cache demoted")
+
+
+def test_kept_cache_is_demoted_and_promoted_by_the_next_engine(daemon_factory, tiny_model, tmp_path):
+    stock = run_engine.Stock(tiny_model)
+    expected = stock.do("workload")["tokens"]
+    stock.exit()
+    folder = short_dir(tmp_path) / "tier"
+    folder.mkdir(mode=0o700)
+    daemon = daemon_factory(memory="64MiB", KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="256MiB",
+                            KVELASTIC_ORPHAN_CACHE_TTL="1s")
+
+    first = run_engine.Engine(tiny_model, daemon, forked=False, KVELASTIC_ENGINE_ID="first")
+    assert first.do("workload")["tokens"] == expected
+    first.exit()
+    demoted = settled(daemon)
+    assert demoted["blocks"] > 0 and counters(daemon)["demotions"] == demoted["blocks"]
+    (namespace,) = demoted["namespaces"]
+
+    second = TierEngine(tiny_model, daemon, forked=False, KVELASTIC_ENGINE_ID="second")
+    out = second.do("workload")
+    assert out["tokens"] == expected
+    promoted = counters(daemon)["promotions"]
+    assert promoted > 0 and counters(daemon)["hit_blocks"] >= promoted
+    print(f"tier: {demoted['blocks']} block(s) demoted, {promoted} promoted; tokens equal stock's")
+    second.exit()
+    settled(daemon)
+
+    lookups = counters(daemon)["lookups"]
+    hits = counters(daemon)["hit_blocks"]
+    other = TierEngine(tiny_model, daemon, forked=False, KVELASTIC_ENGINE_ID="other",
+                       KVELASTIC_TENANT_SALT="another-tenant")
+    assert other.do("workload")["tokens"] == expected
+    assert counters(daemon)["lookups"] > lookups and counters(daemon)["hit_blocks"] == hits
+    other.exit()
+    after = settled(daemon)
+    assert len(after["namespaces"]) == 2 and after["namespaces"][namespace] > 0    # the other's: its own
+
+    for path in folder.glob("*.kvb"):                     # the last byte of every block's payload flipped
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x5A
+        path.write_bytes(bytes(data))
+    third = TierEngine(tiny_model, daemon, forked=False, KVELASTIC_ENGINE_ID="third")
+    assert third.do("workload")["tokens"] == expected
+    assert counters(daemon)["failures_checksum"] > 0
+    assert counters(daemon)["promotions"] == promoted    # nothing that failed its check was served
+    third.exit()
