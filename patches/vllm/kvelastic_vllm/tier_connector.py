@@ -47,8 +47,10 @@ from kvelastic import protocol as p
 
 log = logging.getLogger("kvelastic.vllm")
 
-# Bytes of fetched blocks kept for requests not admitted yet (looked up again otherwise).
+# Bytes of fetched blocks kept for requests not admitted yet (looked up again otherwise),
+# and requests whose answer is kept (a miss too: a request that waits is not asked about again).
 MAX_HELD_BYTES = 256 << 20
+MAX_HELD_REQUESTS = 4096
 CALL_TIMEOUT = 5.0
 
 try:
@@ -82,7 +84,8 @@ class KvelasticTierConnector(KVConnectorBase_V1):
         if not self.enabled:
             log.warning("kvelastic: the tier connector loads nothing here (%d KV cache groups, %d workers: "
                         "one of each in this version)", groups, parallel.world_size)
-        self._held: OrderedDict[str, _Fetched] = OrderedDict()
+        self._held: OrderedDict[str, _Fetched] = OrderedDict()   # by request id, oldest first
+        self._held_bytes = 0
         self._pending: list[tuple[list[int], list[bytes]]] = []
         self._suffix = b""
         self._kv: dict[str, torch.Tensor] = {}
@@ -106,7 +109,7 @@ class KvelasticTierConnector(KVConnectorBase_V1):
         held = self._held.get(request.request_id)
         if held is not None and held.first == first:
             return len(held.payloads) * self.block_size, False
-        self._held.pop(request.request_id, None)
+        self._drop(request.request_id)
         link = self._link()
         # Full blocks beyond the local hit, leaving at least one prompt token to compute.
         last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
@@ -115,11 +118,10 @@ class KvelasticTierConnector(KVConnectorBase_V1):
         suffix = self._key_suffix()
         keys = [bytes(h) + suffix for h in request.block_hashes[first:last][:p.MAX_TIER_KEYS]]
         payloads = self._fetch(link.client, keys, link.geometry.block_bytes)
-        if not payloads:
-            return 0, False
         self._held[request.request_id] = _Fetched(first, payloads)
-        while len(self._held) > 1 and sum(len(b) for f in self._held.values() for b in f.payloads) > MAX_HELD_BYTES:
-            self._held.popitem(last=False)
+        self._held_bytes += sum(len(b) for b in payloads)
+        while len(self._held) > 1 and (len(self._held) > MAX_HELD_REQUESTS or self._held_bytes > MAX_HELD_BYTES):
+            self._drop(next(iter(self._held)))
         return len(payloads) * self.block_size, False
 
     def _fetch(self, client: Any, keys: list[bytes], block_bytes: int) -> list[bytes]:
@@ -154,7 +156,7 @@ class KvelasticTierConnector(KVConnectorBase_V1):
             return []
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        held = self._held.pop(request.request_id, None)
+        held = self._drop(request.request_id)
         n = num_external_tokens // self.block_size
         if held is None or n <= 0:
             return
@@ -167,8 +169,14 @@ class KvelasticTierConnector(KVConnectorBase_V1):
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._held.pop(request.request_id, None)
+        self._drop(request.request_id)
         return False, None
+
+    def _drop(self, request_id: str) -> _Fetched | None:
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self._held_bytes -= sum(len(b) for b in held.payloads)
+        return held
 
     # ---------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
