@@ -225,3 +225,17 @@ def test_the_namespace_is_the_registrations_and_bad_input_changes_nothing():
         with pytest.raises(Rejected):
             handler(identity, msg)   # type: ignore[operator]
     assert books.take() == [] and list(tiering.leases) == [pinned.lease] and tiering.pinned() == 1
+
+
+@pytest.mark.parametrize("reason,demotes", [("ttl", True), ("reclaim", True), ("invalidate", False)])
+def test_released_kept_cache_is_written_before_its_pages_go_unless_invalidated(reason, demotes):
+    from kvelastic.daemon.handoff import CacheHandoff
+
+    books = books_with()
+    books.pools["cpu"].created = 2
+    handoff = CacheHandoff(books, Tiering(books))
+    engine = record(2, 1, 128)
+    kept = OrphanSlab("ns", shape_of(engine), [10, 11], ["cpu", "cpu"], (p.CachedBlock(0, b"k0"),), 0.0, "gone")
+    handoff.release([kept], "why", reason)
+    kinds = [type(e).__name__ for e in books.take()]
+    assert kinds == (["DemoteBlocks", "ReleasePages"] if demotes else ["ReleasePages"])
