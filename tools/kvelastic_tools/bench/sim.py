@@ -46,7 +46,8 @@ def _run(seeds: int, faults: bool) -> tuple[dict[str, Any], float]:
     elapsed = time.perf_counter() - start
     return {"seeds": seeds, "steps": seeds * STEPS, "faults": dict(sorted(injected.items())),
             "faults_total": sum(injected.values()), "handed_blocks": handed, "orphan_blocks": orphaned,
-            "kept_blocks": kept, "restored_blocks": restored, "violations": len(violations), "violation_examples": violations[:5]}, elapsed
+            "kept_blocks": kept, "restored_blocks": restored, "violations": len(violations),
+            "violation_examples": violations[:5]}, elapsed
 
 
 NODE_SEED = 1

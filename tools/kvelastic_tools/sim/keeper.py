@@ -26,14 +26,34 @@ page is sent to a worker while a worker of another registration maps it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import collections
+import random
+from typing import Protocol
 
+from kvelastic import protocol as p
 from kvelastic.daemon import saved
+from kvelastic.daemon.allocator import Allocator
 from kvelastic.status_report import RestartStatus
+from kvelastic_tools.sim.records import Device
 
-if TYPE_CHECKING:
-    from kvelastic.daemon.allocator import Allocator
-    from kvelastic_tools.sim.world import World
+
+class World(Protocol):
+    """What of the simulated node (``world.World``, which holds a ``Keeper``) the keeper reads and checks."""
+
+    allocator: Allocator
+    keeper: Keeper
+    device: Device
+    rng: random.Random
+    counts: collections.Counter
+    now: float
+    stopped: bool
+    restored_pages: set[int]
+
+    def mapped_pages(self) -> set[int]: ...
+
+    def violation(self, what: str) -> None: ...
+
+    def check_block(self, what: str, namespace: str, page: int, c: p.CachedBlock) -> None: ...
 
 TORN = 0.1             # a restart finds the state file torn (statefile.py refuses it)
 KEEPER_LOST = 0.1      # a restart finds the keeper gone (a new one holds nothing)
