@@ -17,6 +17,7 @@ from kvelastic.daemon.state import Phase
 from kvelastic.errors import InvariantViolation
 from kvelastic_tools.sim import checks, ghosts, hostile
 from kvelastic_tools.sim.guard import SimAbort
+from kvelastic_tools.sim.tier import short_leases
 from kvelastic_tools.sim.world import SimEngine, World
 
 HEARTBEAT = p.HEARTBEAT_INTERVAL
@@ -63,9 +64,10 @@ def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = 
     w = World(seed, timing=timing)
     injected: collections.Counter = collections.Counter()
     try:
-        run_steps(w, steps, faults, injected)
-        if not w.violations:
-            settle(w)
+        with short_leases():
+            run_steps(w, steps, faults, injected)
+            if not w.violations:
+                settle(w)
     except SimAbort:
         pass                                   # a call was interrupted half-way (its violation is recorded)
     finally:
@@ -128,6 +130,8 @@ def run_steps(w: World, steps: int, faults: bool, injected: collections.Counter)
                 engine = next(e for e in w.engines if e.name == name)
                 engine.crash()
                 down[name] = w.now + rng.uniform(0.1, 2.0)
+        if w.tier is not None and faults:      # lookups, kills mid-lease, invalidations: on the tier's own draws
+            w.tier.step()
         engine = rng.choice(w.engines)
         r = rng.random()
         if not faults or r < LONG_STEP:
@@ -232,6 +236,8 @@ def check(w: World) -> None:
     if w.pages_due and w.checked % PAGES_EVERY == 0:
         w.pages_due = False
         checks.pages(w)    # every page in one place; what a worker maps is its registration's (live blocks' too)
+    if w.tier is not None:
+        w.tier.check()                         # the tier's invariants (``tier.py``)
     alloc = w.allocator
     for engine in w.engines:
         if not engine.alive or engine.dying:
@@ -302,6 +308,9 @@ def settle(w: World) -> None:
         w.deliver()
         w.perform(w.call(w.allocator.tick, w.now))
     checks.pages(w)
+    if w.tier is not None:
+        w.tier.check()
+        w.tier.settled()
     status = w.allocator.status()
     departing = w.allocator.departing.values()
     if status.memory.held or departing or w.allocator.engines:

@@ -64,6 +64,7 @@ from kvelastic_tools.sim.guard import CALL_LIMIT, CallGuard
 from kvelastic_tools.sim.hostile import Hostile
 from kvelastic_tools.sim.keeper import Keeper, take_back
 from kvelastic_tools.sim.records import BLOCKS_PER_SLAB, BUSY, Device, Ghost, SimWorker, Step
+from kvelastic_tools.sim.tier import TIER_ORPHAN_TTL, SimTier, with_tier
 
 WORKERS = (1, 1, 2)                # engine i's workers (its slab shape)
 
@@ -103,10 +104,16 @@ class WatchedOrphans(OrphanCache):
 
 
 class World:
-    def __init__(self, seed: int, engines: int = 3, budget_pages: int = 24, timing: Timing = Timing()) -> None:
+    def __init__(self, seed: int, engines: int = 3, budget_pages: int = 24, timing: Timing = Timing(),
+                 tier: bool | None = None) -> None:
         self.rng = random.Random(seed)
         self.seed = seed
         self.now = 0.0
+        # The node's tier below device memory (``tier.py``), in some seeds: kept
+        # cache expires sooner there, so that it is demoted (and promoted) within a run.
+        self.tier = SimTier(self, seed) if (with_tier(seed) if tier is None else tier) else None
+        if self.tier is not None and timing.orphan_ttl > TIER_ORPHAN_TTL:
+            timing = dataclasses.replace(timing, orphan_ttl=TIER_ORPHAN_TTL)
         self.timing = timing
         self.budget_pages = budget_pages
         self.device = Device()
@@ -154,7 +161,8 @@ class World:
 
     def _new_allocator(self) -> Allocator:
         allocator = Allocator({"0": self.budget_pages}, PAGE, timing=self.timing, events=False,
-                              token_source=lambda: self.rng.randbytes(16))
+                              token_source=lambda: self.rng.randbytes(16),
+                              tier=self.tier.new_index() if self.tier is not None else None)
         allocator.books.orphans = WatchedOrphans(self)     # (its page ids: keeper.take_back)
         return allocator
 
@@ -290,6 +298,8 @@ class World:
                     self.device.pages.discard(page)
                     if page not in mapped and page not in self.keeper.held:
                         self.device.forget(page)
+            elif isinstance(e, (fx.DemoteBlocks, fx.ReadTierBlock, fx.DeleteTierBlocks)) and self.tier is not None:
+                queue.extend(self.tier.perform(e))      # the tier's I/O, as the loop's ``tier_io`` does it
             if self.crash_armed and self.rng.random() < 0.01:  # kill -9 at any point of the effects
                 self.crash()
                 return
@@ -354,7 +364,7 @@ class World:
                 moved = True
                 if engine is not None and worker is not None:     # a worker's engine is found with it
                     engine.on_worker_message(worker, msg)
-                elif engine is not None:
+                elif engine is not None and (self.tier is None or not self.tier.on_reply(engine, msg)):
                     engine.on_message(msg)
         return moved
 

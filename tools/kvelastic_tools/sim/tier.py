@@ -1,0 +1,410 @@
+"""The node's tier in the simulator (issue 43): a real ``TierIndex`` with a
+small budget, handed to the ``Allocator`` as the daemon does, and the loop's
+side of it played here as ``world.py`` plays the rest of the loop.
+
+The store is a dict, slot -> the block's namespace, key and *content*: the
+KV objects the simulated device holds in the block's places when the daemon
+reads its runs (``fx.DemoteBlocks``), so a promoted block can be told apart
+from any other write of the same key. It fails as a disk does: a write finds
+the disk full (the slot is aborted), a block written is torn (found at read:
+``TierData`` size -1, the slot dropped). A new daemon rebuilds its index from
+the store with the real ``tier.restart.rebuild`` (the store answers ``scan``).
+
+Engines look keys up on a device miss and fetch through the real handlers
+(``TierLookup`` -> ``TierPinned``, ``TierFetch`` -> ``TierData``,
+``TierRelease``), as the loop dispatches them; some die holding a lease, some
+abandon one (it must end at its deadline). ``kvelastic invalidate`` hits a
+namespace, most often one with blocks in the tier.
+
+Invariants (``check``, after every input, and at each effect): the index's
+own ``check``; a key in at most one live entry per namespace; bytes in use
+within the budget; the store never deletes a slot a lease holds, and a
+fetch never finds its slot's bytes gone; every block served holds exactly
+what was demoted into that slot, of the lease's namespace and key, written
+whole, and never after its namespace was invalidated (but for a lease
+granted before the invalidation: ``STRICT_INVALIDATION``); a kept slab
+invalidated is never demoted; no lease outlives its engine or its deadline.
+
+The world is seen through ``TierWorld`` (``World`` fits it): this module
+does not import ``world.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+from kvelastic import protocol as p
+from kvelastic.daemon import effects as fx
+from kvelastic.daemon import tiering
+from kvelastic.daemon.allocator import Allocator
+from kvelastic.errors import InvariantViolation
+from kvelastic.tier.disk import DiskEntry, ScanResult
+from kvelastic.tier.index import TierIndex
+from kvelastic.tier.restart import rebuild
+from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
+from kvelastic_tools.sim.engine import SimEngine
+from kvelastic_tools.sim.records import BLOCKS_PER_SLAB, KV, Device
+
+BLOCK_BYTES = PAGE // BLOCKS_PER_SLAB      # a one-worker engine's block (``engine.start``)
+BUDGET_BLOCKS = 10                 # the tier's budget: evictions happen within a run
+TIER_ORPHAN_TTL = 1.0             # kept cache's TTL in a seed with a tier: released (demoted) within a run
+LEASE_TIMEOUT = 1.0                # the sim's lease deadline (the daemon's is 30 s): abandoned leases end in a run
+# Per block written: the disk is full (aborted); the bytes are torn (dropped when read).
+DISK_FULL, TORN = 0.05, 0.05
+# Per step, on the tier's own draw: an engine looks up (on a miss), an engine
+# holding a lease is killed, an invalidation.
+LOOKUP, KILL, INVALIDATE = 0.1, 0.006, 0.006
+# Of leases granted: abandoned (left to expire), released part-way.
+ABANDON, RELEASE = 0.08, 0.12
+# The daemon's known gaps, counted (``tier_served_invalidated_*``) unless
+# strict (``tests/sim/test_tier.py`` holds them as expected failures):
+# - ``lease``: a lease granted before its namespace was invalidated goes on
+#   serving its pinned blocks after it (the entries are dead, never found
+#   again, but ``Tiering.on_fetch`` reads them);
+# - ``restored``: a dead entry's file is kept for the load holding it (or its
+#   ``DeleteTierBlocks`` dies with a daemon killed part-way through the
+#   invalidation's effects): a new daemon's ``rebuild`` finds the file and
+#   restores the block, live, and lookups find it.
+STRICT_INVALIDATION = False
+
+
+def with_tier(seed: int) -> bool:
+    """Half the seeds run with a tier (chosen without a draw: the others replay as before)."""
+    return seed % 2 == 1
+
+
+@contextlib.contextmanager
+def short_leases(timeout: float = LEASE_TIMEOUT) -> Iterator[None]:
+    """The daemon's lease deadline, compressed as the sim compresses the kept cache's TTL."""
+    saved = tiering.LEASE_TIMEOUT
+    tiering.LEASE_TIMEOUT = timeout
+    try:
+        yield
+    finally:
+        tiering.LEASE_TIMEOUT = saved
+
+
+class TierWorld(Protocol):
+    """What the tier uses of the world."""
+
+    @property
+    def now(self) -> float: ...
+
+    @property
+    def counts(self) -> collections.Counter[str]: ...
+
+    @property
+    def device(self) -> Device: ...
+
+    @property
+    def allocator(self) -> Allocator: ...
+
+    @property
+    def engines(self) -> Sequence[SimEngine]: ...
+
+    @property
+    def wires(self) -> dict[bytes, Any]: ...
+
+    @property
+    def restart_at(self) -> dict[str, float]: ...
+
+    @property
+    def stopped(self) -> bool: ...
+
+    def call(self, fn: Any, *args: Any) -> list[fx.Effect]: ...
+
+    def perform(self, effects: list[fx.Effect]) -> None: ...
+
+    def violation(self, what: str) -> None: ...
+
+
+@dataclasses.dataclass(eq=False)
+class Stored:
+    """A block in the store: what the daemon wrote at its slot."""
+
+    namespace: str
+    key: bytes
+    parent: bytes | None
+    cost: float
+    content: tuple[KV | None, ...]     # the device's KV in the block's places when it was read
+    epoch: int                         # its namespace's invalidations before it was written
+    torn: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class Load:
+    """An engine's lookup and the lease it got: fetched block by block."""
+
+    identity: bytes
+    namespace: str                     # the engine's when it looked up
+    keys: list[bytes]
+    req: int                           # the request whose answer it waits for
+    lease: int = 0
+    nbytes: list[int] = dataclasses.field(default_factory=list)
+    block: int = 0
+    abandoned: bool = False
+
+
+class SimStore:
+    """What ``rebuild`` asks of a ``DiskStore``: its blocks, and deleting one."""
+
+    def __init__(self, blocks: dict[int, Stored]) -> None:
+        self.blocks = blocks
+
+    def scan(self, *, verify_payloads: bool = False) -> ScanResult:
+        return ScanResult([DiskEntry(slot, b.namespace, b.key, b.parent, BLOCK_BYTES, b.cost)
+                           for slot, b in sorted(self.blocks.items())])
+
+    def delete(self, slot: int) -> None:
+        self.blocks.pop(slot, None)
+
+
+class SimTier:
+    def __init__(self, world: TierWorld, seed: int) -> None:
+        self.world = world
+        self.rng = random.Random(seed * 1_000_003 + 43)     # its own draws: the world's stream is unchanged
+        self.store: dict[int, Stored] = {}
+        self.index = TierIndex(BUDGET_BLOCKS * BLOCK_BYTES)
+        self.invalidated: collections.Counter[str] = collections.Counter()   # namespace -> invalidations
+        self.stale: dict[int, KV] = {}     # KV of kept slabs invalidated (by id; held, so ids stay theirs)
+        self.loads: dict[bytes, Load] = {}  # engine identity -> its load in flight
+        self.leased_through_invalidation: set[int] = set()   # leases held when their namespace was invalidated
+        self.restored_invalidated: set[int] = set()          # slots of invalidated blocks a new daemon restored
+
+    def new_index(self) -> TierIndex:
+        """A daemon starts: its index rebuilt from the store, as ``main.open_tier`` does."""
+        self.index = TierIndex(BUDGET_BLOCKS * BLOCK_BYTES)
+        if self.store:
+            rebuild(self.index, SimStore(self.store), self.world.now)   # type: ignore[arg-type]
+            self.world.counts["tier_rebuilt"] += 1
+            back = {slot for slot, b in self.store.items() if b.epoch != self.invalidated[b.namespace]}
+            self.world.counts["tier_invalidated_restored"] += len(back)
+            self.restored_invalidated |= back
+        self.loads.clear()                 # the leases went with the daemon
+        self.leased_through_invalidation.clear()
+        return self.index
+
+    # ------------------------------------------------------------ effects
+    def perform(self, e: fx.Effect) -> list[fx.Effect]:
+        """One of the tier's effects, as the loop (``tier_io.py``) does it."""
+        if isinstance(e, fx.DemoteBlocks):
+            return self.demote(e)
+        if isinstance(e, fx.ReadTierBlock):
+            return self.read(e)
+        if isinstance(e, fx.DeleteTierBlocks):
+            held = {s for lease in self.world.allocator.tiering.leases.values()
+                    for s, done in zip(lease.slots, lease.done) if not done}
+            for slot in e.slots:
+                if slot in held:
+                    self.world.violation(f"tier: slot {slot} deleted while a lease holds it")
+                self.store.pop(slot, None)
+        return []
+
+    def demote(self, e: fx.DemoteBlocks) -> list[fx.Effect]:
+        w, device = self.world, self.world.device
+        done: list[int] = []
+        failed: list[tuple[int, str]] = []
+        for block in e.blocks:
+            content = tuple(device.kv.get((page, within // BLOCK_BYTES)) for _dev, page, within, _n in block.runs)
+            for kv in content:
+                if kv is None or kv.namespace != e.namespace or kv.key != block.key or not kv.complete:
+                    what = "no KV" if kv is None else f"KV of {kv.namespace}:{kv.key!r} by {kv.writer} " \
+                        f"step {kv.step}{'' if kv.complete else ' (torn)'}"
+                    w.violation(f"tier: block {block.key!r} of {e.namespace} demoted from pages holding {what}")
+                elif id(kv) in self.stale:
+                    w.violation(f"tier: block {block.key!r} of {e.namespace} demoted from a kept slab invalidated")
+            if self.rng.random() < DISK_FULL:
+                failed.append((block.slot, "disk_full"))
+                w.counts["tier_disk_full"] += 1
+                continue
+            self.store[block.slot] = Stored(e.namespace, block.key, block.parent, block.cost, content,
+                                            self.invalidated[e.namespace], torn=self.rng.random() < TORN)
+            done.append(block.slot)
+        w.counts["tier_demoted"] += len(done)
+        return w.call(w.allocator.tier_written, done, failed, w.now)
+
+    def read(self, e: fx.ReadTierBlock) -> list[fx.Effect]:
+        """A fetch: the block's bytes (here: its content checked) or its failure."""
+        w = self.world
+        b = self.store.get(e.slot)
+        error = ""
+        if b is None:
+            w.violation(f"tier: lease {e.lease} fetches slot {e.slot}, whose bytes were deleted")
+            error = "io"
+        elif (b.namespace, b.key) != (e.namespace, e.key):
+            error = "identity"
+        elif b.torn:
+            error = "torn"
+            w.counts["tier_torn"] += 1
+        else:
+            self.check_served(e, b)
+        size = -1 if error else BLOCK_BYTES
+        finished = bool(error) or e.offset + e.chunk >= BLOCK_BYTES
+        reply = p.TierData(req_id=e.req_id, lease=e.lease, block=e.block, offset=e.offset, size=size, data=b"")
+        follow = w.call(w.allocator.tier_read, e.lease, e.block, error, w.now) if finished else []
+        return [fx.Send(e.to, reply), *follow]
+
+    def check_served(self, e: fx.ReadTierBlock, b: Stored) -> None:
+        w = self.world
+        if b.epoch != self.invalidated[b.namespace]:
+            if e.lease in self.leased_through_invalidation and not STRICT_INVALIDATION:
+                w.counts["tier_served_invalidated_lease"] += 1      # the daemon's known gaps (STRICT_INVALIDATION)
+            elif e.slot in self.restored_invalidated and not STRICT_INVALIDATION:
+                w.counts["tier_served_invalidated_restored"] += 1
+            else:
+                w.violation(f"tier: slot {e.slot} ({b.namespace}:{b.key!r}) served after its namespace was "
+                            f"invalidated (lease {e.lease})")
+        load = self.loads.get(e.to)
+        if load is not None and load.lease == e.lease and load.namespace != e.namespace:
+            w.violation(f"tier: an engine of {load.namespace} is served block {e.key!r} of {e.namespace}")
+        for kv in b.content:
+            if kv is None or kv.namespace != e.namespace or kv.key != e.key or not kv.complete:
+                w.violation(f"tier: slot {e.slot} served as {e.namespace}:{e.key!r} holds other KV")
+                return
+
+    # ------------------------------------------------------------ engines
+    def step(self) -> None:
+        """The tier's part of a simulated step, on its own draws."""
+        w, rng = self.world, self.rng
+        if w.stopped:
+            return
+        r = rng.random()
+        if r < LOOKUP:
+            self.lookup(rng.choice(list(w.engines)))
+        elif r < LOOKUP + KILL:
+            holding = [e for e in w.engines if e.alive and (load := self.loads.get(e.identity)) and load.lease]
+            if holding:
+                engine = rng.choice(holding)
+                engine.crash()                 # mid-lease: the daemon must end its lease with it
+                w.restart_at[engine.name] = w.now + rng.uniform(0.1, 2.0)
+                w.counts["tier_kill_mid_lease"] += 1
+        elif r < LOOKUP + KILL + INVALIDATE:
+            self.invalidate()
+
+    def lookup(self, engine: SimEngine) -> None:
+        """A device miss: the engine asks the tier for the rest of a prompt's keys."""
+        if not engine.alive or not engine.registered or engine.dying or engine.leaving \
+                or engine.identity in self.loads:
+            return
+        rng = self.rng
+        held = sorted(self.index._keys.get(engine.namespace, {}))     # mostly a prompt the tier holds a part of
+        if held and rng.random() < 0.7:
+            _ns, prompt_s, first_s = rng.choice(held).decode().rsplit(":", 2)
+            prompt, first = int(prompt_s), int(first_s)      # the prefix before it was on the device
+        else:
+            prompt, first = rng.randrange(12), 0
+        keys = [engine.key(prompt, i) for i in range(first, first + rng.randint(1, 6))]
+        keys = keys[len(engine.pool.lookup(keys)):]
+        if keys:
+            req = engine.send(p.TierLookup(engine_id=engine.name, keys=keys))
+            self.loads[engine.identity] = Load(engine.identity, engine.namespace, keys, req)
+
+    def on_reply(self, engine: SimEngine, msg: p.Msg) -> bool:
+        """A message to ``engine``: True when it is the tier's (taken here)."""
+        load = self.loads.get(engine.identity)
+        if load is None or msg.req_id != load.req:
+            return isinstance(msg, (p.TierPinned, p.TierData))
+        w, rng = self.world, self.rng
+        if isinstance(msg, p.TierPinned) and msg.lease:
+            load.lease, load.nbytes = msg.lease, list(msg.nbytes)
+            x = rng.random()
+            if x < ABANDON:
+                load.abandoned = True          # never fetched nor released: its deadline ends it
+                w.counts["tier_lease_abandoned"] += 1
+            elif x < ABANDON + RELEASE:
+                self.release(engine, load)
+            else:
+                self.fetch(engine, load, 0)
+            return True
+        if isinstance(msg, p.TierData):
+            if msg.size >= 0 and msg.offset + tiering.CHUNK < msg.size:
+                self.fetch(engine, load, msg.offset + tiering.CHUNK)
+                return True
+            w.counts["tier_promoted" if msg.size >= 0 else "tier_dropped_at_fetch"] += 1
+            load.block += 1
+            if load.block >= len(load.nbytes):
+                del self.loads[engine.identity]       # the daemon ended the lease with its last block
+            elif rng.random() < RELEASE / 2:
+                self.release(engine, load)
+            else:
+                self.fetch(engine, load, 0)
+            return True
+        del self.loads[engine.identity]               # a miss, an Error, the Ok of a release
+        return True
+
+    def fetch(self, engine: SimEngine, load: Load, offset: int) -> None:
+        load.req = engine.send(p.TierFetch(engine_id=engine.name, lease=load.lease, block=load.block, offset=offset))
+
+    def release(self, engine: SimEngine, load: Load) -> None:
+        load.req = engine.send(p.TierRelease(engine_id=engine.name, lease=load.lease))
+        self.world.counts["tier_released"] += 1
+
+    def invalidate(self) -> None:
+        """``kvelastic invalidate``, mostly of a namespace with tier blocks."""
+        w = self.world
+        in_tier = sorted(self.index.namespaces())
+        names = in_tier if in_tier and self.rng.random() < 0.8 else sorted({e.namespace for e in w.engines})
+        target = self.rng.choice(names)
+        for slab in w.allocator.orphans:       # its kept cache goes now, never demoted
+            if slab.namespace == target:
+                for page in slab.pages:
+                    for offset in range(BLOCKS_PER_SLAB):
+                        kv = w.device.kv.get((page, offset))
+                        if kv is not None:
+                            self.stale[id(kv)] = kv
+        self.invalidated[target] += 1
+        self.leased_through_invalidation.update(lease.lease for lease in w.allocator.tiering.leases.values()
+                                                if lease.namespace == target)
+        w.counts["tier_invalidated" if target in in_tier else "invalidated"] += 1
+        effects = w.call(w.allocator.handle, b"kvelastic-cli", p.Invalidate(target=target), w.now)
+        if any(isinstance(x, fx.DemoteBlocks) for x in effects):
+            w.violation(f"tier: invalidating {target} demoted blocks")
+        w.perform(effects)
+
+    # ------------------------------------------------------------- checks
+    def check(self) -> None:
+        w, index, alloc = self.world, self.index, self.world.allocator
+        if w.stopped or alloc.books.tier is not index:
+            return
+        try:
+            index.check()
+        except InvariantViolation as exc:
+            w.violation(f"tier index: {exc}")
+        if index.bytes_used > index.budget_bytes:
+            w.violation(f"tier: {index.bytes_used} bytes in use > budget {index.budget_bytes}")
+        seen: dict[tuple[str, bytes], int] = {}
+        for ns, table in index._keys.items():             # the live entries
+            for key, slot in table.items():
+                if (ns, key) in seen:
+                    w.violation(f"tier: {ns}:{key!r} in slots {seen[(ns, key)]} and {slot}")
+                seen[(ns, key)] = slot
+        leases = alloc.tiering.leases
+        for lease in leases.values():
+            record = alloc.engines.get(lease.engine_id)
+            if record is None or record.serial != lease.serial:
+                w.violation(f"tier: lease {lease.lease} outlived its engine {lease.engine_id}")
+            elif w.now > lease.deadline + 0.2:
+                w.violation(f"tier: lease {lease.lease} of {lease.engine_id} outlived its deadline")
+            for slot, done in zip(lease.slots, lease.done):
+                if not done and (slot not in index._entries or slot not in self.store):
+                    w.violation(f"tier: slot {slot} of lease {lease.lease} freed while pinned")
+        for identity, load in list(self.loads.items()):
+            if identity not in w.wires:       # the engine died
+                if load.lease:
+                    w.counts["lease_engine_died"] += 1
+                del self.loads[identity]
+            elif load.lease and load.lease not in leases:
+                if load.abandoned:
+                    w.counts["lease_expired"] += 1
+                    del self.loads[identity]
+
+    def settled(self) -> None:
+        """Every engine left: no lease is left, nothing is pinned."""
+        leases = self.world.allocator.tiering.leases
+        if leases:
+            self.world.violation(f"tier: leases {sorted(leases)} left after every engine exited")
