@@ -358,6 +358,10 @@ def run(quick: bool = False, png: str | None = None, workdir: str | None = None)
                 modes[name] = run_mode(name, model, tmp / name, workload, total, quick)
             except Exception as exc:
                 raise RuntimeError(f"{name} mode failed: {exc}\n{evidence(tmp / name)}") from exc
+        # Where the median goes: stock engines that each hold the whole budget
+        # (no split, no elasticity) run as many requests at once as elastic
+        # ones may; what elastic costs beyond them is elasticity's own.
+        whole = None if quick else run_mode("static", model, tmp / "whole", workload, total * n, quick)
         hand = handoff(tmp / "handoff", quick)
     static, elastic = (summarize(modes[m], workload) for m in ("static", "elastic"))
     el = modes["elastic"]
@@ -385,6 +389,9 @@ def run(quick: bool = False, png: str | None = None, workdir: str | None = None)
         "server_rss_bytes": {"static": modes["static"]["server_rss_bytes"], "elastic": el["server_rss_bytes"]},
         "static": static, "elastic": elastic,
         "ttft_p99_ratio": ratio, "ttft_ratios": ratios,
+        "static_whole_budget_each": None if whole is None else summarize(whole, workload),
+        "ttft_ratios_vs_static_whole_budget_each": None if whole is None
+        else ttft_ratios(summarize(whole, workload), elastic),
         **foot, **tokens, **hand,
         "slab_moves": device.get("slab_moves"), "thrash": device.get("thrash"),
         "vllm_run_demand_wait": el.get("demand_wait"), "status_poll_errors": el.get("status_errors"),
