@@ -62,10 +62,13 @@ class ReleasePages:
 
 @dataclasses.dataclass(frozen=True)
 class Publish:
-    """KV events of one engine's prefix cache (vLLM's format)."""
+    """KV events of one engine's prefix cache (vLLM's format) on the node
+    stream; ``tier``: of the node's tier (``kv_events.tier_topic``), also on
+    the tier stream."""
 
     topic: bytes
     events: tuple[KVEvent, ...]
+    tier: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

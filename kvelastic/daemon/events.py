@@ -31,7 +31,7 @@ import msgspec
 import zmq
 
 from kvelastic import protocol as p
-from kvelastic.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from kvelastic.kv_events import MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 
 log = logging.getLogger("kvelastic.daemon")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -257,3 +257,65 @@ def journal_events(ops: Sequence[p.JournalOp], block_tokens: int, group_suffix: 
         elif isinstance(op, p.ClearKeys):
             events.append(AllBlocksCleared())
     return events
+
+
+# ------------------------------------------------------------------ the tier
+_label_decoder = msgspec.msgpack.Decoder(BlockStored)
+
+
+def tier_stored(key: bytes, label: bytes) -> BlockStored | None:
+    """The ``BlockStored`` announcing the tier's copy of the block keyed ``key``:
+    its label (the engine's own one-block event: vLLM's hash, parent hash,
+    token ids) with the medium ``STORAGE``. None without a label, or with one
+    that does not decode or names another block (the key's hash, whole or
+    less a vLLM engine's 4-byte group suffix, as vLLM publishes it: the bytes,
+    or their low 64 bits)."""
+    if not label:
+        return None
+    try:
+        event = _label_decoder.decode(label)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if len(event.block_hashes) != 1 or not event.token_ids:
+        return None
+    published = event.block_hashes[0]
+    names = (key, key[:-4]) if len(key) > 4 else (key,)
+    if not any(published == h or published == int.from_bytes(h, "big") & ((1 << 64) - 1) for h in names):
+        return None
+    return msgspec.structs.replace(event, medium=MEDIUM_STORAGE)
+
+
+def parents_first(events: list[BlockStored]) -> list[BlockStored]:
+    """``events`` in an order where a block comes after its parent when both
+    are among them (a router files a block under its parent, and drops one
+    whose parent it does not hold)."""
+    by_hash: dict[tuple[bytes | int | None, int | None], BlockStored] = \
+        {(e.block_hashes[0], e.group_idx): e for e in events}
+    out: list[BlockStored] = []
+    placed: set[tuple[bytes | int | None, int | None]] = set()
+    for event in events:
+        chain = []
+        block: tuple[bytes | int | None, int | None] = (event.block_hashes[0], event.group_idx)
+        while block in by_hash and block not in placed:
+            placed.add(block)
+            chain.append(by_hash[block])
+            parent = by_hash[block].parent_block_hash
+            block = (parent, event.group_idx)
+        out.extend(reversed(chain))
+    return out
+
+
+def tier_endpoint(endpoint: str) -> str:
+    """The tier stream's endpoint beside a node stream's endpoint (its replay's
+    likewise): ``ipc://<socket>.kv-events`` -> ``ipc://<socket>.kv-tier``
+    (``-replay`` kept; no longer than the node's, within a socket path's
+    bound), another ``ipc://PATH`` -> ``ipc://PATH.tier``,
+    ``tcp://HOST:PORT`` -> ``tcp://HOST:PORT+2`` (the node's replay takes
+    the next port)."""
+    if endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1].isdigit():
+        host, port = endpoint.rsplit(":", 1)
+        return f"{host}:{int(port) + 2}"
+    if ".kv-events" in endpoint:
+        head, _, tail = endpoint.rpartition(".kv-events")
+        return f"{head}.kv-tier{tail}"
+    return endpoint + ".tier"

@@ -24,7 +24,7 @@ from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.allocator import Allocator
 from kvelastic.daemon.devices import Device
-from kvelastic.daemon.events import KVEventPublisher
+from kvelastic.daemon.events import KVEventPublisher, tier_endpoint
 from kvelastic.daemon.keeping import PageKeeper
 from kvelastic.daemon.peers import Access, Peer, PeerTable
 from kvelastic.daemon.requests import Timing
@@ -32,6 +32,7 @@ from kvelastic.daemon.succession import Succession, state_path, take_back
 from kvelastic.daemon.tenancy import Credential, Tenancy
 from kvelastic.daemon.tier_io import TierIO
 from kvelastic.errors import require
+from kvelastic.kv_events import AllBlocksCleared, tier_topic
 from kvelastic.metrics import DaemonMetrics
 from kvelastic.status_report import StatusReport
 from kvelastic.tier.disk import DiskStore
@@ -93,8 +94,15 @@ class Daemon:
                                _descriptors_per_tenant(sum(d.budget_pages for d in devices)))
         self._creds: dict[str, Credential | None] = {}      # by peer address
         self.events = KVEventPublisher(self.ctx, *kv_events) if kv_events else None
-        if self.events is not None:
-            self.poller.register(self.events.replay, zmq.POLLIN)
+        # The tier's blocks alone, numbered on their own (docs/kv-events.md): a
+        # stream a router's indexer can take as one worker's, beside the node's.
+        self.tier_events = KVEventPublisher(self.ctx, tier_endpoint(kv_events[0]), tier_endpoint(kv_events[1]),
+                                            kv_events[2]) if kv_events and tier is not None else None
+        for publisher in (self.events, self.tier_events):
+            if publisher is not None:
+                self.poller.register(publisher.replay, zmq.POLLIN)
+        if self.tier_events is not None:     # a daemon's life starts with none announced
+            self.tier_events.publish(tier_topic(""), [AllBlocksCleared()])
         self._effects: deque[fx.Effect] = deque()
         # Page creation, one batch per pass of the loop: a large grow never
         # holds it (each batch is at most ``growth.CREATE_BATCH`` pages).
@@ -118,7 +126,7 @@ class Daemon:
     def serve(self, should_stop: Callable[[], bool]) -> None:
         last_tick = last_journals = 0.0
         while not should_stop():
-            replaying = self.events is not None and self.events.has_work()
+            replaying = any(e is not None and e.has_work() for e in (self.events, self.tier_events))
             busy = replaying or self._slow or self.allocator.more_work
             ready = dict(self.poller.poll(0 if busy else 50))
             now = self.clock()
@@ -134,8 +142,9 @@ class Daemon:
                 last_journals = now
                 for fd in self.peers.lifelines():   # they do not wake the loop (``peers.read_greetings``)
                     self._read_peer(fd, now)
-            if self.events is not None and (self.events.replay in ready or self.events.has_work()):
-                self.events.serve_replay()      # a bounded share of the replays in progress
+            for publisher in (self.events, self.tier_events):
+                if publisher is not None and (publisher.replay in ready or publisher.has_work()):
+                    publisher.serve_replay()      # a bounded share of the replays in progress
             if self._slow:
                 self._perform([self._slow.popleft()], slow=True)
             if self.allocator.more_work:
@@ -164,8 +173,9 @@ class Daemon:
         self._perform(self.allocator.shutdown())
         self.peers.close()
         self.router.close(0)
-        if self.events is not None:
-            self.events.close()
+        for publisher in (self.events, self.tier_events):
+            if publisher is not None:
+                publisher.close()
         for path in (self.socket_path, p.fd_socket_path(self.socket_path)):
             try:
                 os.unlink(path)
@@ -369,12 +379,15 @@ class Daemon:
         elif isinstance(effect, fx.Publish):
             if self.events is not None:
                 self.events.publish(effect.topic, list(effect.events))
+            if effect.tier and self.tier_events is not None:
+                self.tier_events.publish(effect.topic, list(effect.events))
         elif isinstance(effect, fx.Rejected):
             self.metrics.rejected.labels(effect.reason.value).inc()
         elif isinstance(effect, fx.DeleteTierBlocks):
             if self.tier_store is not None:
                 for slot in effect.slots:
                     self.tier_store.delete(slot)
+            return self.allocator.tiering.deleted(effect.slots)     # announced ones: published removed
         elif isinstance(effect, fx.DemoteBlocks):    # before the ReleasePages that follow it
             return self.allocator.tier_written(*self.tier_io.demote(effect), now)
         elif isinstance(effect, fx.ReadTierBlock):

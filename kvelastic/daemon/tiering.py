@@ -25,6 +25,13 @@ a lease; ``TierFetch`` reads one block of it (in chunks under
 ``p.MAX_MESSAGE_BYTES``), the last chunk unpinning it as loaded; a block
 that fails its check is dropped; ``TierRelease``, the lease's deadline and
 the engine's departure unpin what is left. No pin outlives its engine.
+
+**Routers see it.** A committed block is published as ``BlockStored`` with the
+medium ``STORAGE`` under the pseudo-engine of the tier (topic ``kv@@NAMESPACE``,
+``kv_events.tier_topic``): its label, the engine's own event for it (vLLM's
+hash, parent, token ids), parents before children. When its slot is freed
+(evicted, invalidated, dropped), ``deleted`` publishes its ``BlockRemoved``.
+A block without a usable label is kept and served, never published.
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ import logging
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.books import Books
+from kvelastic.daemon.events import parents_first, tier_stored
 from kvelastic.daemon.orphans import OrphanSlab
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.state import EngineRecord, SlabShape
+from kvelastic.kv_events import MEDIUM_STORAGE, BlockRemoved, BlockStored, KVEvent, tier_topic
 from kvelastic.tier.index import TierIndex
 
 log = logging.getLogger("kvelastic.daemon")
@@ -95,6 +104,9 @@ class Tiering:
         self.books = books
         self.leases: dict[int, Lease] = {}
         self._next_lease = 1
+        # The tier's blocks as routers hear of them, by slot: (namespace, event).
+        self._announcing: dict[int, tuple[str, BlockStored]] = {}    # reserved, written not yet
+        self.announced: dict[int, tuple[str, BlockStored]] = {}      # published stored
 
     @property
     def tier(self) -> TierIndex | None:
@@ -123,6 +135,9 @@ class Tiering:
                 parent = c.key
                 if slot is not None:
                     blocks.append(fx.DemoteBlock(slot, c.key, par, cost, tuple(runs)))
+                    event = tier_stored(c.key, c.label)
+                    if event is not None and books.events:
+                        self._announcing[slot] = (o.namespace, event)
             if blocks:
                 books.emit(fx.DemoteBlocks(o.namespace, tuple(blocks)))
         self._delete_released()
@@ -132,11 +147,31 @@ class Tiering:
         tier = self.tier
         if tier is None:
             return
+        stored: dict[str, list[BlockStored]] = {}
         for slot in committed:
             tier.commit(slot)
+            if slot in self._announcing:
+                namespace, event = self.announced[slot] = self._announcing.pop(slot)
+                stored.setdefault(namespace, []).append(event)
         for slot, reason in failed:
             tier.abort(slot, reason)
+            self._announcing.pop(slot, None)
+        for namespace, events in stored.items():
+            self.books.emit(fx.Publish(tier_topic(namespace), tuple(parents_first(events)), tier=True))
         self._delete_released()
+
+    def deleted(self, slots: tuple[int, ...]) -> list[fx.Effect]:
+        """The loop deleted the files of freed ``slots`` (``fx.DeleteTierBlocks``,
+        whoever freed them): the announced ones are published removed."""
+        removed: dict[str, list[KVEvent]] = {}
+        for slot in slots:
+            self._announcing.pop(slot, None)
+            entry = self.announced.pop(slot, None)
+            if entry is not None:
+                namespace, event = entry
+                removed.setdefault(namespace, []).append(
+                    BlockRemoved(block_hashes=event.block_hashes, medium=MEDIUM_STORAGE, group_idx=event.group_idx))
+        return [fx.Publish(tier_topic(ns), tuple(events), tier=True) for ns, events in removed.items()]
 
     def _delete_released(self) -> None:
         tier = self.tier
