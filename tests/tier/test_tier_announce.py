@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 
 import msgspec
+import pytest
 
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
@@ -164,3 +165,18 @@ def test_an_invalidated_block_is_published_removed_once_its_last_load_ends():
     events = published(performed(books, tiering))
     assert [ev.block_hashes for _, ev in events] == [[low64(keys[0])]]
     assert not tiering.announced
+
+
+def test_a_vllm_label_is_republished_as_vllm_wrote_it_but_its_medium():
+    """The plugin's label is vLLM's own ``BlockStored`` (``block_pool.py``
+    ``_label``), its later fields included: they reach routers unchanged."""
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    keys = [key("a"), key("b")]
+    theirs = kv.BlockStored(block_hashes=[low64(keys[1])], parent_block_hash=low64(keys[0]),
+                            token_ids=[1, 2, 3, 4], block_size=4, lora_id=None, medium=kv.MEDIUM_GPU,
+                            lora_name="adapter", extra_keys=[("adapter", "salt")], group_idx=0,
+                            kv_cache_spec_kind="full_attention")
+    event = tier_stored(keys[1], msgspec.msgpack.encode(theirs))
+    assert event is not None
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(event), type=kv.BlockStored)
+    assert back == msgspec.structs.replace(theirs, medium=kv.MEDIUM_STORAGE)
