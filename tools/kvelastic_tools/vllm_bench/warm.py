@@ -83,11 +83,9 @@ def _kept_blocks(socket: str) -> int:
     return 0 if status["engines"] else sum(o["blocks"] for o in status["orphans"])
 
 
-def one_round(model: pathlib.Path, socket: str) -> dict[str, Any]:
-    stock = EngineLife(model, None)
-    cold = _first_after_restart(stock)
-    stock.exit()
-
+def _served_then_killed(model: pathlib.Path, socket: str) -> tuple[dict[str, Any], int]:
+    """An engine runs the workload twice and is killed: its repeat's result,
+    and the blocks the daemon kept of it."""
     before = EngineLife(model, socket)
     before.do("workload")
     repeat = before.do("workload")
@@ -97,7 +95,15 @@ def one_round(model: pathlib.Path, socket: str) -> dict[str, Any]:
         if time.monotonic() > deadline:
             raise RuntimeError("the daemon kept no cache of the killed engine")
         time.sleep(0.1)
-    kept = _kept_blocks(socket)
+    return repeat, _kept_blocks(socket)
+
+
+def one_round(model: pathlib.Path, socket: str) -> dict[str, Any]:
+    stock = EngineLife(model, None)
+    cold = _first_after_restart(stock)
+    stock.exit()
+
+    repeat, kept = _served_then_killed(model, socket)
     after = EngineLife(model, socket)
     warm = _first_after_restart(after)
     stats = after.do("stats")
@@ -153,16 +159,7 @@ def daemon_restart_round(model: pathlib.Path, folder: pathlib.Path, cold: dict[s
     keeper.wait_for(lambda: os.path.exists(socket + ".keeper"), "the keeper")
     daemon = _daemon(socket, folder / "daemon.log")
     try:
-        before = EngineLife(model, socket)
-        before.do("workload")
-        repeat = before.do("workload")
-        before.kill()
-        deadline = time.monotonic() + 30
-        while not _kept_blocks(socket):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the daemon kept no cache of the killed engine")
-            time.sleep(0.1)
-        kept = _kept_blocks(socket)
+        repeat, kept = _served_then_killed(model, socket)
         daemon.stop(signal.SIGKILL)
         daemon = _daemon(socket, folder / "daemon.log")
         restart = get_status(socket)["restart"]
