@@ -7,8 +7,14 @@ rebuilds its index from the store. The tier's invariants hold in every seed.
 
 The second re-injects bugs, in the daemon and in the loop's part, and shows
 the simulator catches each: blocks served after their namespace was
-invalidated, leases that outlive their engine, invalidated kept cache
-demoted, and a loaded slot's bytes deleted while a lease holds it."""
+invalidated, leases that outlive their engine or their deadline,
+invalidated kept cache demoted, and a loaded slot's bytes deleted while a
+lease holds it.
+
+The third holds the daemon's known gaps as expected failures: a block is
+served after its namespace was invalidated, by a lease granted before the
+invalidation (seed 235), or restored by the next daemon from the file kept
+for a load (seed 1147). Fixed, they XPASS: make the sim strict then."""
 
 import pytest
 
@@ -52,6 +58,11 @@ def leases_outlive_engines(monkeypatch):
     monkeypatch.setattr(Tiering, "end_for", lambda self, engine: None)
 
 
+def leases_never_expire(monkeypatch):
+    """A lease nobody releases is never ended at its deadline."""
+    monkeypatch.setattr(Tiering, "expire", lambda self: None)
+
+
 def invalidated_kept_cache_demoted(monkeypatch):
     """Kept cache released by an invalidation is demoted like expired cache."""
     release = CacheHandoff.release
@@ -78,6 +89,7 @@ def files_deleted_at_invalidation(monkeypatch):
 
 @pytest.mark.parametrize(("fault", "found"), [(invalidate_forgets_the_tier, "served after its namespace"),
                                               (leases_outlive_engines, "outlived its engine"),
+                                              (leases_never_expire, "outlived its deadline"),
                                               (invalidated_kept_cache_demoted, "demoted"),
                                               (files_deleted_at_invalidation, "freed while pinned")])
 def test_the_simulator_catches_a_tier_bug(fault, found, monkeypatch):

@@ -6,7 +6,11 @@ faults injected by kind, the cached blocks handed on within a namespace
 (by live replicas, and from departed engines' kept cache: warm starts),
 the invariant violations (must be 0, each with its replay command) and the
 simulation speed; the baseline is the same simulation without faults, in
-the same run.
+the same run. Odd seeds run with the node's tier (``sim/tier.py``): ``tier``
+reports those seeds and what the tier saw (blocks demoted and promoted, disks
+full, torn blocks, leases ended with their engine or at their deadline,
+invalidations of tier namespaces, and the daemon's known gaps counted as
+``tier_served_invalidated_*``).
 
 ``--scale node``: one compressed day of a GPU node (``kvelastic_tools.sim.node``):
 8 engines on an 80 GiB device in 2 MiB pages, driven by a seeded trace;
@@ -25,6 +29,9 @@ import time
 from typing import Any
 
 from kvelastic_tools.sim.run import run_seed
+from kvelastic_tools.sim.tier import with_tier
+
+TIER_KINDS = ("tier_", "lease_")     # the tier's faults and events (``sim/tier.py``)
 
 SEEDS = 10_000
 STEPS = 300
@@ -44,7 +51,9 @@ def _run(seeds: int, faults: bool) -> tuple[dict[str, Any], float]:
         restored += result.restored_blocks   # kept blocks adopted by engines across a daemon restart
         violations += [f"{v}  (replay: {result.replay})" for v in result.violations[:1]]
     elapsed = time.perf_counter() - start
+    tier = {kind: n for kind, n in sorted(injected.items()) if kind.startswith(TIER_KINDS)}
     return {"seeds": seeds, "steps": seeds * STEPS, "faults": dict(sorted(injected.items())),
+            "tier": {"seeds": sum(map(with_tier, range(seeds))), **tier},
             "faults_total": sum(injected.values()), "handed_blocks": handed, "orphan_blocks": orphaned,
             "kept_blocks": kept, "restored_blocks": restored, "violations": len(violations),
             "violation_examples": violations[:5]}, elapsed

@@ -81,6 +81,8 @@ def tick(w: World) -> None:
     if w.stopped:                              # a daemon killed part-way through this step
         return
     w.perform(w.call(w.allocator.tick, w.now))
+    if w.tier is not None:
+        w.tier.last_tick = w.now
     checks.acks(w)
 
 

@@ -175,6 +175,7 @@ class SimTier:
         self.loads: dict[bytes, Load] = {}  # engine identity -> its load in flight
         self.leased_through_invalidation: set[int] = set()   # leases held when their namespace was invalidated
         self.restored_invalidated: set[int] = set()          # slots of invalidated blocks a new daemon restored
+        self.last_tick = 0.0               # when the allocator last ticked (``run.tick``): leases expire then
 
     def new_index(self) -> TierIndex:
         """A daemon starts: its index rebuilt from the store, as ``main.open_tier`` does."""
@@ -183,7 +184,8 @@ class SimTier:
             rebuild(self.index, SimStore(self.store), self.world.now)   # type: ignore[arg-type]
             self.world.counts["tier_rebuilt"] += 1
             back = {slot for slot, b in self.store.items() if b.epoch != self.invalidated[b.namespace]}
-            self.world.counts["tier_invalidated_restored"] += len(back)
+            if back:
+                self.world.counts["tier_invalidated_restored"] += len(back)
             self.restored_invalidated |= back
         self.loads.clear()                 # the leases went with the daemon
         self.leased_through_invalidation.clear()
@@ -378,18 +380,20 @@ class SimTier:
         if index.bytes_used > index.budget_bytes:
             w.violation(f"tier: {index.bytes_used} bytes in use > budget {index.budget_bytes}")
         seen: dict[tuple[str, bytes], int] = {}
-        for ns, table in index._keys.items():             # the live entries
-            for key, slot in table.items():
-                if (ns, key) in seen:
-                    w.violation(f"tier: {ns}:{key!r} in slots {seen[(ns, key)]} and {slot}")
-                seen[(ns, key)] = slot
+        for slot, entry in index._entries.items():       # every entry, not the key map the index checks
+            if not entry.dead:
+                if (entry.namespace, entry.key) in seen:
+                    w.violation(f"tier: {entry.namespace}:{entry.key!r} in live slots "
+                                f"{seen[(entry.namespace, entry.key)]} and {slot}")
+                seen[(entry.namespace, entry.key)] = slot
         leases = alloc.tiering.leases
         for lease in leases.values():
             record = alloc.engines.get(lease.engine_id)
             if record is None or record.serial != lease.serial:
                 w.violation(f"tier: lease {lease.lease} outlived its engine {lease.engine_id}")
-            elif w.now > lease.deadline + 0.2:
-                w.violation(f"tier: lease {lease.lease} of {lease.engine_id} outlived its deadline")
+            elif self.last_tick > lease.deadline:     # a tick after its deadline ends it
+                w.violation(f"tier: lease {lease.lease} of {lease.engine_id} outlived its deadline "
+                            f"({lease.deadline:.3f}; ticked at {self.last_tick:.3f})")
             for slot, done in zip(lease.slots, lease.done):
                 if not done and (slot not in index._entries or slot not in self.store):
                     w.violation(f"tier: slot {slot} of lease {lease.lease} freed while pinned")
