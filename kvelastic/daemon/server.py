@@ -103,6 +103,7 @@ class Daemon:
                 self.poller.register(publisher.replay, zmq.POLLIN)
         if self.tier_events is not None:     # a daemon's life starts with none announced
             self.tier_events.publish(tier_topic(""), [AllBlocksCleared()])
+            log.info("tier KV events on %s (replay %s)", *self.tier_events.endpoints)
         self._effects: deque[fx.Effect] = deque()
         # Page creation, one batch per pass of the loop: a large grow never
         # holds it (each batch is at most ``growth.CREATE_BATCH`` pages).
