@@ -117,6 +117,11 @@ class SimEngine:
         self.leave_sent = 0.0
 
     @property
+    def block_bytes(self) -> int:
+        """A block's bytes across every worker (as ``RegisterEngine`` counts them)."""
+        return PAGE * len(self.workers) // BLOCKS_PER_SLAB
+
+    @property
     def stepping(self) -> bool:
         return self.step is not None
 
@@ -137,7 +142,7 @@ class SimEngine:
         self.send(p.RegisterEngine(version=p.PROTOCOL_VERSION, engine_id=self.name, pid=1000 + self.incarnation,
                                    namespace=self.namespace, page_size=PAGE, pages_per_worker=1,
                                    num_workers=len(self.workers),
-                                   blocks_per_slab=BLOCKS_PER_SLAB, block_bytes=PAGE // BLOCKS_PER_SLAB,
+                                   blocks_per_slab=BLOCKS_PER_SLAB, block_bytes=self.block_bytes,
                                    held=self.pool.slab_ids() if held is None else held,
                                    occupancy=self.pool.occupancies(), token=self.token, private=self.private))
         if self.private:             # as the client: a reconnect keeps a record that may not have heard it

@@ -50,8 +50,8 @@ from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
 from kvelastic_tools.sim.engine import SimEngine
 from kvelastic_tools.sim.records import BLOCKS_PER_SLAB, KV, Device
 
-BLOCK_BYTES = PAGE // BLOCKS_PER_SLAB      # a one-worker engine's block (``engine.start``)
-BUDGET_BLOCKS = 10                 # the tier's budget: evictions happen within a run
+BLOCK_BYTES = PAGE // BLOCKS_PER_SLAB      # a block's bytes in each worker's page (``SimEngine.block_bytes``)
+BUDGET_BLOCKS = 10                 # the tier's budget, in one-worker blocks: evictions happen within a run
 TIER_ORPHAN_TTL = 1.0             # kept cache's TTL in a seed with a tier: released (demoted) within a run
 LEASE_TIMEOUT = 1.0                # the sim's lease deadline (the daemon's is 30 s): abandoned leases end in a run
 # Per block written: the disk is full (aborted); the bytes are torn (dropped when read).
@@ -131,6 +131,7 @@ class Stored:
     key: bytes
     parent: bytes | None
     cost: float
+    nbytes: int
     content: tuple[KV | None, ...]     # the device's KV in the block's places when it was read
     epoch: int                         # its namespace's invalidations before it was written
     torn: bool = False
@@ -157,7 +158,7 @@ class SimStore:
         self.blocks = blocks
 
     def scan(self, *, verify_payloads: bool = False) -> ScanResult:
-        return ScanResult([DiskEntry(slot, b.namespace, b.key, b.parent, BLOCK_BYTES, b.cost)
+        return ScanResult([DiskEntry(slot, b.namespace, b.key, b.parent, b.nbytes, b.cost)
                            for slot, b in sorted(self.blocks.items())])
 
     def delete(self, slot: int) -> None:
@@ -224,7 +225,8 @@ class SimTier:
                 failed.append((block.slot, "disk_full"))
                 w.counts["tier_disk_full"] += 1
                 continue
-            self.store[block.slot] = Stored(e.namespace, block.key, block.parent, block.cost, content,
+            nbytes = sum(n for _dev, _page, _within, n in block.runs)
+            self.store[block.slot] = Stored(e.namespace, block.key, block.parent, block.cost, nbytes, content,
                                             self.invalidated[e.namespace], torn=self.rng.random() < TORN)
             done.append(block.slot)
         w.counts["tier_demoted"] += len(done)
@@ -245,8 +247,8 @@ class SimTier:
             w.counts["tier_torn"] += 1
         else:
             self.check_served(e, b)
-        size = -1 if error else BLOCK_BYTES
-        finished = bool(error) or e.offset + e.chunk >= BLOCK_BYTES
+        size = -1 if error or b is None else b.nbytes
+        finished = size < 0 or e.offset + e.chunk >= size
         reply = p.TierData(req_id=e.req_id, lease=e.lease, block=e.block, offset=e.offset, size=size, data=b"")
         follow = w.call(w.allocator.tier_read, e.lease, e.block, error, w.now) if finished else []
         return [fx.Send(e.to, reply), *follow]
@@ -315,7 +317,10 @@ class SimTier:
         if isinstance(msg, p.TierPinned) and msg.lease:
             load.lease, load.nbytes = msg.lease, list(msg.nbytes)
             x = rng.random()
-            if x < ABANDON:
+            if msg.nbytes[0] != engine.block_bytes:   # another layout of its namespace: not loaded (as the connector)
+                w.counts["tier_other_layout"] += 1
+                self.release(engine, load)
+            elif x < ABANDON:
                 load.abandoned = True          # never fetched nor released: its deadline ends it
                 w.counts["tier_lease_abandoned"] += 1
             elif x < ABANDON + RELEASE:
@@ -324,12 +329,18 @@ class SimTier:
                 self.fetch(engine, load, 0)
             return True
         if isinstance(msg, p.TierData):
+            if msg.size >= 0 and (msg.block != load.block or msg.size != load.nbytes[load.block]):
+                w.violation(f"tier: engine {engine.name} asked for block {load.block} of lease {load.lease} "
+                            f"({load.nbytes[load.block]} bytes), got block {msg.block} of {msg.size}")
             if msg.size >= 0 and msg.offset + tiering.CHUNK < msg.size:
                 self.fetch(engine, load, msg.offset + tiering.CHUNK)
                 return True
             w.counts["tier_promoted" if msg.size >= 0 else "tier_dropped_at_fetch"] += 1
             load.block += 1
-            if load.block >= len(load.nbytes):
+            if load.block < len(load.nbytes) and load.nbytes[load.block] != engine.block_bytes:
+                w.counts["tier_other_layout"] += 1
+                self.release(engine, load)
+            elif load.block >= len(load.nbytes):
                 del self.loads[engine.identity]       # the daemon ended the lease with its last block
             elif rng.random() < RELEASE / 2:
                 self.release(engine, load)
