@@ -63,8 +63,8 @@ class ReleasePages:
 @dataclasses.dataclass(frozen=True)
 class Publish:
     """KV events of one engine's prefix cache (vLLM's format) on the node
-    stream; ``tier``: of the node's tier (``kv_events.tier_topic``), also on
-    the tier stream."""
+    stream; ``tier``: of the node's tier (``kv_events.tier_topic``), on the
+    tier stream instead (token ids: only the daemon's user reads it)."""
 
     topic: bytes
     events: tuple[KVEvent, ...]

@@ -66,12 +66,16 @@ class _Requester:
 
 class KVEventPublisher:
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, replay_endpoint: str, buffer: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, uids: Sequence[int] = ()) -> None:
+        """``uids``: on ``ipc://``, only peers of these users may connect (none: anyone who can open the socket)."""
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(endpoint)
         self.replay = ctx.socket(zmq.ROUTER)
         self.replay.setsockopt(zmq.LINGER, 0)
+        for sock in (self.pub, self.replay):
+            for uid in uids:
+                sock.setsockopt(zmq.IPC_FILTER_UID, uid)
+        self.pub.bind(endpoint)
         # A full queue to a requester (or one that is gone) is an error we see,
         # not a batch silently dropped: its replay waits, or ends.
         self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -283,6 +287,16 @@ def tier_stored(key: bytes, label: bytes) -> BlockStored | None:
     if not any(published == h or published == int.from_bytes(h, "big") & ((1 << 64) - 1) for h in names):
         return None
     return msgspec.structs.replace(event, medium=MEDIUM_STORAGE)
+
+
+def node_stored(key: bytes, event: BlockStored) -> BlockStored:
+    """The node stream's account of a tier block: as the engines' blocks there
+    (``journal_events``), its key (less a vLLM engine's group suffix), no
+    parent and no token ids; those go on the tier stream alone."""
+    group = event.group_idx
+    return BlockStored(block_hashes=[key[:-4] if group is not None and len(key) > 4 else key],
+                       parent_block_hash=None, token_ids=[], block_size=event.block_size, lora_id=None,
+                       medium=MEDIUM_STORAGE, lora_name=None, group_idx=group)
 
 
 def parents_first(events: list[BlockStored]) -> list[BlockStored]:

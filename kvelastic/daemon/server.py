@@ -96,8 +96,11 @@ class Daemon:
         self.events = KVEventPublisher(self.ctx, *kv_events) if kv_events else None
         # The tier's blocks alone, numbered on their own (docs/kv-events.md): a
         # stream a router's indexer can take as one worker's, beside the node's.
+        # Its events carry the tenants' token ids: on ipc, only the daemon's
+        # user (and root) may connect, not the socket's group.
         self.tier_events = KVEventPublisher(self.ctx, tier_endpoint(kv_events[0]), tier_endpoint(kv_events[1]),
-                                            kv_events[2]) if kv_events and tier is not None else None
+                                            kv_events[2], uids=sorted({0, access.uid})) \
+            if kv_events and tier is not None else None
         for publisher in (self.events, self.tier_events):
             if publisher is not None:
                 self.poller.register(publisher.replay, zmq.POLLIN)
@@ -378,10 +381,9 @@ class Daemon:
                 self.keeper.forget(effect.pages)
             self.devices[effect.device].release(effect.pages)
         elif isinstance(effect, fx.Publish):
-            if self.events is not None:
-                self.events.publish(effect.topic, list(effect.events))
-            if effect.tier and self.tier_events is not None:
-                self.tier_events.publish(effect.topic, list(effect.events))
+            stream = self.tier_events if effect.tier else self.events
+            if stream is not None:
+                stream.publish(effect.topic, list(effect.events))
         elif isinstance(effect, fx.Rejected):
             self.metrics.rejected.labels(effect.reason.value).inc()
         elif isinstance(effect, fx.DeleteTierBlocks):

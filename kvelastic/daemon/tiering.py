@@ -28,10 +28,12 @@ the engine's departure unpin what is left. No pin outlives its engine.
 
 **Routers see it.** A committed block is published as ``BlockStored`` with the
 medium ``STORAGE`` under the pseudo-engine of the tier (topic ``kv@@NAMESPACE``,
-``kv_events.tier_topic``): its label, the engine's own event for it (vLLM's
-hash, parent, token ids), parents before children. When its slot is freed
-(evicted, invalidated, dropped), ``deleted`` publishes its ``BlockRemoved``.
-A block without a usable label is kept and served, never published.
+``kv_events.tier_topic``): on the tier stream, its label, the engine's own
+event for it (vLLM's hash, parent, token ids), parents before children; on
+the node stream, as the engines' blocks there (its key, no token ids). When
+its slot is freed (evicted, invalidated, dropped), ``deleted`` publishes its
+``BlockRemoved`` on both. A block without a usable label is kept and
+served, never published.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import logging
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.books import Books
-from kvelastic.daemon.events import parents_first, tier_stored
+from kvelastic.daemon.events import node_stored, parents_first, tier_stored
 from kvelastic.daemon.orphans import OrphanSlab
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.state import EngineRecord, SlabShape
@@ -105,8 +107,8 @@ class Tiering:
         self.leases: dict[int, Lease] = {}
         self._next_lease = 1
         # The tier's blocks as routers hear of them, by slot: (namespace, event).
-        self._announcing: dict[int, tuple[str, BlockStored]] = {}    # reserved, written not yet
-        self.announced: dict[int, tuple[str, BlockStored]] = {}      # published stored
+        self._announcing: dict[int, tuple[str, bytes, BlockStored]] = {}   # reserved, written not yet
+        self.announced: dict[int, tuple[str, bytes, BlockStored]] = {}     # published stored
 
     @property
     def tier(self) -> TierIndex | None:
@@ -137,7 +139,7 @@ class Tiering:
                     blocks.append(fx.DemoteBlock(slot, c.key, par, cost, tuple(runs)))
                     event = tier_stored(c.key, c.label)
                     if event is not None and books.events:
-                        self._announcing[slot] = (o.namespace, event)
+                        self._announcing[slot] = (o.namespace, c.key, event)
             if blocks:
                 books.emit(fx.DemoteBlocks(o.namespace, tuple(blocks)))
         self._delete_released()
@@ -147,31 +149,38 @@ class Tiering:
         tier = self.tier
         if tier is None:
             return
-        stored: dict[str, list[BlockStored]] = {}
+        stored: dict[str, list[tuple[bytes, BlockStored]]] = {}
         for slot in committed:
             tier.commit(slot)
             if slot in self._announcing:
-                namespace, event = self.announced[slot] = self._announcing.pop(slot)
-                stored.setdefault(namespace, []).append(event)
+                namespace, key, event = self.announced[slot] = self._announcing.pop(slot)
+                stored.setdefault(namespace, []).append((key, event))
         for slot, reason in failed:
             tier.abort(slot, reason)
             self._announcing.pop(slot, None)
-        for namespace, events in stored.items():
-            self.books.emit(fx.Publish(tier_topic(namespace), tuple(parents_first(events)), tier=True))
+        for namespace, blocks in stored.items():
+            topic, ordered = tier_topic(namespace), parents_first([e for _, e in blocks])
+            keys = {id(e): k for k, e in blocks}
+            self.books.emit(fx.Publish(topic, tuple(node_stored(keys[id(e)], e) for e in ordered)))
+            self.books.emit(fx.Publish(topic, tuple(ordered), tier=True))
         self._delete_released()
 
     def deleted(self, slots: tuple[int, ...]) -> list[fx.Effect]:
         """The loop deleted the files of freed ``slots`` (``fx.DeleteTierBlocks``,
         whoever freed them): the announced ones are published removed."""
-        removed: dict[str, list[KVEvent]] = {}
+        removed: dict[str, tuple[list[KVEvent], list[KVEvent]]] = {}     # namespace -> (node's, tier's)
         for slot in slots:
             self._announcing.pop(slot, None)
             entry = self.announced.pop(slot, None)
             if entry is not None:
-                namespace, event = entry
-                removed.setdefault(namespace, []).append(
-                    BlockRemoved(block_hashes=event.block_hashes, medium=MEDIUM_STORAGE, group_idx=event.group_idx))
-        return [fx.Publish(tier_topic(ns), tuple(events), tier=True) for ns, events in removed.items()]
+                namespace, key, event = entry
+                node, own = removed.setdefault(namespace, ([], []))
+                node.append(BlockRemoved(block_hashes=node_stored(key, event).block_hashes, medium=MEDIUM_STORAGE,
+                                         group_idx=event.group_idx))
+                own.append(BlockRemoved(block_hashes=event.block_hashes, medium=MEDIUM_STORAGE,
+                                        group_idx=event.group_idx))
+        return [fx.Publish(tier_topic(ns), tuple(events), tier=on_tier)
+                for ns, both in removed.items() for on_tier, events in zip((False, True), both)]
 
     def _delete_released(self) -> None:
         tier = self.tier

@@ -80,9 +80,10 @@ def performed(books: Books, tiering: Tiering, first: list[fx.Effect] = []) -> li
     return out
 
 
-def published(effects: list[fx.Effect]) -> list:
-    assert all(e.tier and e.topic.startswith(b"kv@@") for e in effects if isinstance(e, fx.Publish))
-    return [(e.topic, ev) for e in effects if isinstance(e, fx.Publish) for ev in e.events]
+def published(effects: list[fx.Effect], tier: bool = True) -> list:
+    """The tier stream's events (``tier``), or the node stream's."""
+    assert all(e.topic.startswith(b"kv@@") for e in effects if isinstance(e, fx.Publish))
+    return [(e.topic, ev) for e in effects if isinstance(e, fx.Publish) and e.tier == tier for ev in e.events]
 
 
 def test_a_label_becomes_the_blocks_storage_event_only_if_it_names_the_block():
@@ -118,6 +119,9 @@ def test_committed_blocks_are_published_stored_parents_first_and_nothing_else():
     assert [t for t, _ in events] == [b"kv@@ns"] * 2
     assert [ev.block_hashes[0] for _, ev in events] == [low64(keys[0]), low64(keys[1])]
     assert all(isinstance(ev, BlockStored) and ev.medium == "STORAGE" for _, ev in events)
+    node = published(effects, tier=False)                                      # the node stream's: keys, no tokens
+    assert [ev.block_hashes[0] for _, ev in node] == [keys[0][:-4], keys[1][:-4]]
+    assert all(isinstance(ev, BlockStored) and not ev.token_ids and ev.parent_block_hash is None for _, ev in node)
     assert books.tier is not None and len(books.tier) == 3 and len(tiering.announced) == 2
 
 
@@ -145,8 +149,11 @@ def test_a_block_evicted_by_value_or_dropped_is_published_removed():
     pinned = tiering.on_lookup(b"a", p.TierLookup(engine_id="a", keys=old[:1]))
     assert isinstance(pinned, p.TierPinned) and pinned.lease
     tiering.read(pinned.lease, 0, "checksum")                                   # its bytes failed their check
-    events = published(performed(books, tiering))
-    assert events == [(b"kv@@ns", BlockRemoved(block_hashes=[low64(old[0])], medium="STORAGE", group_idx=0))]
+    effects = performed(books, tiering)
+    assert published(effects) == \
+        [(b"kv@@ns", BlockRemoved(block_hashes=[low64(old[0])], medium="STORAGE", group_idx=0))]
+    assert published(effects, tier=False) == \
+        [(b"kv@@ns", BlockRemoved(block_hashes=[old[0][:-4]], medium="STORAGE", group_idx=0))]
 
 
 def test_an_invalidated_block_is_published_removed_once_its_last_load_ends():
@@ -159,8 +166,8 @@ def test_an_invalidated_block_is_published_removed_once_its_last_load_ends():
     tier = books.tier
     assert tier is not None and tier.invalidate("ns") == 2
     gone = tier.take_released()                                                 # what ``invalidation.py`` emits
-    events = [ev for ev in tiering.deleted(tuple(gone)) for ev in ev.events]    # type: ignore[attr-defined]
-    assert [ev.block_hashes for ev in events] == [[low64(keys[1])]]             # k0 is loading still
+    events = published(tiering.deleted(tuple(gone)))
+    assert [ev.block_hashes for _, ev in events] == [[low64(keys[1])]]          # k0 is loading still
     assert isinstance(tiering.on_release(b"a", p.TierRelease(engine_id="a", lease=pinned.lease)), p.Ok)
     events = published(performed(books, tiering))
     assert [ev.block_hashes for _, ev in events] == [[low64(keys[0])]]

@@ -1,10 +1,12 @@
 """Routers see the tier: in a real daemon process, a departed engine's kept
 cache demoted into the tier is published as ``BlockStored`` with the medium
 ``STORAGE`` (the engine's own labels: vLLM's hashes, parents, token ids),
-under the tier's pseudo-engine (topic ``kv@@NAMESPACE``) on the node stream
-and on the tier stream; ``kvelastic invalidate`` publishes their
-``BlockRemoved``. Dynamo's indexer, registered for the tier stream as a worker
-of its own, scores a prefix held only in the tier there, on its disk tier."""
+under the tier's pseudo-engine (topic ``kv@@NAMESPACE``) on the tier stream
+(and on the node stream as its engines' blocks are: keys, no token ids);
+``kvelastic invalidate`` publishes their ``BlockRemoved`` on both. Dynamo's
+indexer, registered for the tier stream as a worker of its own, scores a
+prefix held only in the tier there, on its disk tier; another user cannot
+read the tier stream."""
 
 from __future__ import annotations
 
@@ -109,13 +111,16 @@ def test_tier_blocks_are_published_stored_and_removed(tmp_path):
     try:
         want = [published(k) for k in keys("sys", 4)]
         prompt = tokens("sys", 4)
-        for endpoint in (node, tier):
-            stored = tier_events(endpoint)
-            assert all(isinstance(e, BlockStored) and e.medium == "STORAGE" for e in stored), stored
-            assert [e.block_hashes[0] for e in stored] == want            # parents first
-            assert [e.parent_block_hash for e in stored] == [None, *want[:-1]]
-            assert [t for e in stored for t in e.token_ids] == prompt
-            assert all(e.block_size == BLOCK_TOKENS and e.group_idx == 0 for e in stored)
+        stored = tier_events(tier)
+        assert all(isinstance(e, BlockStored) and e.medium == "STORAGE" for e in stored), stored
+        assert [e.block_hashes[0] for e in stored] == want            # parents first
+        assert [e.parent_block_hash for e in stored] == [None, *want[:-1]]
+        assert [t for e in stored for t in e.token_ids] == prompt
+        assert all(e.block_size == BLOCK_TOKENS and e.group_idx == 0 for e in stored)
+        # The node stream: as its engines' blocks, the keys (less the group id), no token ids.
+        stored = tier_events(node)
+        assert all(isinstance(e, BlockStored) and e.medium == "STORAGE" and not e.token_ids for e in stored)
+        assert [e.block_hashes[0] for e in stored] == [k[:-4] for k in keys("sys", 4)]
         # The tier stream holds the tier's blocks alone, numbered on their own.
         assert {topic for topic, _ in replay(tier)} == {b"kv@@", TOPIC}
         assert isinstance(replay(tier)[0][1].events[0], AllBlocksCleared)
@@ -123,10 +128,11 @@ def test_tier_blocks_are_published_stored_and_removed(tmp_path):
         done = run(daemon, "invalidate", "llama-1")
         assert done.returncode == 0, done.stderr
         wait_for(lambda: daemon.status()["tier"]["blocks"] == 0, what="the tier's blocks invalidated")
-        for endpoint in (node, tier):
+        for endpoint, hashes in ((tier, want), (node, [k[:-4] for k in keys("sys", 4)])):
             def removed(endpoint=endpoint):
                 return [h for e in tier_events(endpoint) if isinstance(e, BlockRemoved) for h in e.block_hashes]
-            wait_for(lambda: sorted(removed()) == sorted(want), what="the tier's blocks published removed")
+            wait_for(lambda hashes=hashes: sorted(removed()) == sorted(hashes),
+                     what="the tier's blocks published removed")
             assert all(e.medium == "STORAGE" for e in tier_events(endpoint) if isinstance(e, BlockRemoved))
     finally:
         daemon.stop()
@@ -178,3 +184,34 @@ def test_dynamos_indexer_scores_a_prefix_held_only_in_the_tier(tmp_path):
         if daemon is not None:
             daemon.stop()
         indexer.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_only_the_daemons_user_reads_the_tier_stream(tmp_path):
+    """Its events carry tenants' token ids: a process of another user is
+    refused by the socket itself (``IPC_FILTER_UID``), even one whose
+    permissions on the socket file would let it connect."""
+    import pathlib
+    import shutil
+    import tempfile
+
+    from tests.daemon.hostile import tenant_script
+
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="kvelastic-tier-"))
+    folder.chmod(0o755)
+    (folder / "tier").mkdir(mode=0o700)
+    daemon = DaemonProcess(folder, KVELASTIC_TIER_DIR=str(folder / "tier"), KVELASTIC_TIER_SIZE="64MiB").start()
+    try:
+        endpoint = f"{daemon.socket}.kv-tier-replay"
+        os.chmod(endpoint, 0o777)
+        assert replay(f"ipc://{endpoint}"), "the daemon's user reads it"
+        code = (f"s = zmq.Context.instance().socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0)\n"
+                f"s.connect('ipc://{endpoint}'); s.send_multipart([b'', bytes(8)])\n"
+                f"print('answered' if s.poll(3000) else 'refused')\n")
+        out = subprocess.run(tenant_script((6001, 6001), code, pathlib.Path(__file__).resolve().parents[2]),
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "refused"
+    finally:
+        daemon.stop()
+        shutil.rmtree(folder, ignore_errors=True)
