@@ -206,6 +206,7 @@ class SimTier:
                 if slot in held:
                     self.world.violation(f"tier: slot {slot} deleted while a lease holds it")
                 self.store.pop(slot, None)
+            return self.world.allocator.tiering.deleted(e.slots)    # as the loop: announced ones published removed
         return []
 
     def demote(self, e: fx.DemoteBlocks) -> list[fx.Effect]:
