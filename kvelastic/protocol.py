@@ -496,7 +496,8 @@ class TierPinned(Msg):
 
 class TierData(Msg):
     """Bytes ``offset`` on of a block of ``size`` bytes (the last chunk ends
-    at ``size``); ``size`` -1: the block failed its check, dropped."""
+    at ``size``); ``size`` -1: not served (it failed its check and was
+    dropped, or its namespace was invalidated since the lookup)."""
     lease: int
     block: int
     offset: int

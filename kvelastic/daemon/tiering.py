@@ -213,6 +213,15 @@ class Tiering:
         assert self.tier is not None
         if not 0 <= m.offset < self.tier.nbytes(lease.slots[m.block]):
             raise Rejected(p.Reason.BAD_REQUEST, f"offset {m.offset} is outside block {m.block}")
+        if not self.tier.servable(lease.slots[m.block]):
+            # Invalidated (or dropped) since the lookup pinned it: its KV may
+            # be stale, so the lease's pin ends here and nothing is read.
+            lease.done[m.block] = True
+            self.tier.unpin([lease.slots[m.block]], loaded=None)
+            if all(lease.done):
+                del self.leases[lease.lease]
+            self._delete_released()
+            return p.TierData(lease=lease.lease, block=m.block, offset=m.offset, size=-1, data=b"")
         self.books.emit(fx.ReadTierBlock(identity, m.req_id, lease.lease, m.block, lease.slots[m.block],
                                          lease.namespace, lease.keys[m.block], m.offset, CHUNK))
         return None

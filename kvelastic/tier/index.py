@@ -80,6 +80,13 @@ class TierIndex(TierBooks):
         self._refresh(e)
         return True
 
+    def servable(self, slot: int) -> bool:
+        """Whether the slot's bytes may still be served: committed, and not
+        invalidated or dropped since (a load's pin keeps a dead entry's bytes,
+        never its right to be read)."""
+        e = self._entries.get(slot)
+        return e is not None and e.committed and not e.dead
+
     def abort(self, slot: int, reason: str = "io") -> None:
         """The slot's bytes could not be written: it is freed, counted under ``reason``."""
         e = self._entry(slot)

@@ -153,19 +153,25 @@ def test_a_lease_pins_until_its_last_chunk_and_a_pinned_slot_is_never_freed():
     pinned = tiering.on_lookup(b"a", p.TierLookup(engine_id="a", keys=[b"k0", b"k1", b"k9"]))
     assert isinstance(pinned, p.TierPinned) and pinned.lease and len(pinned.nbytes) == 2
     lease = tiering.leases[pinned.lease]
-    assert tier.invalidate("ns") == 2            # invalidated under a load: dead, never freed while pinned
-    assert tier.take_released() == [] and tier.held_bytes == sum(pinned.nbytes)
     books.take()
     tiering.on_fetch(b"a", p.TierFetch(engine_id="a", lease=pinned.lease, block=0))
     read = [e for e in books.take() if isinstance(e, fx.ReadTierBlock)]
     assert [(r.slot, r.offset) for r in read] == [(lease.slots[0], 0)]
-    tiering.read(pinned.lease, 0, "")            # its last chunk went out: unpinned, loaded
-    assert tier.stats.promotions == 1 and deleted(books) == [lease.slots[0]]
+    tiering.read(pinned.lease, 0, "")            # its last chunk went out: unpinned, loaded, still in the tier
+    assert tier.stats.promotions == 1 and deleted(books) == [] and tier.servable(lease.slots[0])
     tiering.read(pinned.lease, 0, "")            # twice: nothing more
     assert tier.stats.promotions == 1
-    assert tiering.on_release(b"a", p.TierRelease(engine_id="a", lease=pinned.lease)) == p.Ok()
-    assert deleted(books) == [lease.slots[1]] and tier.held_bytes == 0 and not tiering.leases
-    assert tier.stats.failures["load"] == 0      # a release is no failure
+    assert tier.invalidate("ns") == 2            # block 1 still pinned: dead, never freed while pinned
+    assert tier.take_released() == [lease.slots[0]] and tier.held_bytes == pinned.nbytes[1]
+    # Invalidated since the lookup: its bytes may be stale, so the fetch reads
+    # nothing, answers "not served", and the lease's last pin ends.
+    reply = tiering.on_fetch(b"a", p.TierFetch(engine_id="a", lease=pinned.lease, block=1))
+    assert isinstance(reply, p.TierData) and reply.size == -1 and reply.data == b""
+    out = books.take()
+    assert not [e for e in out if isinstance(e, fx.ReadTierBlock)]
+    assert [s for e in out if isinstance(e, fx.DeleteTierBlocks) for s in e.slots] == [lease.slots[1]]
+    assert tier.held_bytes == 0 and not tiering.leases
+    assert tier.stats.failures["load"] == 0 and tier.stats.promotions == 1
     tier.check()
 
 

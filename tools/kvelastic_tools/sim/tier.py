@@ -61,15 +61,13 @@ DISK_FULL, TORN = 0.05, 0.05
 LOOKUP, KILL, INVALIDATE = 0.1, 0.006, 0.006
 # Of leases granted: abandoned (left to expire), released part-way.
 ABANDON, RELEASE = 0.08, 0.12
-# The daemon's known gaps, counted (``tier_served_invalidated_*``) unless
-# strict (``tests/sim/test_tier.py`` holds them as expected failures):
-# - ``lease``: a lease granted before its namespace was invalidated goes on
-#   serving its pinned blocks after it (the entries are dead, never found
-#   again, but ``Tiering.on_fetch`` reads them);
-# - ``restored``: a dead entry's file is kept for the load holding it (or its
-#   ``DeleteTierBlocks`` dies with a daemon killed part-way through the
-#   invalidation's effects): a new daemon's ``rebuild`` finds the file and
-#   restores the block, live, and lookups find it.
+# The daemon's known gap, counted (``tier_served_invalidated_restored``)
+# unless strict (``tests/sim/test_tier.py`` holds it as an expected failure):
+# a dead entry's file is kept for the load holding it (or its
+# ``DeleteTierBlocks`` dies with a daemon killed part-way through the
+# invalidation's effects): a new daemon's ``rebuild`` finds the file and
+# restores the block, live, and lookups find it. (A lease granted before its
+# namespace was invalidated no longer serves its dead blocks: a violation.)
 STRICT_INVALIDATION = False
 
 
@@ -257,9 +255,7 @@ class SimTier:
     def check_served(self, e: fx.ReadTierBlock, b: Stored) -> None:
         w = self.world
         if b.epoch != self.invalidated[b.namespace]:
-            if e.lease in self.leased_through_invalidation and not STRICT_INVALIDATION:
-                w.counts["tier_served_invalidated_lease"] += 1      # the daemon's known gaps (STRICT_INVALIDATION)
-            elif e.slot in self.restored_invalidated and not STRICT_INVALIDATION:
+            if e.slot in self.restored_invalidated and not STRICT_INVALIDATION:   # the known gap
                 w.counts["tier_served_invalidated_restored"] += 1
             else:
                 w.violation(f"tier: slot {e.slot} ({b.namespace}:{b.key!r}) served after its namespace was "
