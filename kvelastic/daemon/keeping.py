@@ -24,11 +24,11 @@ from kvelastic.vmm.errors import VmmError
 
 log = logging.getLogger("kvelastic.daemon")
 # The loop waits this long at most for the keeper (a local process of the same
-# user, answering in well under a millisecond when the node is not starved);
-# past it the keeper is dropped, and the kept cache will not survive this
-# daemon. As long as the keeper's own deadline per request: on a node whose
-# CPUs are swamped a second passes without either being at fault.
-KEEPER_TIMEOUT = 5.0
+# user, answering in well under a millisecond); past it the keeper is dropped,
+# and the kept cache will not survive this daemon. Well below the workers'
+# acknowledgement deadline (``ACK_TIMEOUT``, 5 s), which a loop held longer
+# would count against engines whose acks wait unread.
+KEEPER_TIMEOUT = 1.0
 
 
 class PageKeeper:
