@@ -66,7 +66,7 @@ def test_the_indexer_scores_a_prefix_held_only_in_the_tier(daemon_factory, tiny_
             return reply.get("instances", {}).get(str(TIER_WORKER), {"gpu": 0, "disk": 0})
 
         events = f"ipc://{short_dir(tmp_path)}/engine-events"
-        first = EventsEngine(tiny_model, daemon, forked=False, KVELASTIC_ENGINE_ID="first", KVR_EVENTS=events)
+        first = EventsEngine(tiny_model, daemon, KVELASTIC_ENGINE_ID="first", KVR_EVENTS=events)
         first.do("workload")
         first.exit()
         tier = wait_for(lambda: not daemon.status()["engines"] and not daemon.status().get("orphans")
@@ -84,7 +84,7 @@ def test_the_indexer_scores_a_prefix_held_only_in_the_tier(daemon_factory, tiny_
               f"{[tier_match(p)['disk'] for p in prompts]} tokens of prompts of {[len(p) for p in prompts]}")
         assert tier_match(tokenizer("Something else entirely, " * 8).input_ids)["disk"] == 0
 
-        second = EventsEngine(tiny_model, daemon, forked=False, KVELASTIC_ENGINE_ID="second",
+        second = EventsEngine(tiny_model, daemon, KVELASTIC_ENGINE_ID="second",
                               KVR_EVENTS=f"ipc://{short_dir(tmp_path)}/second-events")
         second.do("workload")
         second.exit()

@@ -1,5 +1,6 @@
 """The node's tier end to end with real vLLM (CPU build, its default
-layout: EngineCore and worker in processes of their own) and a real daemon:
+layout: EngineCore and worker in processes of their own, forked as on a GPU)
+and a real daemon:
 an engine serves a long shared prompt and exits; its kept cache expires
 (``KVELASTIC_ORPHAN_CACHE_TTL=1s``) and the daemon demotes it to the tier;
 an engine of the same model with ``KvelasticTierConnector`` configured
@@ -49,14 +50,14 @@ def test_kept_cache_is_demoted_and_promoted_by_the_next_engine(daemon_factory, t
     daemon = daemon_factory(memory="64MiB", KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="256MiB",
                             KVELASTIC_ORPHAN_CACHE_TTL="1s")
 
-    first = run_engine.Engine(tiny_model, daemon, forked=False, KVELASTIC_ENGINE_ID="first")
+    first = run_engine.Engine(tiny_model, daemon, KVELASTIC_ENGINE_ID="first")
     assert first.do("workload")["tokens"] == expected
     first.exit()
     demoted = settled(daemon)
     assert demoted["blocks"] > 0 and counters(daemon)["demotions"] == demoted["blocks"]
     (namespace,) = demoted["namespaces"]
 
-    second = TierEngine(tiny_model, daemon, forked=False, KVELASTIC_ENGINE_ID="second")
+    second = TierEngine(tiny_model, daemon, KVELASTIC_ENGINE_ID="second")
     out = second.do("workload")
     assert out["tokens"] == expected
     promoted = counters(daemon)["promotions"]
@@ -67,7 +68,7 @@ def test_kept_cache_is_demoted_and_promoted_by_the_next_engine(daemon_factory, t
 
     lookups = counters(daemon)["lookups"]
     hits = counters(daemon)["hit_blocks"]
-    other = TierEngine(tiny_model, daemon, forked=False, KVELASTIC_ENGINE_ID="other",
+    other = TierEngine(tiny_model, daemon, KVELASTIC_ENGINE_ID="other",
                        KVELASTIC_TENANT_SALT="another-tenant")
     assert other.do("workload")["tokens"] == expected
     assert counters(daemon)["lookups"] > lookups and counters(daemon)["hit_blocks"] == hits
@@ -79,7 +80,7 @@ def test_kept_cache_is_demoted_and_promoted_by_the_next_engine(daemon_factory, t
         data = bytearray(path.read_bytes())
         data[-1] ^= 0x5A
         path.write_bytes(bytes(data))
-    third = TierEngine(tiny_model, daemon, forked=False, KVELASTIC_ENGINE_ID="third")
+    third = TierEngine(tiny_model, daemon, KVELASTIC_ENGINE_ID="third")
     assert third.do("workload")["tokens"] == expected
     assert counters(daemon)["failures_checksum"] > 0
     assert counters(daemon)["promotions"] == promoted    # nothing that failed its check was served
