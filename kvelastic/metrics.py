@@ -191,7 +191,7 @@ class DaemonCollector(Collector):
 RESTART_DROP_REASONS = ("pages_gone", "over_budget", "device_gone", "malformed")
 # What became of the state file at start: read, or why not (``statefile.py``'s reasons, ``invalid`` for
 # books of another version).
-STATE_FILE_STATES = ("ok", "missing", "torn", "checksum", "version", "stale", "invalid", "io")
+STATE_FILE_STATES = ("ok", "missing", "torn", "checksum", "version", "stale", "untrusted", "invalid", "io")
 
 
 def restart_families(restart: RestartStatus) -> Iterator[Metric]:
@@ -206,7 +206,7 @@ def restart_families(restart: RestartStatus) -> Iterator[Metric]:
         dropped.add_metric([reason], restart.dropped.get(reason, 0))
     state = GaugeMetricFamily(f"{PREFIX}_restart_state_file",
                               "1 for what became of the state file at start: ok (read), missing, or why it was "
-                              "not trusted (torn, checksum, version, stale, invalid, io).", labels=["state"])
+                              "not trusted (torn, checksum, version, stale, untrusted, invalid, io).", labels=["state"])
     for name in STATE_FILE_STATES:
         state.add_metric([name], int(restart.state_file == name))
     let_go = GaugeMetricFamily(f"{PREFIX}_restart_pages_let_go",

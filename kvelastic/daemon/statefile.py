@@ -14,13 +14,15 @@ writes atomic and its reads checked::
 - **Checked**: a file cut short or too long (``StateTorn``), a flipped bit in
   header or payload (``StateChecksum``), another format (``StateVersion``),
   or one written before the node last booted (``StateStale``: the pages it
-  names died with that boot) raises, and nothing of it may be used. Each
+  names died with that boot), or one another user could have written
+  (``StateUntrusted``) raises, and nothing of it may be used. Each
   error's ``reason`` is the label it is counted under.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import zlib
 from pathlib import Path
@@ -58,6 +60,10 @@ class StateStale(StateFileError):
     reason = "stale"
 
 
+class StateUntrusted(StateFileError):
+    reason = "untrusted"
+
+
 def boot_id() -> str:
     """This boot of the node (the kernel's random id, 36 characters)."""
     with open(BOOT_ID_PATH) as f:
@@ -72,7 +78,8 @@ def write_state(path: str | os.PathLike[str], payload: bytes, *, boot: str) -> N
         raise ValueError(f"a boot id has 36 characters, got {boot!r}")
     head = _HEADER.pack(MAGIC, VERSION, 0, len(payload), zlib.crc32(payload), boot_bytes)
     temp = final.with_name(f".{final.name}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    temp.unlink(missing_ok=True)     # a killed writer's: made anew, so its mode is ours
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         view = memoryview(head + _CRC.pack(zlib.crc32(head)) + payload)
         while view:
@@ -93,6 +100,15 @@ def write_state(path: str | os.PathLike[str], payload: bytes, *, boot: str) -> N
 
 def read_state(path: str | os.PathLike[str], *, boot: str) -> bytes:
     """The payload of the state file at ``path``, checked (module docstring)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise StateMissing(f"no state file at {path}") from None
+    # It names which pages hold which namespace's KV: one that someone else
+    # could have written (a link, another owner, writable or readable by
+    # others) could relabel one tenant's cache as another's.
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise StateUntrusted(f"state file {path} is not a file of this user with mode 0600: not read")
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:

@@ -98,3 +98,20 @@ def test_a_boot_id_is_the_kernels():
     assert len(BOOT) == 36 and BOOT.count("-") == 4
     with pytest.raises(ValueError):
         sf.write_state("/nonexistent/x", b"", boot="short")
+
+
+@pytest.mark.parametrize("spoil", ["group_writable", "world_readable", "symlink"])
+def test_a_state_file_another_user_could_have_written_is_never_read(tmp_path, spoil):
+    """It says which pages hold which namespace's KV: one others could write
+    (or read, or a link to anywhere) is refused before a byte is read."""
+    path = tmp_path / "kv.sock.state"
+    sf.write_state(path, b"books", boot=BOOT)
+    if spoil == "symlink":
+        real = tmp_path / "elsewhere"
+        path.rename(real)
+        path.symlink_to(real)
+    else:
+        path.chmod(0o620 if spoil == "group_writable" else 0o604)
+    with pytest.raises(sf.StateUntrusted) as err:
+        sf.read_state(path, boot=BOOT)
+    assert err.value.reason == "untrusted"
