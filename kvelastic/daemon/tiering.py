@@ -31,7 +31,8 @@ medium ``STORAGE`` under the pseudo-engine of the tier (topic ``kv@@NAMESPACE``,
 ``kv_events.tier_topic``): on the tier stream, its label, the engine's own
 event for it (vLLM's hash, parent, token ids), parents before children; on
 the node stream, as the engines' blocks there (its key, no token ids). When
-its slot is freed (evicted, invalidated, dropped), ``deleted`` publishes its
+its file goes (evicted, invalidated, dropped: at once for the last two, even
+while a load pins it, since it is never served again), ``deleted`` publishes its
 ``BlockRemoved`` on both. A block without a usable label is kept and
 served, never published.
 """
@@ -166,8 +167,8 @@ class Tiering:
         self._delete_released()
 
     def deleted(self, slots: tuple[int, ...]) -> list[fx.Effect]:
-        """The loop deleted the files of freed ``slots`` (``fx.DeleteTierBlocks``,
-        whoever freed them): the announced ones are published removed."""
+        """The loop deleted the files of ``slots`` (``fx.DeleteTierBlocks``:
+        freed, or dead under a load): the announced ones are published removed."""
         removed: dict[str, tuple[list[KVEvent], list[KVEvent]]] = {}     # namespace -> (node's, tier's)
         for slot in slots:
             self._announcing.pop(slot, None)

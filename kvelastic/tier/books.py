@@ -25,7 +25,7 @@ class TierEntry:
     ``at``; ``heap_seq`` the sequence number of its current heap record, or
     -1 when it has none (it is not an evictable leaf)."""
 
-    __slots__ = ("at", "committed", "cost", "dead", "heap_seq", "hits", "key", "namespace", "nbytes",
+    __slots__ = ("at", "committed", "cost", "dead", "gone", "heap_seq", "hits", "key", "namespace", "nbytes",
                  "parent", "pins", "slot")
 
     def __init__(self, slot: int, namespace: str, key: bytes, parent: bytes | None, nbytes: int,
@@ -41,6 +41,7 @@ class TierEntry:
         self.pins = 0
         self.committed = False
         self.dead = False
+        self.gone = False       # dead, and its bytes handed out for deletion already (``TierBooks._kill``)
         self.heap_seq = -1
 
     @property
@@ -96,7 +97,8 @@ class TierBooks:
         self._next_slot = max(self._next_slot, first)
 
     def take_released(self) -> list[int]:
-        """Slots freed since the last call: their bytes may be deleted."""
+        """Slots whose bytes may be deleted since the last call: freed ones,
+        and dead ones a load still holds (never served again: ``_kill``)."""
         released, self._released = self._released, []
         return released
 
@@ -193,6 +195,18 @@ class TierBooks:
         if slot is not None:
             self._refresh(self._entries[slot])
 
+    def _kill(self, e: TierEntry) -> None:
+        """A held entry leaves (invalidated, dropped): never found nor served
+        again, its budget held until the last holder lets go. A committed
+        one's bytes go at once, pinned or not: a dead slot is never read (a
+        fetch of it is answered "not served"), and a file kept for a load
+        would be restored live by a daemon restarted before the load ends.
+        A pending one's bytes are being written: they go at its commit."""
+        e.dead, e.heap_seq = True, -1
+        if e.committed and not e.gone:
+            e.gone = True
+            self._released.append(e.slot)
+
     def _free(self, e: TierEntry) -> None:
         require(e.pins == 0, f"slot {e.slot} freed while {e.pins} load(s) hold it")
         if e.held:
@@ -200,7 +214,8 @@ class TierBooks:
         self.bytes_used -= e.nbytes
         e.heap_seq = -1
         del self._entries[e.slot]
-        self._released.append(e.slot)
+        if not e.gone:
+            self._released.append(e.slot)
 
     # ------------------------------------------------------------ check
     def check(self) -> None:
@@ -226,7 +241,10 @@ class TierBooks:
                 "a dead entry nothing holds was not freed")
         require(all(e.pins == 0 for e in self._entries.values() if not e.committed), "a pending entry is pinned")
         released = set(self._released)
-        require(not released & self._entries.keys(), "a released slot holds an entry")
+        require(all(self._entries[s].gone for s in released & self._entries.keys()),
+                "a released slot holds an entry whose bytes are still wanted")
+        require(all(e.dead and e.committed for e in self._entries.values() if e.gone),
+                "the bytes of a live or pending entry were handed out")
         require(all(0 <= s < self._next_slot for s in [*released, *self._entries]), "a slot was never handed out")
         records = {(seq, slot): prio for prio, seq, slot in self._heap}
         for slot, e in self._entries.items():

@@ -12,12 +12,13 @@ budget, it cannot be found) -> ``commit`` (findable) or ``abort`` (gone);
 ``unpin`` releases them; an entry leaves by eviction, ``invalidate`` of its
 namespace or ``drop`` (its bytes failed their check). An entry that a load
 or a write still holds when it is invalidated or dropped becomes *dead*:
-never found again, its bytes kept until the last holder lets go.
+never found nor served again; a committed one's bytes go at once (a restart
+must not find them), its budget is held until the last holder lets go.
 
 Slots are never reused: a slot names one block's bytes for life, so a late
 ``unpin`` or ``commit`` can never touch a newer block, and a store deleting a
 released slot's bytes can never delete a newer block's. The slots whose bytes
-may go are handed out by ``take_released``.
+may go (freed, or dead) are handed out by ``take_released``, each once.
 
 Eviction is by value (docs/tier.md says why), leaves first: an entry another
 live entry names as its parent is not evicted before that child, since a
@@ -183,7 +184,7 @@ class TierIndex(TierBooks):
         for slot in table.values():
             e = self._entries[slot]
             if e.held:
-                e.dead, e.heap_seq = True, -1
+                self._kill(e)
             else:
                 self._free(e)
         self.stats.evictions["invalidate"] += len(table)
@@ -200,6 +201,6 @@ class TierIndex(TierBooks):
             return
         self._unlink(e)
         if e.pins:
-            e.dead, e.heap_seq = True, -1
+            self._kill(e)
         else:
             self._free(e)

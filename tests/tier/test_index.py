@@ -157,17 +157,20 @@ def test_a_block_larger_than_the_budget_is_refused():
 
 
 # ------------------------------------------------------------- the losses
-def test_invalidate_kills_a_pinned_entry_which_is_freed_when_unpinned():
+def test_invalidate_kills_a_pinned_entry_whose_bytes_go_at_once_and_budget_when_unpinned():
     index = TierIndex(100, half_life=H)
     pinned, idle = demote(index, b"a"), demote(index, b"b")
     other = demote(index, b"a", ns="other-ns")
     assert index.lookup(NS, [b"a"], 0.0) == [pinned]
     assert index.invalidate(NS) == 2
-    assert index.take_released() == [idle]
+    # Never served again, so its file need not wait for the load: a restart
+    # before the load ends must not find it.
+    assert sorted(index.take_released()) == sorted([pinned, idle])
+    assert not index.servable(pinned) and index.held_bytes == 10 and index.bytes_used == 20
     assert index.lookup(NS, [b"a"], 0.0) == []
     again = demote(index, b"a")           # the key may come back (new KV), at a new slot
     index.unpin([pinned])
-    assert index.take_released() == [pinned]
+    assert index.take_released() == [] and index.held_bytes == 0     # its budget is back; its bytes went already
     assert index.lookup(NS, [b"a"], 0.0) == [again]
     assert findable(index, b"a", ns="other-ns") and other is not None
     index.check()
@@ -183,14 +186,14 @@ def test_invalidate_during_a_write_makes_the_commit_free_it():
     assert index.lookup(NS, [b"a"], 0.0) == [] and index.bytes_used == 0
 
 
-def test_drop_of_a_loaded_block_is_never_found_again_and_freed_after_the_load():
+def test_drop_of_a_loaded_block_is_never_found_again_its_bytes_go_and_it_is_freed_after_the_load():
     index = TierIndex(100, half_life=H)
     slot = demote(index, b"a")
     assert index.lookup(NS, [b"a"], 0.0) == [slot]
     index.drop(slot, "checksum")
-    assert index.lookup(NS, [b"a"], 0.0) == [] and index.take_released() == []
+    assert index.lookup(NS, [b"a"], 0.0) == [] and index.take_released() == [slot]    # bad bytes go at once
     index.unpin([slot], loaded=False)
-    assert index.take_released() == [slot]
+    assert index.take_released() == [] and len(index) == 0
     assert index.stats.failures["checksum"] == 1 and index.stats.failures["load"] == 1
     index.check()
 

@@ -1,7 +1,7 @@
 """Random sequences of every TierIndex operation, checked against a plain model.
 
 The model keeps each slot's entry (namespace, key, parent, size, pending or
-committed, pins, dead) in a dict. Where the index chooses (which entries to
+committed, pins, dead, its bytes gone) in a dict. Where the index chooses (which entries to
 evict for a demotion), the test checks the choice against the rules, in the
 order the index made it: each victim an evictable leaf (committed, live,
 unpinned, no live child) of least value among those left at that point, and
@@ -56,10 +56,18 @@ class TierMachine(RuleBasedStateMachine):
                    if not e["committed"] or e["pins"] or e["dead"])
 
     def released(self, expected):
+        """The slots whose bytes may go now are ``expected``: a freed one
+        leaves the model, a dead one a load pins stays until its last unpin."""
         got = self.index.take_released()
         assert sorted(got) == sorted(expected), (got, expected)
         for slot in got:
-            del self.entries[slot]
+            e = self.entries[slot]
+            assert not e["gone"], f"slot {slot}'s bytes handed out twice"
+            if e["pins"]:
+                assert e["dead"] and e["committed"], f"slot {slot}'s bytes go while a load needs them"
+                e["gone"] = True
+            else:
+                del self.entries[slot]
 
     def slots_where(self, data, pred):
         slots = sorted(s for s, e in self.entries.items() if pred(e))
@@ -92,7 +100,7 @@ class TierMachine(RuleBasedStateMachine):
             assert slot not in self.seen
             self.seen.add(slot)
             self.entries[slot] = dict(ns=ns, key=key, parent=parent, nbytes=nbytes,
-                                      committed=False, pins=0, dead=False)
+                                      committed=False, pins=0, dead=False, gone=False)
             if commit:
                 assert self.index.commit(slot)
                 self.entries[slot]["committed"] = True
@@ -162,16 +170,22 @@ class TierMachine(RuleBasedStateMachine):
             self.failures["load"] += len(load)
         for slot in load:
             self.entries[slot]["pins"] -= 1
-        self.released([s for s in set(load) if self.entries[s]["dead"] and not self.entries[s]["pins"]])
+        ended = [s for s in set(load) if self.entries[s]["dead"] and not self.entries[s]["pins"]]
+        for slot in ended:
+            if self.entries[slot]["gone"]:      # its bytes went when it died: it leaves without a release
+                del self.entries[slot]
+        self.released([s for s in ended if s in self.entries])
 
     @rule(ns=NAMESPACES)
     def invalidate(self, ns):
         mine = [s for s, e in self.entries.items() if e["ns"] == ns and not e["dead"]]
         assert self.index.invalidate(ns) == len(mine)
-        free = [s for s in mine if self.entries[s]["committed"] and not self.entries[s]["pins"]]
+        # Committed ones' bytes go at once, pinned or not (a pinned one's
+        # entry stays until its load ends); pending ones' at their commit.
+        gone = [s for s in mine if self.entries[s]["committed"]]
         for slot in mine:
             self.entries[slot]["dead"] = True
-        self.released(free)
+        self.released(gone)
 
     @rule(data=st.data(), reason=REASONS)
     def drop(self, data, reason):
@@ -181,8 +195,8 @@ class TierMachine(RuleBasedStateMachine):
         self.index.drop(slot, reason)
         self.failures[reason] += 1
         e = self.entries[slot]
-        e["dead"] = True
-        self.released([] if e["pins"] else [slot])
+        was_dead, e["dead"] = e["dead"], True
+        self.released([] if was_dead else [slot])       # its bytes go at once, loaded or not
 
     @rule(slot=st.integers(0, 40), op=st.sampled_from(["commit", "abort", "unpin", "drop"]))
     def wrong_call(self, slot, op):
@@ -218,6 +232,8 @@ class TierMachine(RuleBasedStateMachine):
             assert self.index.key_of(slot) == (e["ns"], e["key"])
             assert self.index._entries[slot].pins == e["pins"]
         assert self.index.stats.failures == self.failures
+        for slot, e in self.entries.items():
+            assert self.index._entries[slot].gone == e["gone"]
 
 
 TestTierStateful = TierMachine.TestCase

@@ -9,8 +9,7 @@ simulation speed; the baseline is the same simulation without faults, in
 the same run. Odd seeds run with the node's tier (``sim/tier.py``): ``tier``
 reports those seeds and what the tier saw (blocks demoted and promoted, disks
 full, torn blocks, leases ended with their engine or at their deadline,
-invalidations of tier namespaces, and the daemon's known gaps counted as
-``tier_served_invalidated_*``).
+invalidations of tier namespaces).
 
 ``--scale node``: one compressed day of a GPU node (``kvelastic_tools.sim.node``):
 8 engines on an 80 GiB device in 2 MiB pages, driven by a seeded trace;

@@ -18,11 +18,12 @@ namespace, most often one with blocks in the tier.
 
 Invariants (``check``, after every input, and at each effect): the index's
 own ``check``; a key in at most one live entry per namespace; bytes in use
-within the budget; the store never deletes a slot a lease holds, and a
-fetch never finds its slot's bytes gone; every block served holds exactly
-what was demoted into that slot, of the lease's namespace and key, written
-whole, and never after its namespace was invalidated (but for a lease
-granted before the invalidation: ``STRICT_INVALIDATION``); a kept slab
+within the budget; the store never deletes a live slot a lease holds
+(a dead one's file goes at once: it is never served again), and a fetch
+never finds its slot's bytes gone; every block served holds exactly what
+was demoted into that slot, of the lease's namespace and key, written
+whole, and never after its namespace was invalidated (not by a lease
+granted before it, nor from a file a new daemon restored); a kept slab
 invalidated is never demoted; no lease outlives its engine or its deadline.
 
 The world is seen through ``TierWorld`` (``World`` fits it): this module
@@ -61,14 +62,6 @@ DISK_FULL, TORN = 0.05, 0.05
 LOOKUP, KILL, INVALIDATE = 0.1, 0.006, 0.006
 # Of leases granted: abandoned (left to expire), released part-way.
 ABANDON, RELEASE = 0.08, 0.12
-# The daemon's known gap, counted (``tier_served_invalidated_restored``)
-# unless strict (``tests/sim/test_tier.py`` holds it as an expected failure):
-# a dead entry's file is kept for the load holding it (or its
-# ``DeleteTierBlocks`` dies with a daemon killed part-way through the
-# invalidation's effects): a new daemon's ``rebuild`` finds the file and
-# restores the block, live, and lookups find it. (A lease granted before its
-# namespace was invalidated no longer serves its dead blocks: a violation.)
-STRICT_INVALIDATION = False
 
 
 def with_tier(seed: int) -> bool:
@@ -198,11 +191,13 @@ class SimTier:
         if isinstance(e, fx.ReadTierBlock):
             return self.read(e)
         if isinstance(e, fx.DeleteTierBlocks):
+            # A dead slot's file may go while pinned (it is never served
+            # again); a live one's never, while a lease may still fetch it.
             held = {s for lease in self.world.allocator.tiering.leases.values()
                     for s, done in zip(lease.slots, lease.done) if not done}
             for slot in e.slots:
-                if slot in held:
-                    self.world.violation(f"tier: slot {slot} deleted while a lease holds it")
+                if slot in held and self.index.servable(slot):
+                    self.world.violation(f"tier: live slot {slot} deleted while a lease holds it")
                 self.store.pop(slot, None)
             return self.world.allocator.tiering.deleted(e.slots)    # as the loop: announced ones published removed
         return []
@@ -255,11 +250,9 @@ class SimTier:
     def check_served(self, e: fx.ReadTierBlock, b: Stored) -> None:
         w = self.world
         if b.epoch != self.invalidated[b.namespace]:
-            if e.slot in self.restored_invalidated and not STRICT_INVALIDATION:   # the known gap
-                w.counts["tier_served_invalidated_restored"] += 1
-            else:
-                w.violation(f"tier: slot {e.slot} ({b.namespace}:{b.key!r}) served after its namespace was "
-                            f"invalidated (lease {e.lease})")
+            restored = " (restored by a new daemon)" if e.slot in self.restored_invalidated else ""
+            w.violation(f"tier: slot {e.slot} ({b.namespace}:{b.key!r}) served after its namespace was "
+                        f"invalidated (lease {e.lease}){restored}")
         load = self.loads.get(e.to)
         if load is not None and load.lease == e.lease and load.namespace != e.namespace:
             w.violation(f"tier: an engine of {load.namespace} is served block {e.key!r} of {e.namespace}")
@@ -403,8 +396,10 @@ class SimTier:
                 w.violation(f"tier: lease {lease.lease} of {lease.engine_id} outlived its deadline "
                             f"({lease.deadline:.3f}; ticked at {self.last_tick:.3f})")
             for slot, done in zip(lease.slots, lease.done):
-                if not done and (slot not in index._entries or slot not in self.store):
+                if not done and slot not in index._entries:
                     w.violation(f"tier: slot {slot} of lease {lease.lease} freed while pinned")
+                elif not done and index.servable(slot) and slot not in self.store:
+                    w.violation(f"tier: live slot {slot} of lease {lease.lease}: its file deleted while pinned")
         for identity, load in list(self.loads.items()):
             if identity not in w.wires:       # the engine died
                 if load.lease:
