@@ -54,11 +54,15 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        server = serve(args.listen, args.engine, args.indexer, args.model, args.block_size, Policy(args.policy))
+        server = serve(args.listen, args.engine, args.indexer, args.model, args.block_size, Policy(args.policy),
+                       args.tier or [], args.tier_weight)
     except IndexerError as exc:
         print(f"kvelastic router: cannot register the engines with the indexer at {args.indexer}: {exc}",
               file=sys.stderr)
         return 1
+    except ValueError as exc:    # tiers that name no engine of the router, or an engine's id
+        print(f"kvelastic router: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"kvelastic router: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 1
@@ -69,6 +73,25 @@ def _cmd_router(args: argparse.Namespace) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def _tier(text: str):  # -> NodeTier
+    from kvelastic.router.tiers import parse_tier
+
+    try:
+        return parse_tier(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _tier_weight(text: str) -> float:
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = -1.0
+    if not 0.0 <= weight < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number at least 0 and below 1, got {text!r}")
+    return weight
 
 
 def _engine(text: str):  # -> Engine
@@ -185,6 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "endpoints (registered with the indexer at start); repeat for each engine")
     p.add_argument("--policy", choices=("kv", "round-robin"), default="kv",
                    help="kv (default): the longest cached prefix, ties by load; round-robin: a baseline")
+    p.add_argument("--tier", type=_tier, action="append", metavar="ID=ENGINE[+ENGINE...],EVENTS[,REPLAY]",
+                   help="a node's tier stream (its daemon's ipc://SOCKET.kv-tier), registered with the indexer "
+                        "as worker ID; what it matches counts for the engines listed (those of its node); "
+                        "repeat for each node with a tier")
+    from kvelastic.router.policy import TIER_WEIGHT  # no I/O, no dependencies: cheap at parse time
+
+    p.add_argument("--tier-weight", type=_tier_weight, default=TIER_WEIGHT, metavar="W",
+                   help="what a token in a node's tier is worth beside one in an engine's device memory "
+                        "(1), to be loaded instead of computed (0); default %(default)s")
     p.set_defaults(func=_cmd_router)
 
     socket_opt = argparse.ArgumentParser(add_help=False)

@@ -2,8 +2,11 @@
 
 Its HTTP API (ai-dynamo-runtime 1.6.1): ``/register`` an engine's vLLM event
 endpoints as a worker, ``/query`` a model's token ids for matched tokens per
-worker (``{"scores": {worker: {dp_rank: tokens}}}``). The indexer hashes the
-tokens itself, so the router needs no hash seed.
+worker (``{"scores": {worker: {dp_rank: tokens}}}``, device memory only, and
+``{"instances": {worker: {"gpu", "cpu", "disk", "longest_matched"}}}``, each
+medium's tokens: a node's tier publishes ``STORAGE`` blocks, which it files
+under ``disk``). The indexer hashes the tokens itself, so the router needs
+no hash seed.
 """
 
 from __future__ import annotations
@@ -11,9 +14,18 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvelastic.errors import IndexerError
+
+
+@dataclass(frozen=True)
+class Matches:
+    """One ``/query``'s answer: matched tokens per worker with a match."""
+
+    device: dict[int, int] = field(default_factory=dict)   # in device memory (``scores``)
+    lower: dict[int, int] = field(default_factory=dict)    # in host memory or on disk (a node's tier)
 
 
 class IndexerClient:
@@ -57,8 +69,16 @@ class IndexerClient:
 
     def scores(self, token_ids: list[int]) -> dict[int, int]:
         """Matched tokens per engine (data-parallel rank 0), engines with a match only."""
+        return self.matches(token_ids).device
+
+    def matches(self, token_ids: list[int]) -> Matches:
+        """Matched tokens per worker in device memory, and in the lower media
+        (the longer of host memory and disk: a tier worker's match)."""
         reply = self._post("/query", {"model_name": self.model, "token_ids": token_ids}, 200)
         try:
-            return {int(worker): int(ranks.get("0", 0)) for worker, ranks in reply["scores"].items()}
+            device = {int(worker): int(ranks.get("0", 0)) for worker, ranks in reply["scores"].items()}
+            lower = {int(worker): max(int(media.get("cpu", 0)), int(media.get("disk", 0)))
+                     for worker, media in (reply.get("instances") or {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError):
             raise IndexerError(f"/query: unexpected reply {str(reply)[:200]}") from None
+        return Matches(device, {w: n for w, n in lower.items() if n})

@@ -2,9 +2,10 @@
 
 Per request: the prompt's token ids (given as ids, or from an engine's
 ``/tokenize``), the indexer's scores, ``Picker.choose``, then the body goes
-unchanged to the engine and its reply (streamed or not) comes back with two
-headers that say what was decided: ``x-kvelastic-engine`` and
-``x-kvelastic-matched-tokens``. If the tokenizer or the indexer fails, the
+unchanged to the engine and its reply (streamed or not) comes back with
+headers that say what was decided: ``x-kvelastic-engine``,
+``x-kvelastic-matched-tokens`` (in the engine's device memory) and
+``x-kvelastic-tier-tokens`` (past those, in its node's tier). If the tokenizer or the indexer fails, the
 request is still served, routed without scores (counted in
 ``kvelastic_router_errors``); only a request the router cannot read is refused.
 """
@@ -25,8 +26,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvelastic.errors import IndexerError
 from kvelastic.metrics import RouterMetrics
-from kvelastic.router.indexer import IndexerClient
-from kvelastic.router.policy import Choice, Picker, Policy
+from kvelastic.router.indexer import IndexerClient, Matches
+from kvelastic.router.policy import TIER_WEIGHT, Choice, Picker, Policy
+from kvelastic.router.tiers import NodeTier, check_tiers, tier_matches
 
 log = logging.getLogger("kvelastic.router")
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -58,9 +60,12 @@ def parse_engine(text: str) -> Engine:
 class RouterState:
     """What the handlers share: the picker, each engine's load, clients, metrics."""
 
-    def __init__(self, engines: list[Engine], indexer: IndexerClient, policy: Policy, model: str) -> None:
+    def __init__(self, engines: list[Engine], indexer: IndexerClient, policy: Policy, model: str,
+                 tiers: list[NodeTier] | None = None, tier_weight: float = TIER_WEIGHT) -> None:
         self.engines = {e.id: e for e in engines}
-        self.picker = Picker([e.id for e in engines], policy)
+        self.picker = Picker([e.id for e in engines], policy, tier_weight)
+        self.tiers = list(tiers or ())
+        check_tiers(self.tiers, self.engines)
         self.indexer = indexer
         self.model = model
         self.metrics = RouterMetrics([str(e.id) for e in engines])
@@ -97,17 +102,20 @@ class RouterState:
 
     def choose(self, tokens: list[int] | None) -> tuple[Choice, int]:
         """The engine for a request, and the load it adds there (give it back to ``done``)."""
-        scores: dict[int, int] = {}
+        matches = Matches()
         if tokens and self.picker.policy is Policy.KV:
             try:
-                scores = self.indexer.scores(tokens)
+                matches = self.indexer.matches(tokens)
             except IndexerError as exc:
                 self.metrics.errors.labels("indexer").inc()
                 log.warning("router: indexer: %s; routing without scores", exc)
         prompt = len(tokens or ())
+        tier = tier_matches(matches.lower, self.tiers)
         with self.lock:
-            choice = self.picker.choose(scores, self.load, prompt)
-            added = max(1, prompt - choice.matched_tokens)
+            choice = self.picker.choose(matches.device, self.load, prompt, tier)
+            # What the engine computes: the prompt less its hit, a tier load counted at its weight.
+            added = max(1, round(self.picker.work(prompt, choice.matched_tokens,
+                                                  choice.matched_tokens + choice.tier_tokens)))
             self.in_flight[choice.engine] += 1
             self.load[choice.engine] += added
         engine = str(choice.engine)
@@ -157,7 +165,9 @@ class RouterHandler(BaseHTTPRequestHandler):
         state = self.server.state
         if self.path == "/health":
             self._reply(200, json.dumps({"engines": sorted(state.engines), "policy": state.picker.policy.value,
-                                         "in_flight": state.in_flight, "load_tokens": state.load}).encode())
+                                         "in_flight": state.in_flight, "load_tokens": state.load,
+                                         "tiers": {t.id: list(t.engines) for t in state.tiers},
+                                         "tier_weight": state.picker.tier_weight}).encode())
         elif self.path == "/metrics":
             self._reply(200, generate_latest(state.metrics.registry), CONTENT_TYPE_LATEST)
         else:
@@ -210,6 +220,7 @@ class RouterHandler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", resp.getheader("Content-Type", "application/json"))
             self.send_header("x-kvelastic-engine", str(engine.id))
             self.send_header("x-kvelastic-matched-tokens", str(choice.matched_tokens))
+            self.send_header("x-kvelastic-tier-tokens", str(choice.tier_tokens))
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             # Relayed as it arrives: a streamed reply's first token reaches the client at once.
@@ -230,22 +241,22 @@ class RouterServer(ThreadingHTTPServer):
         super().__init__(address, RouterHandler)
 
 
-def register_engines(engines: list[Engine], indexer: IndexerClient, block_size: int) -> int:
-    """Register every engine that names its event endpoint; returns how many.
-    One the indexer lists already (a router before this one registered it:
-    this is a restart, or a second router) is registered anew, as
-    ``Registrations`` does: the indexer refuses a second registration, and
-    the engine may have restarted since the first."""
+def register_engines(engines: list[Engine], indexer: IndexerClient, block_size: int,
+                     tiers: list[NodeTier] | None = None) -> int:
+    """Register every engine that names its event endpoint, and every node's
+    tier stream; returns how many. One the indexer lists already (a router
+    before this one registered it: this is a restart, or a second router) is
+    registered anew, as ``Registrations`` does: the indexer refuses a second
+    registration, and the engine may have restarted since the first."""
     listed = indexer.workers()
-    count = 0
-    for engine in engines:
-        if engine.events:
-            if engine.id in listed:
-                indexer.unregister(engine.id)
-            indexer.register(engine.id, engine.events, engine.replay, block_size)
-            log.info("router: engine %d registered with the indexer (%s)", engine.id, engine.events)
-            count += 1
-    return count
+    workers = [("engine", e.id, e.events, e.replay) for e in engines if e.events]
+    workers += [("tier", t.id, t.events, t.replay) for t in tiers or ()]
+    for kind, ident, events, replay in workers:
+        if ident in listed:
+            indexer.unregister(ident)
+        indexer.register(ident, events, replay, block_size)
+        log.info("router: %s %d registered with the indexer (%s)", kind, ident, events)
+    return len(workers)
 
 
 class Registrations:
@@ -257,11 +268,14 @@ class Registrations:
     whose ``/health`` failed twice in a row (it went down: a restart takes
     far longer) and answers again, or one the indexer does not list, is
     registered anew. The new subscription replays the engine's new life from
-    its start at the engine's next batch. ``run`` is a thread of its own."""
+    its start at the engine's next batch. A node's tier stream has no health
+    to ask: it is registered anew when the indexer does not list it. ``run``
+    is a thread of its own."""
 
     def __init__(self, engines: list[Engine], indexer: IndexerClient, block_size: int, metrics: RouterMetrics,
-                 interval: float = 1.0) -> None:
+                 interval: float = 1.0, tiers: list[NodeTier] | None = None) -> None:
         self.engines = [e for e in engines if e.events]
+        self.tiers = list(tiers or ())
         self.indexer, self.block_size, self.metrics, self.interval = indexer, block_size, metrics, interval
         self.down: set[int] = set()
         self.failures: dict[int, int] = {}     # consecutive failed health checks
@@ -295,6 +309,16 @@ class Registrations:
                 self.metrics.registrations.labels(str(engine.id)).inc()
                 log.info("router: engine %d registered with the indexer again (%s)", engine.id,
                          "it restarted" if engine.id in listed else "the indexer did not list it")
+        for tier in self.tiers:
+            if tier.id not in listed:
+                try:
+                    self.indexer.register(tier.id, tier.events, tier.replay, self.block_size)
+                except IndexerError as exc:
+                    self.metrics.errors.labels("indexer").inc()
+                    log.warning("router: cannot register tier %d again: %s", tier.id, exc)
+                    continue
+                log.info("router: tier %d registered with the indexer again (the indexer did not list it)",
+                         tier.id)
 
     def run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -320,16 +344,19 @@ def _healthy(url: str) -> bool:
 
 
 def serve(listen: str, engines: list[Engine], indexer_url: str, model: str, block_size: int,
-          policy: Policy) -> RouterServer:
-    """Register the engines, bind, and return the server (the caller runs ``serve_forever``)."""
+          policy: Policy, tiers: list[NodeTier] | None = None, tier_weight: float = TIER_WEIGHT) -> RouterServer:
+    """Register the engines (and the nodes' tier streams), bind, and return the
+    server (the caller runs ``serve_forever``)."""
     host, _, port = listen.rpartition(":")
     indexer = IndexerClient(indexer_url, model)
+    tiers = list(tiers or ())
+    state = RouterState(engines, indexer, policy, model, tiers, tier_weight)    # checks the tiers first
     if policy is Policy.KV:
-        register_engines(engines, indexer, block_size)
-    state = RouterState(engines, indexer, policy, model)
+        register_engines(engines, indexer, block_size, tiers)
     server = RouterServer((host or "127.0.0.1", int(port)), state)
     if policy is Policy.KV:
-        watch = Registrations(engines, indexer, block_size, state.metrics)
+        watch = Registrations(engines, indexer, block_size, state.metrics, tiers=tiers)
         threading.Thread(target=watch.run, name="kvelastic-router-registrations", daemon=True).start()
-    log.info("router: %s policy over %d engine(s) on %s:%d", policy.value, len(engines), *server.server_address[:2])
+    log.info("router: %s policy over %d engine(s) and %d tier(s) on %s:%d", policy.value, len(engines), len(tiers),
+             *server.server_address[:2])
     return server

@@ -79,3 +79,76 @@ def test_engine_argument_with_event_endpoints():
     assert parse_engine("2=http://n1:8001/,tcp://n1:5557,tcp://n1:5558") == \
         Engine(2, "http://n1:8001", "tcp://n1:5557", "tcp://n1:5558")
     assert parse_engine("2=http://n1:8001") == Engine(2, "http://n1:8001", None, None)
+
+
+# ------------------------------------------------------------ nodes' tiers
+tier_st = st.dictionaries(st.sampled_from(ENGINES), st.integers(0, 4096), max_size=4)
+
+
+@given(st.lists(st.tuples(scores_st, tier_st, loads_st, st.integers(0, 4096)), min_size=1, max_size=40),
+       st.sampled_from([0.0, 0.25, 0.5, 0.9]))
+def test_a_tier_match_counts_past_the_device_hit_at_its_weight(steps, weight):
+    picker = Picker(ENGINES, Policy.KV, weight)
+    for scores, tier, loads, prompt in steps:
+        choice = picker.choose(scores, loads, prompt, tier)
+        device = {e: scores.get(e, 0) for e in ENGINES}
+        cost = {e: max(0.0, prompt - device[e] - weight * max(0, tier.get(e, 0) - device[e])) + loads[e]
+                for e in ENGINES}
+        assert cost[choice.engine] == min(cost.values())
+        assert choice.matched_tokens == device[choice.engine]
+        assert choice.tier_tokens == max(0, tier.get(choice.engine, 0) - device[choice.engine])
+
+
+@given(st.integers(1, 64), st.integers(0, 64), st.sampled_from([0.01, 0.5, 0.99]), st.permutations([1, 2, 3]))
+def test_device_before_tier_before_nothing(blocks, rest, weight, order):
+    """The same prefix held in one engine's device memory, in another's node's
+    tier, and nowhere for a third: device first; without it, the tier's."""
+    prefix, prompt = blocks * 32, blocks * 32 + rest + 1
+    picker = Picker(order, Policy.KV, weight)
+    idle = dict.fromkeys(order, 0)
+    for _ in range(3):   # whatever the round-robin position
+        assert picker.choose({1: prefix}, idle, prompt, {2: prefix}).engine == 1
+        choice = picker.choose({}, idle, prompt, {2: prefix})
+        assert (choice.engine, choice.matched_tokens, choice.tier_tokens) == (2, 0, prefix)
+        # An engine of the tier's node holding part of it on its device loads the rest.
+        assert picker.choose({2: 32}, idle, prompt, {2: prefix}).tier_tokens == prefix - 32
+
+
+def test_a_tier_load_is_cheaper_than_a_queue_only_up_to_its_weight():
+    picker = Picker([1, 2], Policy.KV, 0.5)
+    # 512 tokens in engine 2's node's tier save 256 computed ones: worth a queue of 200, not of 300.
+    assert picker.choose({}, {1: 0, 2: 200}, 600, {2: 512}).engine == 2
+    assert picker.choose({}, {1: 0, 2: 300}, 600, {2: 512}).engine == 1
+
+
+@pytest.mark.parametrize("weight", [-0.1, 1.0, 2.0])
+def test_a_tier_weighs_less_than_a_device(weight):
+    with pytest.raises(ValueError, match="below 1"):
+        Picker([1], Policy.KV, weight)
+
+
+def test_tier_arguments():
+    from kvelastic.router.tiers import NodeTier, parse_tier
+
+    assert parse_tier("100=1+2,ipc:///run/k.sock.kv-tier,ipc:///run/k.sock.kv-tier-replay") == \
+        NodeTier(100, (1, 2), "ipc:///run/k.sock.kv-tier", "ipc:///run/k.sock.kv-tier-replay")
+    assert parse_tier("9=3,tcp://n1:5559") == NodeTier(9, (3,), "tcp://n1:5559", None)
+    for bad in ("100=1+2", "0=1,tcp://n:1", "x=1,tcp://n:1", "100=,tcp://n:1", "100=1+x,tcp://n:1",
+                "100=1,", "100=1,a,b,c"):
+        with pytest.raises(ValueError, match="expected ID=ENGINE"):
+            parse_tier(bad)
+    with pytest.raises(ValueError, match="named twice"):
+        parse_tier("100=1+1,tcp://n:1")
+
+
+def test_tiers_are_checked_against_the_engines_and_credit_their_node():
+    from kvelastic.router.tiers import NodeTier, check_tiers, tier_matches
+
+    a, b = NodeTier(100, (1, 2), "ipc://a"), NodeTier(101, (3,), "ipc://b")
+    check_tiers([a, b], [1, 2, 3, 4])
+    for tiers, error in (([NodeTier(1, (2,), "x")], "taken"), ([a, NodeTier(100, (3,), "x")], "taken"),
+                         ([NodeTier(100, (5,), "x")], "no engine 5"), ([a, NodeTier(101, (2,), "x")], "one node")):
+        with pytest.raises(ValueError, match=error):
+            check_tiers(tiers, [1, 2, 3, 4])
+    # Tier 100 matches 64 tokens: both engines of its node may load them; engine 3's node's tier has none.
+    assert tier_matches({100: 64, 1: 32, 101: 0}, [a, b]) == {1: 64, 2: 64}
