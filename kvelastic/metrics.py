@@ -189,6 +189,9 @@ class DaemonCollector(Collector):
 
 # Why a saved kept slab was not adopted (``saved._unfit``).
 RESTART_DROP_REASONS = ("pages_gone", "over_budget", "device_gone", "malformed")
+# Why a claimed slab was adopted without its pages (``registration._match_claims``): no lent record of it,
+# one of another namespace, uid, secret or shape, one let go at the grace period's end, or dropped at start.
+LENT_UNMATCHED_REASONS = ("no_record", "mismatch", "late", "dropped")
 # What became of the state file at start: read, or why not (``statefile.py``'s reasons, ``invalid`` for
 # books of another version).
 STATE_FILE_STATES = ("ok", "missing", "torn", "checksum", "version", "stale", "untrusted", "invalid", "io")
@@ -213,11 +216,39 @@ def restart_families(restart: RestartStatus) -> Iterator[Metric]:
                                "Pages the keeper held at start that no saved books proved current (released).")
     let_go.add_metric([], restart.pages_let_go)
     yield from (blocks, dropped, state, let_go)
+    yield from lent_families(restart)
+
+
+def lent_families(restart: RestartStatus) -> Iterator[Metric]:
+    """Running engines' slabs through the restart (issue 44): the lent records held at start, and what
+    their engines' claims found."""
+    held = GaugeMetricFamily(f"{PREFIX}_restart_lent_slabs_held",
+                             "Lent slab records of the state file this daemon held at start for their engines' "
+                             "claims (their pages kept).")
+    held.add_metric([], restart.lent_held)
+    dropped = GaugeMetricFamily(f"{PREFIX}_restart_lent_slabs_dropped",
+                                "Lent slab records of the state file dropped at start, by reason.", labels=["reason"])
+    for reason in RESTART_DROP_REASONS:
+        dropped.add_metric([reason], restart.lent_dropped.get(reason, 0))
+    adopted = CounterMetricFamily(f"{PREFIX}_restart_lent_slabs_adopted",
+                                  "Slabs running engines claimed at re-registration, adopted with their pages.")
+    adopted.add_metric([], restart.lent_adopted)
+    unmatched = CounterMetricFamily(f"{PREFIX}_restart_lent_slabs_unmatched",
+                                    "Slabs running engines claimed at re-registration, adopted without their pages "
+                                    "(their cache is not kept when they leave), by reason.", labels=["reason"])
+    for reason in LENT_UNMATCHED_REASONS:
+        unmatched.add_metric([reason], restart.lent_unmatched.get(reason, 0))
+    let_go = CounterMetricFamily(f"{PREFIX}_restart_lent_slabs_let_go",
+                                 "Held lent slab records no claim matched (their pages released).")
+    let_go.add_metric([], restart.lent_let_go)
+    yield from (held, dropped, adopted, unmatched, let_go)
 
 
 # The tier's counters (``TierStats``): (metric name without the prefix, the counters key, help).
 TIER_COUNTERS = (
     ("tier_demotions", "demotions", "Blocks written to the node's tier (findable from then on)."),
+    ("tier_demotions_reclaimed", "demotions_reclaimed",
+     "Of the blocks written to the node's tier, those of cached slabs reclaimed from running engines."),
     ("tier_promotions", "promotions", "Blocks loaded back from the tier by an engine."),
     ("tier_lookup_blocks", "lookup_blocks", "Blocks engines asked the tier for."),
     ("tier_hit_blocks", "hit_blocks", "Blocks the tier held when asked (pinned for a load)."),

@@ -88,6 +88,16 @@ class RestartStatus(msgspec.Struct, kw_only=True):
     kept_blocks: int = 0         # their cached blocks
     dropped: dict[str, int] = {} # saved kept slabs not adopted, by reason
     pages_let_go: int = 0        # pages the keeper held that nothing proved current
+    # Running engines' slabs (issue 44): the lent records of the state file
+    # held at start for their engines' claims (their pages kept), those
+    # dropped at start by reason (metrics.RESTART_DROP_REASONS); claimed
+    # slabs adopted with their pages, and without, by reason
+    # (metrics.LENT_UNMATCHED_REASONS); held records no claim matched, let go.
+    lent_held: int = 0
+    lent_dropped: dict[str, int] = {}
+    lent_adopted: int = 0
+    lent_unmatched: dict[str, int] = {}
+    lent_let_go: int = 0
 
 
 class StatusReport(msgspec.Struct, kw_only=True):

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvelastic import protocol as p
@@ -53,10 +53,10 @@ from kvelastic.daemon.handoff import CacheHandoff
 from kvelastic.daemon.invalidation import CacheScope
 from kvelastic.daemon.orphans import OrphanCache
 from kvelastic.daemon.reclaims import Reclaims
-from kvelastic.daemon.registration import Registration
+from kvelastic.daemon.registration import LENT_GRACE, Registration
 from kvelastic.daemon.rejected import RefusalLog, Rejected
 from kvelastic.daemon.requests import GrowRequest, ReclaimRequest, ReturnRequest, Timing
-from kvelastic.daemon.saved import Adoption
+from kvelastic.daemon.saved import Adoption, SavedLent, token_digest
 from kvelastic.daemon.state import EngineRecord, PagePool, owner_tag
 from kvelastic.daemon.tenancy import Credential
 from kvelastic.daemon.tiering import Tiering
@@ -173,6 +173,44 @@ class Allocator:
 
     def check(self) -> None:
         report.check(self.books)
+        # Lent records held for claims: their pages are the daemon's, in no slab, free or kept.
+        books, held = self.books, self.registration.lent_pages()
+        for device, pages in held.items():
+            require(device in books.pools, f"a held lent record's page on unknown device {device}")
+            elsewhere = set(books.pools[device].free) | set(books.orphans.pages_on(device)) | {
+                pg for e in (*books.engines.values(), *books.departing.values()) for s in e.slabs.values()
+                for pg, d in zip(s.pages, s.page_devices) if d == device}
+            require(len(pages) == len(set(pages)) and elsewhere.isdisjoint(pages),
+                    "a held lent record's page is named twice, or is free, kept or in a slab")
+
+    # -------------------------------------------- the lent slabs, as saved (``saved.Saving``)
+    def lent_version(self) -> tuple[int, ...]:
+        """Moves whenever a running engine's slab (or a held record) comes or goes."""
+        return (self.registration.lent_version,
+                *(x for e in self.books.engines.values() for x in (e.serial, e.lent_changes)))
+
+    def lent_new(self) -> Iterator[tuple[str, int, list[int]]]:
+        """(engine, slab, pages) of the slabs started mapping since the last write."""
+        for e in self.books.engines.values():
+            for slab_id in e.lent_new:
+                slab = e.slabs.get(slab_id)
+                if slab is not None and slab.pages:
+                    yield e.engine_id, slab_id, slab.pages
+
+    def lent_records(self) -> list[SavedLent]:
+        """Every running engine's slab with pages, and the held records of engines not back yet."""
+        out = self.registration.held_records()
+        for e in self.books.engines.values():
+            if e.failed:
+                continue
+            digest = token_digest(e.token)
+            out += [SavedLent(e.engine_id, e.namespace, e.uid, digest, s.slab_id, e.device, list(s.pages),
+                              list(s.page_devices)) for s in e.slabs.values() if s.pages]
+        return out
+
+    def lent_written(self) -> None:
+        for e in self.books.engines.values():
+            e.lent_new.clear()
 
     # ================================================================ inputs
     def handle(self, identity: bytes, msg: p.Msg, now: float, cred: Credential | None = None) -> list[fx.Effect]:
@@ -282,12 +320,19 @@ class Allocator:
         """Never hand out an id below ``below`` (a predecessor's, which its keeper may still name)."""
         self._next_page = max(self._next_page, below)
 
-    def adopt_kept(self, adoption: Adoption, status: RestartStatus) -> None:
+    def adopt_kept(self, adoption: Adoption, status: RestartStatus, now: float | None = None) -> None:
         """Take back a predecessor's kept cache at start (``saved.adopt``
-        chose it within ``room()``; the loop holds its pages now);
-        ``status``: all that was taken back, as ``status`` shows it."""
+        chose it within ``room()``; the loop holds its pages now), and hold
+        its lent records (and their pages) for their engines' claims for
+        ``LENT_GRACE`` from ``now``; ``status``: all that was taken back, as
+        ``status`` shows it."""
+        if now is not None:
+            self.books.now = now
         self.books.restart = status
         self.skip_page_ids(adoption.next_page)
+        self.skip_page_ids(max((pg for rec in adoption.lent for pg in rec.pages), default=-1) + 1)
+        self.registration.hold_lent(adoption.lent, dict.fromkeys(adoption.lent_gone, "dropped"),
+                                    self.books.now + LENT_GRACE)
         for device, pages in adoption.pages.items():
             pool = self.books.pools[device]
             require(len(pages) <= pool.creatable(), f"device {device}: adopted kept cache over budget")
@@ -332,6 +377,7 @@ class Allocator:
             if not gone.failed and gone.overdue(now):
                 self.unmapping.quarantine(gone, f"no unmap acknowledgement within {t.ack_timeout:g} s")
         self.reclaiming.expire()
+        self.registration.expire_lent()
         self.cache.expire()
         self.tiering.expire()
         self.growth.progress()
@@ -345,6 +391,7 @@ class Allocator:
         out: list[fx.Effect] = [fx.ReleasePages(name, tuple(pool.free))
                                 for name, pool in books.pools.items() if pool.free]
         kept = [(o.pages, o.page_devices) for o in books.orphans]   # the cache kept dies with the daemon
+        kept += [(rec.pages, rec.page_devices) for rec in self.registration.held_records()]
         for engine in (*books.engines.values(), *books.departing.values()):
             kept += [(slab.pages, slab.page_devices) for slab in engine.slabs.values()]
         for pages, devices in kept:

@@ -1,7 +1,17 @@
 """Registration of engines and workers: the allocator's part that admits
 them (geometry, limits, the engine's secret, adoption after a daemon
 restart) and hears that they are alive (heartbeats). It owns the daemon's
-hash secret and the registrations' serials; nothing here does I/O.
+hash secret, the registrations' serials and, after a restart, the lent
+records its predecessor saved (``saved.py``), held for their engines'
+claims for ``LENT_GRACE``; nothing here does I/O.
+
+A re-registering engine's claimed slab is adopted *with* its pages (so that
+its cache can be kept when it leaves, like any engine's) only when a held
+record matches it exactly: same engine id, namespace, uid and secret, same
+slab id, the engine's device and slab size. Otherwise it is adopted without
+pages, as ever (``adopted_pages``), and counted by why. Once an engine id
+registers, every record of it left unclaimed is let go at once: no later
+claim can be that registration's.
 """
 
 from __future__ import annotations
@@ -11,15 +21,25 @@ import hmac
 import logging
 from collections.abc import Callable
 
+import msgspec
+
 from kvelastic import protocol as p
 from kvelastic.core.stats import COUNTER_NAMES
+from kvelastic.daemon import effects as fx
 from kvelastic.daemon.books import Books
 from kvelastic.daemon.parts import GrowPass
 from kvelastic.daemon.rejected import Rejected
+from kvelastic.daemon.saved import SavedLent, token_digest
 from kvelastic.daemon.state import EngineRecord, PagePool, Phase, SlabRecord
 
 log = logging.getLogger("kvelastic.daemon")
 MAX_BLOCK_TOKENS = 1 << 20   # tokens in one KV block (vLLM's are 16 to a few hundred)
+# How long a new daemon holds its predecessor's lent records (and their
+# pages, in the keeper) for their engines' claims: the window it already
+# gives a reconnecting engine's processes to register (a page channel whose
+# engine has not registered by then is closed), five times the engines'
+# longest reconnect backoff (2 s). A claim after it adopts without pages.
+LENT_GRACE = p.REGISTER_TIMEOUT
 
 
 class Registration:
@@ -33,6 +53,11 @@ class Registration:
         self.hash_secret = hash_secret
         self._token_source = token_source
         self._serial = 0
+        # A predecessor's lent records held for claims: engine id -> slab id -> record.
+        self.lent: dict[str, dict[int, SavedLent]] = {}
+        self.lent_until = 0.0
+        self.lent_gone: dict[tuple[str, int], str] = {}   # (engine, slab) of a record not held -> why
+        self.lent_version = 0                              # moves whenever ``lent`` does
 
     def on_register_engine(self, identity: bytes, m: p.RegisterEngine) -> p.Msg:
         books = self.books
@@ -80,6 +105,8 @@ class Registration:
                                            f"(KVELASTIC_MAX_ENGINES)")
         max_slabs = cap // (slab_pages * books.page_size)
         held = self._check_adoption(m, pool, slab_pages, max_slabs)
+        uid = books.cred.uid if books.cred is not None else -1
+        claims = self._match_claims(m, held, device, slab_pages, uid)
         engine = EngineRecord(
             engine_id=m.engine_id, namespace=m.namespace, pid=m.pid, page_size=books.page_size,
             pages_per_worker=m.pages_per_worker, pages_per_region=m.pages_per_region, num_workers=m.num_workers,
@@ -90,15 +117,25 @@ class Registration:
             stats=dict.fromkeys(sorted(COUNTER_NAMES), 0),   # every counter from registration on
             # The engine's own secret (its lifeline showed it already); an old
             # client that sends none gets one, and its lifeline never counts.
-            token=m.token or self._token_source(), serial=self._next_serial())
+            token=m.token or self._token_source(), serial=self._next_serial(), uid=uid)
         for slab_id in held:         # re-register after a daemon restart: adopt what it holds
-            engine.slabs[slab_id] = SlabRecord(slab_id, [], [], Phase.HELD, set(), adopted_pages=slab_pages)
-            pool.adopted += slab_pages
+            claim = claims.get(slab_id)
+            if isinstance(claim, SavedLent):          # with its pages: the daemon's again
+                engine.slabs[slab_id] = SlabRecord(slab_id, list(claim.pages), list(claim.page_devices),
+                                                   Phase.HELD, set())
+                for page_device in claim.page_devices:
+                    books.pools[page_device].created += 1
+            else:
+                engine.slabs[slab_id] = SlabRecord(slab_id, [], [], Phase.HELD, set(), adopted_pages=slab_pages)
+                pool.adopted += slab_pages
             engine.mirror.hold(slab_id, m.occupancy.get(slab_id, (0, 0, m.blocks_per_slab)))
+        with_pages = sum(isinstance(c, SavedLent) for c in claims.values())
+        self._settle_claims(m.engine_id, claims)
         books.engines[m.engine_id] = engine
         log.info("engine %s registered: namespace %s, pid %d, %d worker(s), slab %d bytes, "
                  "virtual capacity %d slabs%s", m.engine_id, m.namespace, m.pid, m.num_workers,
-                 engine.slab_bytes, max_slabs, f", adopted {len(held)} slab(s)" if held else "")
+                 engine.slab_bytes, max_slabs,
+                 f", adopted {len(held)} slab(s), {with_pages} with their pages" if held else "")
         return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=books.page_size,
                             max_slabs=max_slabs, token=engine.token, idle_grace=books.rules.idle_grace,
                             hash_seed=self.hash_seed(m.namespace), orphan_ttl=books.timing.orphan_ttl)
@@ -150,6 +187,102 @@ class Registration:
             if len(occ) != 3 or min(occ) < 0 or sum(occ) != m.blocks_per_slab:
                 raise Rejected(p.Reason.BAD_ADOPTION, f"slab {slab_id}: occupancy {occ} does not add up")
         return sorted(held)
+
+    # ------------------------------------------------ lent records (issue 44)
+    def hold_lent(self, records: list[SavedLent], dropped: dict[tuple[str, int], str], until: float) -> None:
+        """A predecessor's lent records to hold for claims until ``until``
+        (``saved.adopt`` checked them; the loop holds their pages now);
+        ``dropped``: the (engine, slab) of records not held, and why."""
+        for rec in records:
+            self.lent.setdefault(rec.engine_id, {})[rec.slab_id] = rec
+        self.lent_gone.update(dropped)
+        self.lent_until = until
+        self.lent_version += 1
+
+    def lent_pages(self) -> dict[str, list[int]]:
+        """Device -> the pages of the records held (the daemon's, lent to no one)."""
+        out: dict[str, list[int]] = {}
+        for mine in self.lent.values():
+            for rec in mine.values():
+                for page, device in zip(rec.pages, rec.page_devices):
+                    out.setdefault(device, []).append(page)
+        return out
+
+    def held_records(self) -> list[SavedLent]:
+        return [rec for mine in self.lent.values() for rec in mine.values()]
+
+    def expire_lent(self) -> None:
+        """Past the grace period: the records no engine claimed are let go (their pages released)."""
+        if not self.lent or self.books.now < self.lent_until:
+            return
+        records = self.held_records()
+        self.lent.clear()
+        self.lent_version += 1
+        self.lent_gone.update(((r.engine_id, r.slab_id), "late") for r in records)
+        self._let_go(records, "no engine claimed it within the grace period")
+
+    def _match_claims(self, m: p.RegisterEngine, held: list[int], device: str, slab_pages: int,
+                      uid: int) -> dict[int, SavedLent | str]:
+        """Slab id -> the held record it is adopted with, or why none (checked
+        whole, before anything changes: a claim over the budget is refused)."""
+        mine = self.lent.get(m.engine_id, {})
+        if not held or (self.books.restart is None and not mine):
+            return {}                  # no keeper at start: nothing saved, nothing to count
+        digest = token_digest(m.token)
+        out: dict[int, SavedLent | str] = {}
+        need: dict[str, int] = {}
+        for slab_id in held:
+            rec = mine.get(slab_id)
+            if rec is None:
+                out[slab_id] = self.lent_gone.get((m.engine_id, slab_id), "no_record")
+            elif rec.namespace != m.namespace or rec.uid != uid or not m.token or rec.token != digest \
+                    or rec.device != device or len(rec.pages) != slab_pages:
+                out[slab_id] = "mismatch"
+            else:
+                out[slab_id] = rec
+                for page_device in rec.page_devices:
+                    need[page_device] = need.get(page_device, 0) + 1
+                continue
+            need[device] = need.get(device, 0) + slab_pages
+        pools = self.books.pools
+        if any(n > pools[d].creatable() for d, n in need.items()):
+            raise Rejected(p.Reason.BAD_ADOPTION, f"engine {m.engine_id}: {len(held)} held slab(s) need "
+                                                  f"more pages than the budget has room for")
+        return out
+
+    def _settle_claims(self, engine_id: str, claims: dict[int, SavedLent | str]) -> None:
+        """``engine_id`` registered: its records are used or let go, its claims counted."""
+        mine = self.lent.pop(engine_id, None)
+        if mine is not None:
+            self.lent_version += 1
+        unused = [rec for slab_id, rec in (mine or {}).items() if claims.get(slab_id) is not rec]
+        restart = self.books.restart
+        if restart is not None and claims:
+            unmatched = dict(restart.lent_unmatched)
+            for claim in claims.values():
+                if isinstance(claim, str):
+                    unmatched[claim] = unmatched.get(claim, 0) + 1
+            self.books.restart = msgspec.structs.replace(
+                restart, lent_adopted=restart.lent_adopted + sum(isinstance(c, SavedLent) for c in claims.values()),
+                lent_unmatched=unmatched)
+        for rec in unused:
+            self.lent_gone[(rec.engine_id, rec.slab_id)] = "mismatch" if rec.slab_id in claims else "no_record"
+        self._let_go(unused, f"engine {engine_id} registered without a claim that matches it")
+
+    def _let_go(self, records: list[SavedLent], why: str) -> None:
+        if not records:
+            return
+        by_device: dict[str, list[int]] = {}
+        for rec in records:
+            for page, device in zip(rec.pages, rec.page_devices):
+                by_device.setdefault(device, []).append(page)
+        for device, pages in by_device.items():
+            self.books.emit(fx.ReleasePages(device, tuple(pages)))
+        restart = self.books.restart
+        if restart is not None:
+            self.books.restart = msgspec.structs.replace(restart, lent_let_go=restart.lent_let_go + len(records))
+        log.info("%d lent slab record(s) of the last daemon let go (%s), %d page(s) released",
+                 len(records), why, sum(len(pages) for pages in by_device.values()))
 
     def on_register_worker(self, identity: bytes, m: p.RegisterWorker) -> p.Msg:
         books = self.books

@@ -121,6 +121,11 @@ class EngineRecord:
     # registered again while its last registration still departs (unmapping,
     # quarantined); the two records never alias (``Allocator.departing``).
     serial: int = 0
+    uid: int = -1                  # the registering peer's uid (-1: an in-process caller); saved with its slabs
+    # Its slabs' pages as the state file saves them (``saved.Saving``): bumped
+    # on every slab added or removed; slabs started mapping since the last write.
+    lent_changes: int = 0
+    lent_new: set[int] = dataclasses.field(default_factory=set)
     # Lowest free slab id in O(log n): ids below ``_top`` freed since, in a heap
     # (stale entries skipped); every id at or above ``_top`` not in ``slabs``.
     _freed: list[int] = dataclasses.field(default_factory=list)
@@ -147,6 +152,8 @@ class EngineRecord:
     def start_mapping(self, slab: SlabRecord) -> None:
         self.slabs[slab.slab_id] = slab
         self.in_flight.add(slab.slab_id)
+        self.lent_changes += 1
+        self.lent_new.add(slab.slab_id)
 
     def mark_held(self, slab: SlabRecord) -> None:
         slab.mark_held()
@@ -160,6 +167,7 @@ class EngineRecord:
 
     def remove_slab(self, slab: SlabRecord) -> None:
         del self.slabs[slab.slab_id]
+        self.lent_changes += 1
         if slab.slab_id < self._top:
             heapq.heappush(self._freed, slab.slab_id)
         if slab.phase is Phase.UNMAPPING:

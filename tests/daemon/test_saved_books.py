@@ -1,6 +1,8 @@
 """What a new daemon may adopt of the saved books (``saved.py``): only kept
 slabs whose every page the keeper holds, named once, on a device it has,
-within its budget; everything else dropped and counted. Pure logic."""
+within its budget; lent records held for their engines' claims only when
+every page is held and named once in the whole file; everything else
+dropped and counted. When the books are written (``saved.Saving``). Pure logic."""
 
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ def test_saved_books_round_trip_with_their_ages():
 
 
 @pytest.mark.parametrize("payload", [b"", b"\x90", msgspec.msgpack.encode({"version": 1}),
-                                     msgspec.msgpack.encode(saved.SavedBooks(2, 0, []))])
+                                     msgspec.msgpack.encode(saved.SavedBooks(3, 0, [])),
+                                     msgspec.msgpack.encode(saved.SavedBooks(1, 0, [], [
+                                         saved.SavedLent("a", "ns", -1, b"", 0, "0", [1], ["0"])]))])
 def test_books_that_do_not_decode_or_of_another_version_are_refused(payload):
     with pytest.raises(saved.SavedBooksInvalid):
         saved.load(payload)
@@ -43,14 +47,15 @@ def test_each_reason_to_drop_a_slab():
     books = saved.load(saved.save([
         slab([1]),                        # adopted
         slab([2]),                        # the keeper lost its page
-        slab([1]),                        # a page named twice
+        slab([7]),                        # a page named twice: both dropped
+        slab([7]),
         slab([9]),                        # an id its daemon never handed out
         slab([3], device="1"),            # a device this daemon does not have
         slab([4, 5]),                     # no room left for two pages
     ], next_page=8, now=0.0))
-    out = saved.adopt(books, held={1, 3, 4, 5, 9}, room={"0": 2}, now=0.0)
+    out = saved.adopt(books, held={1, 3, 4, 5, 7, 9}, room={"0": 2}, now=0.0)
     assert [o.pages for o in out.kept] == [[1]]
-    assert out.dropped == {"pages_gone": 1, "malformed": 2, "device_gone": 1, "over_budget": 1}
+    assert out.dropped == {"pages_gone": 1, "malformed": 3, "device_gone": 1, "over_budget": 1}
 
 
 @settings(max_examples=300, deadline=None)
@@ -87,3 +92,95 @@ def test_a_state_file_is_removed_once_its_keeper_is_lost_and_never_written_again
     allocator.orphans.keep(slab([3]))                      # the kept cache moves: still nothing written
     succession.save(allocator, now=2.0)
     assert not path.exists()
+
+
+def lent(slab_id: int, pages: list[int], engine: str = "a", device: str = "0") -> saved.SavedLent:
+    return saved.SavedLent(engine, "llama", -1, saved.token_digest(b"t" * 16), slab_id, "0", pages,
+                           [device] * len(pages))
+
+
+def test_version_1_books_are_still_read_and_have_no_lent_records():
+    books = saved.load(msgspec.msgpack.encode(saved.SavedBooks(1, 4, [])))
+    assert books.lent == [] and books.next_page == 4
+
+
+def test_lent_records_are_held_only_when_every_page_is_held_and_named_once():
+    books = saved.load(saved.save([slab([1])], next_page=20, now=0.0, lent=[
+        lent(0, [2, 3]),                  # held for its engine's claim
+        lent(1, [4]),                     # the keeper lost its page
+        lent(2, [1]),                     # a page of a kept slab too: both dropped
+        lent(3, [5], device="9"),         # a device this daemon does not have
+        lent(4, [6, 6]),                  # a page named twice in one record
+        lent(5, [30]),                    # an id its daemon never handed out
+        lent(6, [7]), lent(6, [8]),       # one slab of one engine twice: both dropped
+        lent(0, [10], engine="b"),        # another engine's slab 0: held too
+    ]))
+    out = saved.adopt(books, held=set(range(40)) - {4}, room={"0": 8}, now=0.0)
+    assert out.kept == [] and out.dropped == {"malformed": 1}
+    assert [(r.engine_id, r.slab_id) for r in out.lent] == [("a", 0), ("b", 0)]
+    assert out.lent_dropped == {"pages_gone": 1, "malformed": 5, "device_gone": 1}
+    assert sorted(out.lent_gone) == [("a", 1), ("a", 2), ("a", 3), ("a", 4), ("a", 5), ("a", 6), ("a", 6)]
+    assert out.lent_pages() == {"0": [2, 3, 10]}
+
+
+class Books:
+    """What ``saved.Saving`` reads of an allocator."""
+
+    def __init__(self) -> None:
+        from kvelastic.daemon.orphans import OrphanCache
+
+        self.orphans = OrphanCache()
+        self.next_page = 100
+        self.slabs: dict[tuple[str, int], list[int]] = {}
+        self.new: set[tuple[str, int]] = set()
+        self.changes = 0
+
+    def lend(self, engine: str, slab_id: int, pages: list[int]) -> None:
+        self.slabs[(engine, slab_id)] = pages
+        self.new.add((engine, slab_id))
+        self.changes += 1
+
+    def give_back(self, engine: str, slab_id: int) -> None:
+        del self.slabs[(engine, slab_id)]
+        self.changes += 1
+
+    def lent_version(self):
+        return (self.changes,)
+
+    def lent_new(self):
+        for key in self.new:
+            if key in self.slabs:
+                yield key[0], key[1], self.slabs[key]
+
+    def lent_records(self):
+        return [lent(sid, pages, engine=e) for (e, sid), pages in self.slabs.items()]
+
+    def lent_written(self) -> None:
+        self.new.clear()
+
+
+def test_lent_slabs_are_written_coalesced_but_ahead_of_a_page_or_slab_named_otherwise():
+    books, saving = Books(), saved.Saving(coalesce=0.25)
+
+    def write(now: float) -> bool:
+        if not saving.due(books, now):
+            return False
+        saved.load(saving.payload(books, now))
+        saving.written(books, now)
+        return True
+
+    assert write(0.0)                              # the first write
+    assert not write(0.01)                         # nothing moved
+    books.lend("a", 0, [1, 2])                     # fresh pages, a slab the file does not name: coalesced
+    assert not write(0.02)
+    assert write(0.3)                              # ... written once the window passed
+    books.give_back("a", 0)                        # returned: no hurry (no claim names it)
+    assert not write(0.31)
+    books.lend("a", 0, [3, 4])                     # slab 0 of a again, other pages: written ahead
+    assert write(0.32)
+    books.give_back("a", 0)
+    books.lend("b", 5, [3])                        # page 3, which the file names under a's slab 0: ahead
+    assert write(0.33)
+    books.orphans.keep(slab([9]))                  # the kept cache moved: at once, as ever
+    assert write(0.34)
+    assert not write(0.35)
