@@ -173,10 +173,14 @@ def test_router_sends_a_prefix_held_in_a_nodes_tier_to_that_nodes_engine(tmp_pat
             try:
                 for prompt in (held_in_tier, also_on_b1):
                     a0.complete(prompt, max_tokens=2)  # type: ignore[arg-type]
+                # The daemon has heard of every block before a0 goes (its journal ships them every
+                # few ms: a block it has not heard of when the engine leaves is not kept).
+                wait_for(lambda: sum(e["cached_blocks"] for e in a.status()["engines"]) == 2 * tier_tokens // BLOCK,
+                         30, "a0's 12 blocks in its daemon's books")
             finally:
                 a0.stop()
             try:
-                wait_for(lambda: tier_match(held_in_tier) == tier_match(also_on_b1) == tier_tokens, 60,
+                wait_for(lambda: tier_match(held_in_tier) == tier_match(also_on_b1) == tier_tokens, 120,
                          "a0's blocks in node a's tier, as the indexer's tier worker")
             except AssertionError as exc:
                 raise AssertionError(f"{exc}: the tier {a.status().get('tier')}, the indexer's tier worker "
