@@ -8,7 +8,10 @@ blocks, looks up 10 blocks of its prefix (8 hits); engine ``b`` grows by 7 slabs
 (one grow request: the 2 free, 4 new, 1 reclaimed from ``a``, which evicts 4
 cached blocks), allocates 20 blocks (5 slabs) and gives 2 idle slabs back; a
 message from an unknown engine is rejected once. At the end every memory figure
-differs: budget 8 slabs, held 6 (a 1, b 5), cached 1 (a's), free 2.
+differs: budget 8 slabs, held 6 (a 1, b 5), cached 1 (a's), free 2. The node's
+tier holds two blocks of ``a``'s namespace (a former daemon's), which ``a``
+looks up with a third key the tier lacks (3 asked for, 2 found) and loads back
+(2 promotions).
 """
 
 from __future__ import annotations
@@ -101,6 +104,11 @@ def run(tmp_path_factory):
         assert b.do("alloc", n=20)["ok"]                                  # 5 slabs live, 2 idle
         wait_for(lambda: engine(daemon, "b")["held_bytes"] == 5 * SLAB, what="b's idle slabs returned")
         daemon.request(p.Grow(engine_id="ghost", slabs=1))                # one rejected message
+        pinned = a.send(p.TierLookup(engine_id="a", keys=[b"key-0", b"key-1", b"key-9"]))
+        assert isinstance(pinned, p.TierPinned) and pinned.nbytes == [2 * TIER_BLOCK] * 2, pinned
+        for block in range(2):                                            # each in one chunk: a promotion
+            data = a.send(p.TierFetch(engine_id="a", lease=pinned.lease, block=block, offset=0))
+            assert isinstance(data, p.TierData) and data.size == len(data.data) == 2 * TIER_BLOCK, data
         wait_for(lambda: engine(daemon, "a")["stats"].get("lookup_blocks") == 10, what="a's journal")
         status = wait_for(lambda: quiet_status(daemon), what="a quiet daemon")
         by_id = {e["engine_id"]: e for e in status["engines"]}
@@ -111,6 +119,7 @@ def run(tmp_path_factory):
         wait_prom(prom, 'kvelastic_slab_returns_total{engine="b"}', 2)
         wait_prom(prom, 'kvelastic_prefix_cache_lookup_blocks_total{engine="a"}', 10)
         wait_prom(prom, 'kvelastic_rejected_messages_total{reason="unknown_engine"}', 1)
+        wait_prom(prom, "kvelastic_tier_promotions_total", 2)
         time.sleep(2.5)
         assert quiet_status(daemon) == status, "the daemon moved after the workload"
         at = time.time()
@@ -212,13 +221,23 @@ def test_every_panel_query_returns_data_that_agrees_with_the_workload(run):
     # scrape, so their samples span a shorter time and extrapolate a little more.
     assert evictions == {r: pytest.approx(unit * n, rel=0.25) for r, n in want.items()}
 
+    # The two blocks found at start, and any of a's cached blocks demoted when b's grow reclaimed them
+    # (a's blocks: a quarter of a slab each).
+    counters = status["tier"]["counters"]
     tier = {ref: single(results[("Node tier memory", ref)]) for ref in "AB"}
-    assert tier == {"A": 2 * 2 * TIER_BLOCK, "B": TIER_BUDGET} == {"A": status["tier"]["bytes"],
-                                                                "B": status["tier"]["budget_bytes"]}
+    assert tier == {"A": 2 * 2 * TIER_BLOCK + counters["demotions"] * SLAB // 4, "B": TIER_BUDGET} == \
+        {"A": status["tier"]["bytes"], "B": status["tier"]["budget_bytes"]}
     lost = by(results[("Node tier blocks lost per second", "A")], "reason")
     assert set(lost) == {"disk_full", "io", "torn", "checksum", "identity", "load"}   # every reason has a series
     assert set(lost.values()) == {0.0}          # the torn block was dropped at start: no loss since
     assert status["tier"]["counters"]["failures_torn"] == 1
+    assert by(results[("Node tier blocks", "A")], "namespace") == {"llama": 2 + counters["demotions"]} == \
+        status["tier"]["namespaces"]
+    assert (counters["lookup_blocks"], counters["hit_blocks"], counters["promotions"]) == (3, 2, 2)
+    assert single(results[("Node tier hit rate", "A")]) == pytest.approx(2 / 3)
+    moved = {ref: single(results[("Node tier demotions and promotions per second", ref)]) for ref in "ABC"}
+    # As the grants' rate: every tier series since 0 in the window.
+    assert moved == {"A": pytest.approx(unit * counters["demotions"]), "B": pytest.approx(unit * 2), "C": 0.0}
 
     rejected = by(results[("Rejected messages", "A")], "reason")
     assert {r: v for r, v in rejected.items() if v} == {"unknown_engine": 1}   # every reason has a series
