@@ -152,3 +152,40 @@ def test_tiers_are_checked_against_the_engines_and_credit_their_node():
             check_tiers(tiers, [1, 2, 3, 4])
     # Tier 100 matches 64 tokens: both engines of its node may load them; engine 3's node's tier has none.
     assert tier_matches({100: 64, 1: 32, 101: 0}, [a, b]) == {1: 64, 2: 64}
+
+
+class _Indexer:
+    """What ``Registrations`` and ``register_engines`` ask an indexer, recorded."""
+
+    def __init__(self, listed: set[int]) -> None:
+        self.listed = set(listed)
+        self.calls: list[tuple[str, int]] = []
+
+    def workers(self) -> set[int]:
+        return set(self.listed)
+
+    def register(self, ident: int, events: str, replay: str | None, block_size: int) -> None:
+        self.calls.append(("register", ident))
+        self.listed.add(ident)
+
+    def unregister(self, ident: int) -> None:
+        self.calls.append(("unregister", ident))
+        self.listed.discard(ident)
+
+
+def test_a_nodes_tier_stream_is_registered_and_registered_again_when_the_indexer_lost_it():
+    from kvelastic.metrics import RouterMetrics
+    from kvelastic.router.proxy import Registrations, register_engines
+    from kvelastic.router.tiers import NodeTier
+
+    tier = NodeTier(100, (1,), "ipc:///run/k.sock.kv-tier", "ipc:///run/k.sock.kv-tier-replay")
+    indexer = _Indexer({100})                  # a router before this one registered it
+    assert register_engines([], indexer, 32, [tier]) == 1  # type: ignore[arg-type]
+    assert indexer.calls == [("unregister", 100), ("register", 100)]
+    watch = Registrations([], indexer, 32, RouterMetrics([]), tiers=[tier])  # type: ignore[arg-type]
+    indexer.calls.clear()
+    watch.check()
+    assert indexer.calls == []                 # listed: left alone
+    indexer.listed.clear()                     # the indexer restarted
+    watch.check()
+    assert indexer.calls == [("register", 100)]
