@@ -174,7 +174,9 @@ class Allocator:
     def check(self) -> None:
         report.check(self.books)
         # Lent records held for claims: their pages are the daemon's, in no slab, free or kept.
-        books, held = self.books, self.registration.lent_pages()
+        books, held, pending = self.books, self.registration.lent_pages(), self.registration.pending_pages()
+        for device, pool in books.pools.items():
+            require(pool.held_lent == pending.get(device, 0), f"device {device}: held lent pages miscounted")
         for device, pages in held.items():
             require(device in books.pools, f"a held lent record's page on unknown device {device}")
             elsewhere = set(books.pools[device].free) | set(books.orphans.pages_on(device)) | {
@@ -439,6 +441,7 @@ class Allocator:
         self.growth.answer_gone(engine, why)
         self.reclaiming.end_for(engine.engine_id)
         self.tiering.end_for(engine)      # no pin outlives its engine
+        self.registration.departed(engine)   # its slabs never take their saved pages now
         if books.events:  # its prefix cache is gone with it
             books.emit(fx.Publish(kv_events_topic(engine.engine_id, engine.namespace), (AllBlocksCleared(),)))
         books.departing[engine.serial] = engine

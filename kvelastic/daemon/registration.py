@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -57,6 +57,9 @@ class Registration:
         self.lent: dict[str, dict[int, SavedLent]] = {}
         self.lent_until = 0.0
         self.lent_gone: dict[tuple[str, int], str] = {}   # (engine, slab) of a record not held -> why
+        # Claimed records awaiting the engine's workers: engine id -> (its
+        # registration's serial, slab id -> record, slab id -> ranks that said they map it).
+        self.awaiting: dict[str, tuple[int, dict[int, SavedLent], dict[int, set[int]]]] = {}
         self.lent_version = 0                              # moves whenever ``lent`` does
 
     def on_register_engine(self, identity: bytes, m: p.RegisterEngine) -> p.Msg:
@@ -119,23 +122,19 @@ class Registration:
             # client that sends none gets one, and its lifeline never counts.
             token=m.token or self._token_source(), serial=self._next_serial(), uid=uid)
         for slab_id in held:         # re-register after a daemon restart: adopt what it holds
-            claim = claims.get(slab_id)
-            if isinstance(claim, SavedLent):          # with its pages: the daemon's again
-                engine.slabs[slab_id] = SlabRecord(slab_id, list(claim.pages), list(claim.page_devices),
-                                                   Phase.HELD, set())
-                for page_device in claim.page_devices:
-                    books.pools[page_device].created += 1
-            else:
-                engine.slabs[slab_id] = SlabRecord(slab_id, [], [], Phase.HELD, set(), adopted_pages=slab_pages)
-                pool.adopted += slab_pages
+            # Without pages at first, a matched claim too: its pages become the
+            # daemon's once every worker re-registered with the slab mapped
+            # (``_confirm``); unmapped before that, no worker could still map them.
+            engine.slabs[slab_id] = SlabRecord(slab_id, [], [], Phase.HELD, set(), adopted_pages=slab_pages)
+            pool.adopted += slab_pages
             engine.mirror.hold(slab_id, m.occupancy.get(slab_id, (0, 0, m.blocks_per_slab)))
-        with_pages = sum(isinstance(c, SavedLent) for c in claims.values())
-        self._settle_claims(m.engine_id, claims)
+        self._settle_claims(engine, claims)
         books.engines[m.engine_id] = engine
         log.info("engine %s registered: namespace %s, pid %d, %d worker(s), slab %d bytes, "
                  "virtual capacity %d slabs%s", m.engine_id, m.namespace, m.pid, m.num_workers,
-                 engine.slab_bytes, max_slabs,
-                 f", adopted {len(held)} slab(s), {with_pages} with their pages" if held else "")
+                 engine.slab_bytes, max_slabs, f", adopted {len(held)} slab(s)" if held else "")
+        if engine.num_workers == 0:
+            self._confirm(engine)
         return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=books.page_size,
                             max_slabs=max_slabs, token=engine.token, idle_grace=books.rules.idle_grace,
                             hash_seed=self.hash_seed(m.namespace), orphan_ttl=books.timing.orphan_ttl)
@@ -177,10 +176,12 @@ class Registration:
             raise Rejected(p.Reason.BAD_ADOPTION, f"engine {m.engine_id}: a slab appears twice in its held list")
         if held and (min(held) < 0 or max(held) >= max_slabs):
             raise Rejected(p.Reason.BAD_ADOPTION, f"engine {m.engine_id}: held slab ids must lie in 0..{max_slabs - 1}")
-        if len(held) * slab_pages > pool.creatable():
+        # Its own held lent records' pages are room for it (used or let go as it registers).
+        device = next(name for name, each in self.books.pools.items() if each is pool)
+        room = pool.creatable() + sum(rec.page_devices.count(device) for rec in self.lent.get(m.engine_id, {}).values())
+        if len(held) * slab_pages > room:
             raise Rejected(p.Reason.BAD_ADOPTION, f"engine {m.engine_id}: {len(held)} held slab(s) need "
-                                           f"{len(held) * slab_pages} pages, the budget has room for "
-                                           f"{pool.creatable()}")
+                                           f"{len(held) * slab_pages} pages, the budget has room for {room}")
         for slab_id, occ in m.occupancy.items():
             if slab_id not in held:
                 continue
@@ -191,46 +192,64 @@ class Registration:
     # ------------------------------------------------ lent records (issue 44)
     def hold_lent(self, records: list[SavedLent], dropped: dict[tuple[str, int], str], until: float) -> None:
         """A predecessor's lent records to hold for claims until ``until``
-        (``saved.adopt`` checked them; the loop holds their pages now);
-        ``dropped``: the (engine, slab) of records not held, and why."""
+        (``saved.adopt`` checked them; the loop holds their pages now, and
+        the budget counts them: ``PagePool.held_lent``); ``dropped``: the
+        (engine, slab) of records not held, and why."""
         for rec in records:
             self.lent.setdefault(rec.engine_id, {})[rec.slab_id] = rec
+            for device in rec.page_devices:
+                self.books.pools[device].held_lent += 1
         self.lent_gone.update(dropped)
         self.lent_until = until
         self.lent_version += 1
 
+    def held_records(self) -> list[SavedLent]:
+        """Every record whose pages the daemon holds: unclaimed, or claimed and awaiting its workers."""
+        out = [rec for mine in self.lent.values() for rec in mine.values()]
+        return out + [rec for _, mine, _ in self.awaiting.values() for rec in mine.values()]
+
     def lent_pages(self) -> dict[str, list[int]]:
-        """Device -> the pages of the records held (the daemon's, lent to no one)."""
+        """Device -> the pages of ``held_records`` (the daemon's, in no slab, lent to no one new)."""
         out: dict[str, list[int]] = {}
-        for mine in self.lent.values():
-            for rec in mine.values():
-                for page, device in zip(rec.pages, rec.page_devices):
-                    out.setdefault(device, []).append(page)
+        for rec in self.held_records():
+            for page, device in zip(rec.pages, rec.page_devices):
+                out.setdefault(device, []).append(page)
         return out
 
-    def held_records(self) -> list[SavedLent]:
-        return [rec for mine in self.lent.values() for rec in mine.values()]
+    def pending_pages(self) -> dict[str, int]:
+        """Device -> pages of the unclaimed records (``PagePool.held_lent``)."""
+        out: dict[str, int] = {}
+        for mine in self.lent.values():
+            for rec in mine.values():
+                for device in rec.page_devices:
+                    out[device] = out.get(device, 0) + 1
+        return out
+
+    def awaiting_pages(self) -> int:
+        """Pages of claimed records awaiting their workers (the budget counts their slabs as adopted)."""
+        return sum(len(rec.pages) for _, mine, _ in self.awaiting.values() for rec in mine.values())
 
     def expire_lent(self) -> None:
-        """Past the grace period: the records no engine claimed are let go (their pages released)."""
-        if not self.lent or self.books.now < self.lent_until:
+        """Past the grace period: the records no engine claimed, or whose
+        workers did not all confirm them, are let go (their pages released)."""
+        if (not self.lent and not self.awaiting) or self.books.now < self.lent_until:
             return
-        records = self.held_records()
+        records = [rec for mine in self.lent.values() for rec in mine.values()]
         self.lent.clear()
-        self.lent_version += 1
         self.lent_gone.update(((r.engine_id, r.slab_id), "late") for r in records)
-        self._let_go(records, "no engine claimed it within the grace period")
+        for engine_id in list(self.awaiting):
+            self._unconfirmed(engine_id)
+        self.lent_version += 1
+        self._let_go(records, "no engine claimed it within the grace period", pending=True)
 
     def _match_claims(self, m: p.RegisterEngine, held: list[int], device: str, slab_pages: int,
                       uid: int) -> dict[int, SavedLent | str]:
-        """Slab id -> the held record it is adopted with, or why none (checked
-        whole, before anything changes: a claim over the budget is refused)."""
+        """Slab id -> the held record that matches its claim exactly, or why none."""
         mine = self.lent.get(m.engine_id, {})
         if not held or (self.books.restart is None and not mine):
             return {}                  # no keeper at start: nothing saved, nothing to count
         digest = token_digest(m.token)
         out: dict[int, SavedLent | str] = {}
-        need: dict[str, int] = {}
         for slab_id in held:
             rec = mine.get(slab_id)
             if rec is None:
@@ -240,36 +259,100 @@ class Registration:
                 out[slab_id] = "mismatch"
             else:
                 out[slab_id] = rec
-                for page_device in rec.page_devices:
-                    need[page_device] = need.get(page_device, 0) + 1
-                continue
-            need[device] = need.get(device, 0) + slab_pages
-        pools = self.books.pools
-        if any(n > pools[d].creatable() for d, n in need.items()):
-            raise Rejected(p.Reason.BAD_ADOPTION, f"engine {m.engine_id}: {len(held)} held slab(s) need "
-                                                  f"more pages than the budget has room for")
         return out
 
-    def _settle_claims(self, engine_id: str, claims: dict[int, SavedLent | str]) -> None:
-        """``engine_id`` registered: its records are used or let go, its claims counted."""
+    def _settle_claims(self, engine: EngineRecord, claims: dict[int, SavedLent | str]) -> None:
+        """``engine`` registered (its claimed slabs adopted without pages): its
+        matched records await its workers' confirmation, the rest of its
+        records are let go, the claims that matched none counted."""
+        engine_id = engine.engine_id
+        if engine_id in self.awaiting:             # an earlier registration of that id never confirmed
+            self._unconfirmed(engine_id)
         mine = self.lent.pop(engine_id, None)
         if mine is not None:
             self.lent_version += 1
+        matched = {slab_id: rec for slab_id, rec in claims.items() if isinstance(rec, SavedLent)}
+        for rec in matched.values():
+            for device in rec.page_devices:
+                self.books.pools[device].held_lent -= 1   # counted as the adopted slab's pages now
+        if matched:
+            self.awaiting[engine_id] = (engine.serial, matched, {slab_id: set() for slab_id in matched})
         unused = [rec for slab_id, rec in (mine or {}).items() if claims.get(slab_id) is not rec]
-        restart = self.books.restart
-        if restart is not None and claims:
-            unmatched = dict(restart.lent_unmatched)
-            for claim in claims.values():
-                if isinstance(claim, str):
-                    unmatched[claim] = unmatched.get(claim, 0) + 1
-            self.books.restart = msgspec.structs.replace(
-                restart, lent_adopted=restart.lent_adopted + sum(isinstance(c, SavedLent) for c in claims.values()),
-                lent_unmatched=unmatched)
+        self._count(unmatched=[c for c in claims.values() if isinstance(c, str)])
         for rec in unused:
             self.lent_gone[(rec.engine_id, rec.slab_id)] = "mismatch" if rec.slab_id in claims else "no_record"
-        self._let_go(unused, f"engine {engine_id} registered without a claim that matches it")
+        self._let_go(unused, f"engine {engine_id} registered without a claim that matches it", pending=True)
 
-    def _let_go(self, records: list[SavedLent], why: str) -> None:
+    def _worker_confirms(self, engine: EngineRecord, rank: int, mapped: list[int]) -> None:
+        """A worker of ``engine`` registered saying it maps ``mapped``."""
+        entry = self.awaiting.get(engine.engine_id)
+        if entry is None or entry[0] != engine.serial:
+            return
+        for slab_id, ranks in entry[2].items():
+            if slab_id in mapped:
+                ranks.add(rank)
+        if all(rank in engine.workers for rank in range(engine.num_workers)):
+            self._confirm(engine)
+
+    def _confirm(self, engine: EngineRecord) -> None:
+        """Every worker of ``engine`` registered: each awaiting slab still held
+        that every rank maps takes its record's pages (the daemon's again, so
+        its cache is kept when the engine leaves); the others' are let go."""
+        entry = self.awaiting.pop(engine.engine_id, None)
+        if entry is None:
+            return
+        self.lent_version += 1
+        _, matched, ranks = entry
+        books, adopted, dropped = self.books, 0, []
+        for slab_id, rec in matched.items():
+            slab = engine.slabs.get(slab_id)
+            need: dict[str, int] = {}
+            for device in rec.page_devices:
+                need[device] = need.get(device, 0) + 1
+            room = {d: books.pools[d].creatable() + (slab.adopted_pages if slab and d == engine.device else 0)
+                    for d in need}
+            if slab is None or slab.phase is not Phase.HELD or slab.pages \
+                    or ranks[slab_id] != set(range(engine.num_workers)) or any(need[d] > room[d] for d in need):
+                dropped.append(rec)
+                continue
+            books.pools[engine.device].adopted -= slab.adopted_pages
+            slab.adopted_pages = 0
+            slab.pages, slab.page_devices = list(rec.pages), list(rec.page_devices)
+            for device, n in need.items():
+                books.pools[device].created += n
+            engine.lent_changes += 1
+            adopted += 1
+        if adopted:
+            log.info("engine %s: %d adopted slab(s) confirmed by its workers: their pages are the daemon's again",
+                     engine.engine_id, adopted)
+        self._count(adopted=adopted, unmatched=["unconfirmed"] * len(dropped))
+        self._let_go(dropped, f"engine {engine.engine_id}'s workers did not confirm them")
+
+    def _unconfirmed(self, engine_id: str) -> None:
+        _, matched, _ = self.awaiting.pop(engine_id)
+        self.lent_version += 1
+        self._count(unmatched=["unconfirmed"] * len(matched))
+        self._let_go(list(matched.values()), f"engine {engine_id}'s workers did not confirm them in time")
+
+    def departed(self, engine: EngineRecord) -> None:
+        """``engine`` left the books: its claims awaiting confirmation never will be."""
+        entry = self.awaiting.get(engine.engine_id)
+        if entry is not None and entry[0] == engine.serial:
+            self._unconfirmed(engine.engine_id)
+
+    def _count(self, adopted: int = 0, unmatched: Sequence[str] = ()) -> None:
+        """Copy on write: the status snapshots the loop published keep what they said."""
+        restart = self.books.restart
+        if restart is None or (not adopted and not unmatched):
+            return
+        counts = dict(restart.lent_unmatched)
+        for why in unmatched:
+            counts[why] = counts.get(why, 0) + 1
+        self.books.restart = msgspec.structs.replace(restart, lent_adopted=restart.lent_adopted + adopted,
+                                                     lent_unmatched=counts)
+
+    def _let_go(self, records: list[SavedLent], why: str, pending: bool = False) -> None:
+        """Release the pages of ``records`` (``pending``: still counted in ``held_lent``)."""
         if not records:
             return
         by_device: dict[str, list[int]] = {}
@@ -277,6 +360,8 @@ class Registration:
             for page, device in zip(rec.pages, rec.page_devices):
                 by_device.setdefault(device, []).append(page)
         for device, pages in by_device.items():
+            if pending:
+                self.books.pools[device].held_lent -= len(pages)
             self.books.emit(fx.ReleasePages(device, tuple(pages)))
         restart = self.books.restart
         if restart is not None:
@@ -303,6 +388,8 @@ class Registration:
         engine.workers[m.rank] = identity
         engine.worker_devices[m.rank] = device
         log.info("engine %s: worker %d registered (pid %d)", m.engine_id, m.rank, m.pid)
+        if self.awaiting:
+            self._worker_confirms(engine, m.rank, m.mapped)
         self.grows.progress()
         budget = books.pools[device].budget_pages * books.page_size
         return p.Registered(engine_id=engine.engine_id, budget_bytes=budget, page_size=books.page_size,

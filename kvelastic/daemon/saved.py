@@ -141,14 +141,25 @@ def adopt(saved: SavedBooks, held: set[int], room: dict[str, int], now: float) -
     """The saved kept slabs a daemon may take back: every page held by the
     keeper (``held``) and named once in the whole file, on a device it has,
     within ``room`` (device -> pages it may adopt). Oldest first, as the
-    cache evicts. And the lent records it may hold for their engines'
-    claims: every page held, named once in the file, on a device it has (a
-    lent slab's pages exist already: the budget counts them when claimed)."""
+    cache evicts. And, first, the lent records it may hold for their
+    engines' claims: every page held, named once in the file, on a device it
+    has, within ``room`` (held pages count against the budget: they are
+    memory in use)."""
     out = Adoption([], {}, {}, saved.next_page)
     names = collections.Counter(pg for slab in saved.kept for pg in slab.pages)
     names.update(pg for rec in saved.lent for pg in rec.pages)
     twice = {pg for pg, n in names.items() if n > 1}      # no daemon wrote that: every record naming it goes
     left = dict(room)
+    keys = collections.Counter((rec.engine_id, rec.slab_id) for rec in saved.lent)
+    for rec in saved.lent:       # first: a running engine's pages are memory in use, kept cache is not
+        why = _unfit_lent(rec, held, twice, left, saved.next_page, keys[(rec.engine_id, rec.slab_id)] > 1)
+        if why:
+            out.lent_dropped[why] = out.lent_dropped.get(why, 0) + 1
+            out.lent_gone.append((rec.engine_id, rec.slab_id))
+            continue
+        out.lent.append(rec)
+        for device in rec.page_devices:
+            left[device] -= 1
     for slab in sorted(saved.kept, key=lambda s: -s.age):
         why = _unfit(slab, held, twice, left, saved.next_page)
         if why:
@@ -159,14 +170,6 @@ def adopt(saved: SavedBooks, held: set[int], room: dict[str, int], now: float) -
             out.pages.setdefault(device, []).append(page)
         out.kept.append(OrphanSlab(slab.namespace, slab.shape, list(slab.pages), list(slab.page_devices),
                                    tuple(slab.cached), now - slab.age, slab.engine_id))
-    keys = collections.Counter((rec.engine_id, rec.slab_id) for rec in saved.lent)
-    for rec in saved.lent:
-        why = _unfit_lent(rec, held, twice, room, saved.next_page, keys[(rec.engine_id, rec.slab_id)] > 1)
-        if why:
-            out.lent_dropped[why] = out.lent_dropped.get(why, 0) + 1
-            out.lent_gone.append((rec.engine_id, rec.slab_id))
-        else:
-            out.lent.append(rec)
     return out
 
 
@@ -200,6 +203,9 @@ def _unfit_lent(rec: SavedLent, held: set[int], twice: set[int], devices: dict[s
         return "device_gone"
     if not held.issuperset(rec.pages):
         return "pages_gone"
+    need = collections.Counter(rec.page_devices)
+    if any(devices[device] < n for device, n in need.items()):
+        return "over_budget"
     return ""
 
 

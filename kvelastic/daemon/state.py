@@ -306,12 +306,13 @@ class PagePool:
         self.created = 0                     # pages that exist in the daemon
         self.creating = 0                    # asked of the loop, not yet reported
         self.adopted = 0                     # pages that exist only in engines (after a restart)
+        self.held_lent = 0                   # pages of a predecessor's lent records, held for claims
         self.free = FreePages()              # page id -> last owner ("" when never used)
         self.creation_failed_at = -1e9
 
     @property
     def in_use(self) -> int:
-        return self.created + self.creating + self.adopted
+        return self.created + self.creating + self.adopted + self.held_lent
 
     def creatable(self) -> int:
         return max(0, self.budget_pages - self.in_use)

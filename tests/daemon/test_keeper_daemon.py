@@ -59,8 +59,9 @@ def test_the_keeper_holds_the_daemons_pages_past_its_death(tmp_path, engines):
         daemon = DaemonProcess(tmp_path, memory="32MiB", KVELASTIC_ORPHAN_CACHE_TTL="1s").start()
         assert f"kept slabs dropped: none; {slabs} running engines' slab(s) held for their claims (dropped: none); " \
                f"{created - lent} other page(s) of the keeper let go" in daemon.log()
-        wait_for(lambda: daemon.status()["engines"], timeout=15, what="a re-registered")
-        assert kept(keeper)[0] == daemon.status()["pages"]["created"] == lent   # a's slabs: adopted with their pages
+        wait_for(lambda: daemon.status()["restart"]["lent_adopted"] == slabs, timeout=15,
+                 what="a and its worker re-registered, its slabs adopted with their pages")
+        assert kept(keeper)[0] == daemon.status()["pages"]["created"] == lent
 
         b = engines(daemon, "b", namespace="llama", **KEEP)
         assert b.do("ensure", n=4)["ok"]
@@ -130,7 +131,8 @@ def test_the_kept_cache_survives_the_daemon(tmp_path, engines, how):
         wait_for(lambda: [e["engine_id"] for e in daemon.status()["engines"]] == ["c"], timeout=15,
                  what="c re-registered")
         assert c.do("lookup", prefix="own", n=4)["hits"] == 4                 # c serves on
-        assert daemon.status()["restart"]["lent_adopted"] == 1                # with its page
+        wait_for(lambda: daemon.status()["restart"]["lent_adopted"] == 1,    # with its page, once its
+                 what="c's slab confirmed by its worker")                     # worker re-registered
         b = engines(daemon, "b", namespace="llama-1", **KEEP)
         assert b.do("ensure", n=1)["ok"]
         assert b.do("lookup", prefix="sys", n=4)["hits"] == 4

@@ -39,7 +39,11 @@ def pages(w: World) -> None:
                     in_slabs += len(slab.pages)
                     owner.update(dict.fromkeys(slab.pages, record.token))
     pool = alloc.pools["0"]
+    # The pages of lent records a new daemon holds for their engines' claims
+    # (keeper.py) are the daemon's too, in a part of their own: counted with the kept.
+    held_lent = alloc.registration.lent_pages().get("0", [])
     free, kept, alive = pool.free, alloc.orphans.pages_on("0"), w.device.pages
+    orphaned, kept = kept, kept + held_lent
     # A partition of the pages alive: each part inside, no two overlapping, the sizes adding up.
     slabs = owner.keys()
     if len(owner) != in_slabs or in_slabs + len(free) + len(kept) != len(alive) or not alive.issuperset(slabs) \
@@ -49,7 +53,8 @@ def pages(w: World) -> None:
         w.violation(f"pages: not each in exactly one place (free, a slab of one registration, kept): lost "
                     f"{sorted(alive - every)[:5]}, booked but not alive {sorted(every - alive)[:5]}, in two "
                     f"places {sorted((slabs & set(free)) | (slabs & set(kept)))[:5] or '(two slabs)'}")
-    if len(alive) + pool.adopted + pool.creating > pool.budget_pages:
+    # (the pages of claimed lent records awaiting their workers count as their adopted slabs)
+    if len(alive) - alloc.registration.awaiting_pages() + pool.adopted + pool.creating > pool.budget_pages:
         w.violation(f"over budget: {len(alive)} pages alive + {pool.adopted} adopted + {pool.creating} being "
                     f"created > {pool.budget_pages}")
     for worker in w.mappers():
@@ -58,7 +63,7 @@ def pages(w: World) -> None:
                 continue                       # its own registration's: the usual case
             for page in mapped:
                 booked = owner.get(page)
-                where = "free in the daemon" if page in free else "kept cache" if page in kept else \
+                where = "free in the daemon" if page in free else "kept cache" if page in orphaned else \
                     "in a slab of another registration" if booked not in (None, worker.token) else ""
                 if where:                      # (not booked at all: a page of an earlier daemon, adopted)
                     w.violation(f"page {page} that worker {worker.identity!r} maps (slab {slab_id}) is {where}")

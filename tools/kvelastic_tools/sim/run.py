@@ -15,7 +15,7 @@ from kvelastic import protocol as p
 from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.state import Phase
 from kvelastic.errors import InvariantViolation
-from kvelastic_tools.sim import checks, ghosts, hostile
+from kvelastic_tools.sim import checks, ghosts, hostile, keeper
 from kvelastic_tools.sim.guard import SimAbort
 from kvelastic_tools.sim.tier import short_leases
 from kvelastic_tools.sim.world import SimEngine, World
@@ -72,6 +72,7 @@ def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = 
         pass                                   # a call was interrupted half-way (its violation is recorded)
     finally:
         w.guard.close()
+    keeper.harvest(w)
     injected.update(w.counts)
     return SimResult(seed, steps, injected, w.violations, w.handed_blocks, w.orphan_blocks, w.kept_blocks,
                      w.restored_blocks)
@@ -235,6 +236,7 @@ def check(w: World) -> None:
             w.allocator.check()
         except InvariantViolation as exc:
             w.violation(f"books: {exc}")
+        keeper.check_lent(w, w.allocator)   # slabs held with pages are what their workers map (issue 44)
     if w.pages_due and w.checked % PAGES_EVERY == 0:
         w.pages_due = False
         checks.pages(w)    # every page in one place; what a worker maps is its registration's (live blocks' too)
