@@ -4,7 +4,10 @@ answers and counts memory that moves back and forth (thrash).
 
 It owns the reclaims pending; a slab given up is unmapped by
 ``unmapping.py``, and with its cached blocks it may go on to a replica of
-the same namespace (``handoff.py``). Nothing here does I/O.
+the same namespace (``handoff.py``), or else, with a node tier, its blocks
+valid when it was asked for and still cached when given up are demoted
+into the tier once unmapped (``tiering.py``: ``TO_TIER``). Nothing here
+does I/O.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from kvelastic.daemon.parts import GrowPass, Unmapper
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.requests import GrowRequest, ReclaimRequest
 from kvelastic.daemon.state import EngineRecord, Phase
+from kvelastic.daemon.tiering import TO_TIER
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -41,6 +45,15 @@ class Reclaims:
         by_engine: dict[str, list[int]] = {}
         for engine, slab_id in victims:
             by_engine.setdefault(engine.engine_id, []).append(slab_id)
+        tiering = self.cache.tiering
+        for engine_id, slabs in by_engine.items():
+            engine = books.engines[engine_id]
+            if tiering is not None and tiering.takes_reclaimed(engine):
+                # What the tier may take of each once given up: its valid
+                # blocks now. An invalidation of the engine's namespace before
+                # the answer clears it (``invalidation.py``: ``slab.handoff``).
+                for slab_id, valid in tiering.valid_blocks(engine, slabs).items():
+                    engine.slabs[slab_id].handoff, engine.slabs[slab_id].handoff_to = valid, -1
         for engine_id, slabs in by_engine.items():
             rid = books.command(books.engines[engine_id].identity, p.Reclaim(slabs=slabs))
             self.pending[rid] = ReclaimRequest(engine_id, slabs, req, books.now + books.timing.reclaim_timeout)
@@ -65,10 +78,15 @@ class Reclaims:
                 engine.reclaims += 1
                 rec.grow.incoming.add((engine.engine_id, slab_id))
                 self._moved(engine, rec.grow.engine_id)
+                valid, slab.handoff = slab.handoff, ()
                 cached = m.cached.get(slab_id)
                 if cached and requester is not None and self.cache.may_hand_on(engine, requester, cached):
                     slab.handoff, slab.handoff_to = tuple(cached), rec.grow.seq
+                elif cached and valid and self.cache.tiering is not None:
+                    # No replica takes its KV: into the tier once unmapped.
+                    slab.handoff, slab.handoff_to = self.cache.tiering.reclaimed(valid, cached), TO_TIER
                 self.unmapper.start_unmap(engine, slab)
+        self._unmark(engine, rec.slabs)        # refused (or not answered for): held on, nothing to demote
         if m.refused:
             log.info("engine %s: refused %d slab(s) (in use again)", m.engine_id, len(m.refused))
         rec.grow.reclaims.discard(m.req_id)
@@ -80,6 +98,9 @@ class Reclaims:
         for rid, rec in list(self.pending.items()):
             if now > rec.deadline:
                 del self.pending[rid]
+                engine = self.books.engines.get(rec.engine_id)
+                if engine is not None:
+                    self._unmark(engine, rec.slabs)
                 log.warning("engine %s: no answer to a reclaim of %d slab(s): treated as refused",
                             rec.engine_id, len(rec.slabs))
                 rec.grow.reclaims.discard(rid)
@@ -88,6 +109,15 @@ class Reclaims:
         """``engine_id`` left: the reclaims asked of it end now (refused)."""
         for rid in [rid for rid, rec in self.pending.items() if rec.engine_id == engine_id]:
             self.pending.pop(rid).grow.reclaims.discard(rid)
+
+    @staticmethod
+    def _unmark(engine: EngineRecord, slabs: list[int]) -> None:
+        """Slabs asked for and still held: what ``reclaim_for`` noted for the
+        tier is forgotten (their blocks may change before any next reclaim)."""
+        for slab_id in slabs:
+            slab = engine.slabs.get(slab_id)
+            if slab is not None and slab.phase is Phase.HELD:
+                slab.handoff, slab.handoff_to = (), -1
 
     def _moved(self, source: EngineRecord, to_id: str) -> None:
         """A slab of ``source`` goes to engine ``to_id``: counted, and thrash if it

@@ -8,6 +8,12 @@ host backend (expired, or yielded to a demand; never when invalidated), the
 daemon holds its pages alone: no process maps them. Each kept block is
 reserved in the index, and the loop reads its bytes from the pages before
 they are released, writes them to the store and commits (``written``).
+Likewise a slab reclaimed from a running engine for another's demand
+(``reclaims.py``), once every worker unmapped it (``unmapping.py``): its
+blocks valid when the daemon asked for it (``valid_blocks``: keys of
+finished steps, as kept cache's) and still cached when the engine gave it
+up (``reclaimed``), unless they go on to a replica with the pages or the
+namespace was invalidated meanwhile.
 
 Where a block's bytes lie (``block_runs``): a slab has, in each worker
 (rank ``r``: pages ``r * pages_per_worker`` on), ``regions`` regions of
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import cast
 
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
@@ -48,7 +55,7 @@ from kvelastic.daemon.books import Books
 from kvelastic.daemon.events import node_stored, parents_first, tier_stored
 from kvelastic.daemon.orphans import OrphanSlab
 from kvelastic.daemon.rejected import Rejected
-from kvelastic.daemon.state import EngineRecord, SlabShape
+from kvelastic.daemon.state import EngineRecord, SlabRecord, SlabShape, shape_of
 from kvelastic.kv_events import MEDIUM_STORAGE, BlockRemoved, BlockStored, KVEvent, tier_topic
 from kvelastic.tier.index import TierIndex
 
@@ -57,6 +64,11 @@ log = logging.getLogger("kvelastic.daemon")
 MAX_LEASES = 64              # leases one engine may hold at once
 LEASE_TIMEOUT = 30.0         # a lease not released by then is ended (its blocks unpinned, counted as failed loads)
 CHUNK = p.MAX_MESSAGE_BYTES - (64 << 10)   # bytes of a block per TierData (room for the envelope)
+# ``SlabRecord.handoff_to`` of a slab reclaimed from a running engine whose
+# cached blocks (``handoff``) go into the tier once unmapped, not to a replica
+# (a grow's seq) nor nowhere (-1). Kept in ``handoff`` so that an invalidation
+# of the engine's namespace meanwhile clears it (``invalidation.py``).
+TO_TIER = -2
 
 Run = tuple[str, int, int, int]   # (device, page id, offset in the page, length)
 
@@ -110,6 +122,7 @@ class Tiering:
         # The tier's blocks as routers hear of them, by slot: (namespace, event).
         self._announcing: dict[int, tuple[str, bytes, BlockStored]] = {}   # reserved, written not yet
         self.announced: dict[int, tuple[str, bytes, BlockStored]] = {}     # published stored
+        self._reclaimed: set[int] = set()   # slots being written from slabs reclaimed from running engines
 
     @property
     def tier(self) -> TierIndex | None:
@@ -120,30 +133,92 @@ class Tiering:
         """Kept slabs about to be released: reserve their blocks in the tier
         and have the loop write them first (host backend only: the daemon
         reads the memfd pages it holds)."""
-        tier, books = self.tier, self.books
-        if tier is None or books.backend != "host" or not slabs:
+        if self.tier is None or self.books.backend != "host" or not slabs:
             return
         for o in slabs:
-            blocks: list[fx.DemoteBlock] = []
-            parent: bytes | None = None
-            for position, c in enumerate(o.cached, 1):
-                runs = block_runs(o.shape, books.page_size, o.pages, o.page_devices, c.offset)
-                if runs is None:
-                    break
-                nbytes = o.shape.block_bytes
-                # Cost: a monotone proxy of the work to compute it again (its
-                # place in the slab's order, which is the prefix's as far as known).
-                cost, par = float(position * nbytes), parent if parent != c.key else None
-                slot = tier.reserve(o.namespace, c.key, nbytes, cost, books.now, par)
-                parent = c.key
-                if slot is not None:
-                    blocks.append(fx.DemoteBlock(slot, c.key, par, cost, tuple(runs)))
-                    event = tier_stored(c.key, c.label)
-                    if event is not None and books.events:
-                        self._announcing[slot] = (o.namespace, c.key, event)
-            if blocks:
-                books.emit(fx.DemoteBlocks(o.namespace, tuple(blocks)))
+            self._demote(o.namespace, o.shape, o.pages, o.page_devices, o.cached)
         self._delete_released()
+
+    def takes_reclaimed(self, engine: EngineRecord) -> bool:
+        """Whether the cached blocks of a slab reclaimed from ``engine`` may go
+        into the tier: a tier on the host backend, and an engine that shares
+        its cache (a private one's weights may have changed in memory)."""
+        return self.tier is not None and self.books.backend == "host" and not engine.private
+
+    @staticmethod
+    def valid_blocks(engine: EngineRecord, slab_ids: list[int]) -> dict[int, tuple[p.CachedBlock, ...]]:
+        """Each slab's blocks whose key the engine stored in a model step that
+        finished (the mirror, as for kept cache; a block the engine marked
+        ``DEMOTE`` counts too: only when its key is dropped was left open, not
+        its bytes), in the order their keys came (step, then place): the
+        prefix's order as far as the daemon knows it. Costs what the slabs
+        hold and the engine's demoted blocks, never what its geometry allows."""
+        mirror, bps = engine.mirror, engine.blocks_per_slab
+        wanted = set(slab_ids)
+        demoted: dict[int, list[int]] = {}
+        for block in mirror.demoted:
+            if block // bps in wanted:
+                demoted.setdefault(block // bps, []).append(block)
+        out: dict[int, tuple[p.CachedBlock, ...]] = {}
+        for slab_id in wanted:
+            first = slab_id * bps
+            blocks = [first + offset for offset, _ in mirror.valid_in(slab_id, bps)]
+            blocks += [b for b in demoted.get(slab_id, ()) if mirror.stored_in.get(b, mirror.done + 1) <= mirror.done]
+            found = sorted((mirror.stored_in[b], b - first, cast(bytes, mirror.key_of[b]),
+                            mirror.label_of.get(b, b"")) for b in blocks)
+            out[slab_id] = tuple(p.CachedBlock(offset, key, label) for _, offset, key, label in found)
+        return out
+
+    @staticmethod
+    def reclaimed(valid: tuple[p.CachedBlock, ...], given: list[p.CachedBlock]) -> tuple[p.CachedBlock, ...]:
+        """Of a reclaimed slab's blocks valid when the daemon asked for it,
+        those the engine still cached under the same key when it gave the
+        slab up (a block rewritten since would have been live, and refused,
+        or keyed anew)."""
+        still = {(c.offset, c.key) for c in given}
+        return tuple(c for c in valid if (c.offset, c.key) in still)
+
+    def demote_reclaimed(self, engine: EngineRecord, slab: SlabRecord) -> None:
+        """Every worker of a running engine let go of a slab reclaimed for
+        another engine: the daemon holds its pages alone, so its cached
+        blocks (``slab.handoff``, ``TO_TIER``) are written to the tier before
+        the pages are reused (``fx.DemoteBlocks`` ahead of any effect that
+        re-grants or releases them)."""
+        if not self.takes_reclaimed(engine) or not slab.handoff or not slab.pages:
+            return
+        reserved = self._demote(engine.namespace, shape_of(engine), slab.pages, slab.page_devices, slab.handoff)
+        self._reclaimed.update(reserved)
+        if reserved:
+            log.info("engine %s: %d cached block(s) of reclaimed slab %d go to the tier", engine.engine_id,
+                     len(reserved), slab.slab_id)
+        self._delete_released()
+
+    def _demote(self, namespace: str, shape: SlabShape, pages: list[int], page_devices: list[str],
+                cached: tuple[p.CachedBlock, ...]) -> list[int]:
+        """Reserve ``cached`` (a slab's blocks, in the prefix's order as far as
+        known) and emit their ``DemoteBlocks``; the slots reserved."""
+        tier, books = self.tier, self.books
+        assert tier is not None
+        blocks: list[fx.DemoteBlock] = []
+        parent: bytes | None = None
+        for position, c in enumerate(cached, 1):
+            runs = block_runs(shape, books.page_size, pages, page_devices, c.offset)
+            if runs is None:
+                break
+            nbytes = shape.block_bytes
+            # Cost: a monotone proxy of the work to compute it again (its
+            # place in the slab's order, which is the prefix's as far as known).
+            cost, par = float(position * nbytes), parent if parent != c.key else None
+            slot = tier.reserve(namespace, c.key, nbytes, cost, books.now, par)
+            parent = c.key
+            if slot is not None:
+                blocks.append(fx.DemoteBlock(slot, c.key, par, cost, tuple(runs)))
+                event = tier_stored(c.key, c.label)
+                if event is not None and books.events:
+                    self._announcing[slot] = (namespace, c.key, event)
+        if blocks:
+            books.emit(fx.DemoteBlocks(namespace, tuple(blocks)))
+        return [b.slot for b in blocks]
 
     def written(self, committed: list[int], failed: list[tuple[int, str]]) -> None:
         """The loop wrote (or could not write) the blocks of a ``DemoteBlocks``."""
@@ -152,12 +227,15 @@ class Tiering:
             return
         stored: dict[str, list[tuple[bytes, BlockStored]]] = {}
         for slot in committed:
-            tier.commit(slot)
+            if tier.commit(slot) and slot in self._reclaimed:
+                tier.stats.demotions_reclaimed += 1
+            self._reclaimed.discard(slot)
             if slot in self._announcing:
                 namespace, key, event = self.announced[slot] = self._announcing.pop(slot)
                 stored.setdefault(namespace, []).append((key, event))
         for slot, reason in failed:
             tier.abort(slot, reason)
+            self._reclaimed.discard(slot)
             self._announcing.pop(slot, None)
         for namespace, blocks in stored.items():
             topic, ordered = tier_topic(namespace), parents_first([e for _, e in blocks])

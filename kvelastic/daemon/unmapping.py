@@ -3,7 +3,9 @@ reclaimed, or left by an engine that departed is unmapped by every worker
 still there; a failed engine's slabs are quarantined until none of its
 processes is left to map them. Once every worker let go, the pages are free
 in the daemon (under their owner's tag), handed on to a replica's grow, or
-kept as cache of the namespace (``handoff.py`` decides).
+kept as cache of the namespace (``handoff.py`` decides); a slab reclaimed
+from a running engine for another namespace has its cached blocks demoted
+into the node's tier first (``tiering.py``).
 
 It owns the returns pending (a ``Return`` is answered once every slab in it
 is unmapped); nothing here does I/O.
@@ -21,6 +23,7 @@ from kvelastic.daemon.parts import GrowPass
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.requests import Handoff, ReturnRequest
 from kvelastic.daemon.state import EngineRecord, Phase, SlabRecord, owner_tag
+from kvelastic.daemon.tiering import TO_TIER
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -117,6 +120,12 @@ class Unmapping:
                 and self.cache.may_hand_on(engine, taker, list(slab.handoff)):
             owner = owner_tag(taker)   # handed on: free under the taker's tag until its grow maps them
             req.handoffs.append(Handoff(list(slab.pages), list(slab.page_devices), slab.handoff))
+        elif slab.handoff_to == TO_TIER and self.cache.tiering is not None and not engine.failed \
+                and books.engines.get(engine.engine_id) is engine:
+            # Reclaimed from a running engine whose every worker acknowledged:
+            # the daemon alone holds the pages now. Written before anything
+            # below can re-grant or release them (effects run in order).
+            self.cache.tiering.demote_reclaimed(engine, slab)
         if not self.cache.keep_orphan(engine, slab):
             for page_id, device in zip(slab.pages, slab.page_devices):
                 books.pools[device].put_back([page_id], owner)

@@ -17,6 +17,7 @@ FAILURE_REASONS = ("disk_full", "io", "torn", "checksum", "identity", "load")
 @dataclasses.dataclass
 class TierStats:
     demotions: int = 0        # blocks committed: their bytes are in the tier and findable
+    demotions_reclaimed: int = 0   # of those, of cached slabs reclaimed from running engines (counted by the daemon)
     already_held: int = 0     # demotions not needed: the key was in the tier already
     rejected_full: int = 0    # demotions refused: no room (what is left is held by loads and writes)
     restored: int = 0         # entries rebuilt from what a store found after a restart

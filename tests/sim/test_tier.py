@@ -1,6 +1,7 @@
 """The node's tier in the simulator (``kvelastic_tools.sim.tier``, issue 43):
 odd seeds run with a real ``TierIndex`` handed to the allocator; kept cache
-released is demoted into a simulated store that fills up and tears blocks;
+released, and cached slabs reclaimed from running engines for another
+namespace, are demoted into a simulated store that fills up and tears blocks;
 engines look up and fetch on a miss, die holding leases and abandon them;
 ``kvelastic invalidate`` hits namespaces with tier blocks; a new daemon
 rebuilds its index from the store. The tier's invariants hold in every seed.
@@ -8,8 +9,9 @@ rebuilds its index from the store. The tier's invariants hold in every seed.
 The second re-injects bugs, in the daemon and in the loop's part, and shows
 the simulator catches each: blocks served after their namespace was
 invalidated, leases that outlive their engine or their deadline,
-invalidated kept cache demoted, and a live loaded slot's bytes deleted
-while a lease holds it.
+invalidated kept cache demoted, a live loaded slot's bytes deleted while a
+lease holds it, and a reclaimed slab's cache demoted though its namespace
+was invalidated before it was unmapped.
 
 The third and fourth replay the gaps it found, fixed: a block served after
 its namespace was invalidated, by a lease granted before the invalidation
@@ -20,7 +22,8 @@ even while a load pins it)."""
 import pytest
 
 from kvelastic.daemon.handoff import CacheHandoff
-from kvelastic.daemon.tiering import Tiering
+from kvelastic.daemon.invalidation import CacheScope
+from kvelastic.daemon.tiering import TO_TIER, Tiering
 from kvelastic.tier.index import TierIndex
 from kvelastic_tools.sim.run import run_seed
 
@@ -38,8 +41,8 @@ def test_the_tier_in_the_simulator_holds_its_invariants():
         if result.violations:
             failures.append(f"{result.violations[0]}  (replay: {result.replay})")
     assert not failures, f"{len(failures)} seed(s) failed:\n" + "\n".join(failures[:5])
-    for kind in ("tier_demoted", "tier_promoted", "tier_disk_full", "tier_torn", "lease_engine_died",
-                 "lease_expired", "tier_invalidated", "tier_released", "tier_rebuilt"):
+    for kind in ("tier_demoted", "tier_demoted_reclaimed", "tier_promoted", "tier_disk_full", "tier_torn",
+                 "lease_engine_died", "lease_expired", "tier_invalidated", "tier_released", "tier_rebuilt"):
         assert faults.get(kind, 0) > 0, f"no {kind} in {len(SEEDS)} seeds"
 
 
@@ -86,11 +89,27 @@ def files_of_loaded_blocks_handed_out(monkeypatch):
     monkeypatch.setattr(TierIndex, "check", lambda self: None)    # the index's own check would see it first
 
 
+def reclaimed_cache_survives_invalidation(monkeypatch):
+    """What a reclaim noted for the tier is not cleared by an invalidation of
+    the engine's namespace (as if kept anywhere but ``slab.handoff``)."""
+    forget = CacheScope._forget_handoffs
+
+    def keep_tier_notes(self, engine):
+        notes = [(slab, slab.handoff, slab.handoff_to) for other in (*self.books.engines.values(),
+                                                                     *self.books.departing.values())
+                 for slab in other.slabs.values() if slab.handoff_to in (-1, TO_TIER)]
+        forget(self, engine)
+        for slab, handoff, to in notes:
+            slab.handoff, slab.handoff_to = handoff, to
+    monkeypatch.setattr(CacheScope, "_forget_handoffs", keep_tier_notes)
+
+
 @pytest.mark.parametrize(("fault", "found"), [(invalidate_forgets_the_tier, "served after its namespace"),
                                               (leases_outlive_engines, "outlived its engine"),
                                               (leases_never_expire, "outlived its deadline"),
                                               (invalidated_kept_cache_demoted, "demoted"),
-                                              (files_of_loaded_blocks_handed_out, "deleted while")])
+                                              (files_of_loaded_blocks_handed_out, "deleted while"),
+                                              (reclaimed_cache_survives_invalidation, "demoted from KV invalidated")])
 def test_the_simulator_catches_a_tier_bug(fault, found, monkeypatch):
     fault(monkeypatch)
     for seed in range(1, 800, 2):

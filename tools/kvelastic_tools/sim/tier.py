@@ -23,8 +23,9 @@ within the budget; the store never deletes a live slot a lease holds
 never finds its slot's bytes gone; every block served holds exactly what
 was demoted into that slot, of the lease's namespace and key, written
 whole, and never after its namespace was invalidated (not by a lease
-granted before it, nor from a file a new daemon restored); a kept slab
-invalidated is never demoted; no lease outlives its engine or its deadline.
+granted before it, nor from a file a new daemon restored); KV the daemon
+held for demotion when its namespace was invalidated (kept cache, a
+running engine's slab being reclaimed) is never demoted; no lease outlives its engine or its deadline.
 
 The world is seen through ``TierWorld`` (``World`` fits it): this module
 does not import ``world.py``.
@@ -43,6 +44,7 @@ from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon import tiering
 from kvelastic.daemon.allocator import Allocator
+from kvelastic.daemon.state import Phase
 from kvelastic.errors import InvariantViolation
 from kvelastic.tier.disk import DiskEntry, ScanResult
 from kvelastic.tier.index import TierIndex
@@ -163,7 +165,7 @@ class SimTier:
         self.store: dict[int, Stored] = {}
         self.index = TierIndex(BUDGET_BLOCKS * BLOCK_BYTES)
         self.invalidated: collections.Counter[str] = collections.Counter()   # namespace -> invalidations
-        self.stale: dict[int, KV] = {}     # KV of kept slabs invalidated (by id; held, so ids stay theirs)
+        self.stale: dict[int, KV] = {}     # KV on the device when its namespace was invalidated (by id; held)
         self.loads: dict[bytes, Load] = {}  # engine identity -> its load in flight
         self.leased_through_invalidation: set[int] = set()   # leases held when their namespace was invalidated
         self.restored_invalidated: set[int] = set()          # slots of invalidated blocks a new daemon restored
@@ -214,7 +216,8 @@ class SimTier:
                         f"step {kv.step}{'' if kv.complete else ' (torn)'}"
                     w.violation(f"tier: block {block.key!r} of {e.namespace} demoted from pages holding {what}")
                 elif id(kv) in self.stale:
-                    w.violation(f"tier: block {block.key!r} of {e.namespace} demoted from a kept slab invalidated")
+                    w.violation(f"tier: block {block.key!r} of {e.namespace} demoted from KV invalidated "
+                                f"(by {kv.writer} step {kv.step})")
             if self.rng.random() < DISK_FULL:
                 failed.append((block.slot, "disk_full"))
                 w.counts["tier_disk_full"] += 1
@@ -224,7 +227,10 @@ class SimTier:
                                             self.invalidated[e.namespace], torn=self.rng.random() < TORN)
             done.append(block.slot)
         w.counts["tier_demoted"] += len(done)
-        return w.call(w.allocator.tier_written, done, failed, w.now)
+        before = self.index.stats.demotions_reclaimed
+        effects = w.call(w.allocator.tier_written, done, failed, w.now)
+        w.counts["tier_demoted_reclaimed"] += self.index.stats.demotions_reclaimed - before   # of those
+        return effects
 
     def read(self, e: fx.ReadTierBlock) -> list[fx.Effect]:
         """A fetch: the block's bytes (here: its content checked) or its failure."""
@@ -353,13 +359,23 @@ class SimTier:
         in_tier = sorted(self.index.namespaces())
         names = in_tier if in_tier and self.rng.random() < 0.8 else sorted({e.namespace for e in w.engines})
         target = self.rng.choice(names)
-        for slab in w.allocator.orphans:       # its kept cache goes now, never demoted
-            if slab.namespace == target:
-                for page in slab.pages:
-                    for offset in range(BLOCKS_PER_SLAB):
-                        kv = w.device.kv.get((page, offset))
-                        if kv is not None:
-                            self.stale[id(kv)] = kv
+        # Its KV that the daemon could still demote never reaches the tier:
+        # kept cache's, and that of slabs being reclaimed from its running
+        # engines (asked for, or unmapping). (Later slabs are the engines'
+        # own to clear: the sim's engines ignore ``ClearIndex``.)
+        alloc = w.allocator
+        asked = {(r.engine_id, s) for r in alloc.reclaiming.pending.values() for s in r.slabs}
+        going = {page for slab in alloc.orphans if slab.namespace == target for page in slab.pages}
+        for engine in alloc.engines.values():
+            if target in (engine.namespace, engine.engine_id):
+                going.update(page for slab in engine.slabs.values()
+                             if slab.phase is Phase.UNMAPPING or (engine.engine_id, slab.slab_id) in asked
+                             for page in slab.pages)
+        for page in going:
+            for offset in range(BLOCKS_PER_SLAB):
+                kv = w.device.kv.get((page, offset))
+                if kv is not None:
+                    self.stale[id(kv)] = kv
         self.invalidated[target] += 1
         self.leased_through_invalidation.update(lease.lease for lease in w.allocator.tiering.leases.values()
                                                 if lease.namespace == target)
