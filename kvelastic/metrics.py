@@ -14,12 +14,13 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvelastic.core.stats import EVICTION_REASONS
 from kvelastic.protocol import Reason
-from kvelastic.status_report import RestartStatus, StatusReport, TierStatus
+from kvelastic.status_report import LoadLatency, RestartStatus, StatusReport, TierStatus
 from kvelastic.tier.stats import EVICTION_REASONS as TIER_EVICTION_REASONS
 from kvelastic.tier.stats import FAILURE_REASONS as TIER_FAILURE_REASONS
 
@@ -286,6 +287,20 @@ def tier_families(tier: TierStatus) -> Iterator[Metric]:
     for reason in TIER_FAILURE_REASONS:
         failures.add_metric([reason], tier.counters.get(f"failures_{reason}", 0))
     yield from (evictions, failures)
+    yield tier_load_family(tier.load_seconds)
+
+
+def tier_load_family(load: LoadLatency) -> HistogramMetricFamily:
+    """``kvelastic_tier_load_seconds``: the tier's per-block counts made cumulative, as Prometheus has them."""
+    family = HistogramMetricFamily(f"{PREFIX}_tier_load_seconds",
+                                   "Seconds from an engine's tier lookup to each of its blocks loaded (the "
+                                   "block's last chunk read by the daemon).")
+    cumulative, total = [], 0
+    for bound, n in zip([*(floatToGoString(b) for b in load.buckets), "+Inf"], load.counts):
+        total += n
+        cumulative.append((bound, total))
+    family.add_metric([], cumulative or [("+Inf", 0)], sum_value=load.sum)
+    return family
 
 
 ROUTER_ERRORS = ("bad_request", "tokenize", "indexer", "engine")

@@ -72,6 +72,14 @@ class OrphanStatus(msgspec.Struct, kw_only=True):
     oldest_seconds: float        # age of the oldest (it expires at the orphan TTL)
 
 
+class LoadLatency(msgspec.Struct, kw_only=True):
+    """Seconds from a tier lease's lookup to each of its blocks loaded (its
+    last chunk read), as a histogram (``TierStats.observe_load``)."""
+    buckets: list[float] = []    # upper bounds, seconds (``tier.stats.LOAD_BUCKETS``)
+    counts: list[int] = []       # per bound, not cumulative, and one more: above the last
+    sum: float = 0.0
+
+
 class TierStatus(msgspec.Struct, kw_only=True):
     """The node's tier below device memory (``KVELASTIC_TIER_DIR``)."""
     budget_bytes: int
@@ -79,6 +87,7 @@ class TierStatus(msgspec.Struct, kw_only=True):
     blocks: int                  # blocks that can be found
     namespaces: dict[ShownName, int] = {}   # namespace -> its blocks
     counters: dict[str, int] = {}           # TierStats.counters(): demotions, hits, evictions_*, failures_*
+    load_seconds: LoadLatency = msgspec.field(default_factory=LoadLatency)
 
 
 class RestartStatus(msgspec.Struct, kw_only=True):

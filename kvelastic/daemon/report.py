@@ -8,8 +8,9 @@ from kvelastic.daemon.arbiter import is_idle
 from kvelastic.daemon.books import Books
 from kvelastic.daemon.state import Phase
 from kvelastic.errors import require
-from kvelastic.status_report import EngineStatus, MemoryStatus, PageCounts, StatusReport, TierStatus
+from kvelastic.status_report import EngineStatus, LoadLatency, MemoryStatus, PageCounts, StatusReport, TierStatus
 from kvelastic.tier.index import TierIndex
+from kvelastic.tier.stats import LOAD_BUCKETS
 
 
 def status(books: Books) -> StatusReport:
@@ -61,7 +62,9 @@ def status(books: Books) -> StatusReport:
 def tier_status(tier: TierIndex) -> TierStatus:
     namespaces = tier.namespaces()
     return TierStatus(budget_bytes=tier.budget_bytes, bytes=tier.bytes_used, blocks=sum(namespaces.values()),
-                      namespaces=namespaces, counters=tier.stats.counters())
+                      namespaces=namespaces, counters=tier.stats.counters(),
+                      load_seconds=LoadLatency(buckets=list(LOAD_BUCKETS), counts=list(tier.stats.load_counts),
+                                               sum=tier.stats.load_seconds_sum))
 
 
 def check(books: Books) -> None:

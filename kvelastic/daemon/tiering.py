@@ -110,6 +110,7 @@ class Lease:
     keys: list[bytes]
     done: list[bool]                  # unpinned already (loaded, or dropped)
     deadline: float
+    started: float                    # when its TierLookup came: each block's load latency runs from here
 
 
 class Tiering:
@@ -280,7 +281,8 @@ class Tiering:
         if not slots:
             return p.TierPinned(lease=0, nbytes=[])
         lease = Lease(self._next_lease, engine.engine_id, engine.serial, engine.namespace, slots,
-                      list(m.keys[:len(slots)]), [False] * len(slots), self.books.now + LEASE_TIMEOUT)
+                      list(m.keys[:len(slots)]), [False] * len(slots), self.books.now + LEASE_TIMEOUT,
+                      self.books.now)
         self._next_lease += 1
         self.leases[lease.lease] = lease
         return p.TierPinned(lease=lease.lease, nbytes=[tier.nbytes(s) for s in slots])
@@ -318,6 +320,7 @@ class Tiering:
             tier.unpin([slot], loaded=None)
         else:
             tier.unpin([slot], loaded=True)
+            tier.stats.observe_load(self.books.now - lease.started)
         if all(lease.done):
             del self.leases[lease_id]
         self._delete_released()

@@ -1,7 +1,9 @@
-"""Counters the tier keeps, for the daemon's metrics (``tier_*`` series, to come)."""
+"""Counters the tier keeps, and its load latency histogram, for the daemon's
+status and metrics (``kvelastic_tier_*`` series)."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 # Why an entry left the tier without a failure: pushed out by a more valuable
@@ -12,6 +14,15 @@ EVICTION_REASONS = ("value", "invalidate", "budget")
 # that failed their check when read (torn, checksum, identity), an I/O error
 # on read ("io"), or a load the engine did not finish (killed mid-load: "load").
 FAILURE_REASONS = ("disk_full", "io", "torn", "checksum", "identity", "load")
+
+
+# Upper bounds (seconds) of the load latency histogram: from a block of a
+# small model read from a warm page cache (~100 us) to a large one from a
+# busy disk, or a lease an engine fetches slowly (10 s; the lease's deadline
+# is 30 s: above the last bound).
+LOAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                5.0, 10.0)
+HISTOGRAM_FIELDS = ("load_counts", "load_seconds_sum")
 
 
 @dataclasses.dataclass
@@ -30,11 +41,22 @@ class TierStats:
         default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
     failures: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
+    # Seconds from a lease's lookup to each of its blocks loaded (its last
+    # chunk read): a count per ``LOAD_BUCKETS`` bound, not cumulative, and one
+    # more for above the last; and their sum.
+    load_counts: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(LOAD_BUCKETS) + 1))
+    load_seconds_sum: float = 0.0
+
+    def observe_load(self, seconds: float) -> None:
+        """A block loaded ``seconds`` after its lease's lookup."""
+        seconds = max(0.0, seconds)
+        self.load_counts[bisect.bisect_left(LOAD_BUCKETS, seconds)] += 1
+        self.load_seconds_sum += seconds
 
     def counters(self) -> dict[str, int]:
         """Every counter under one flat name (``evictions_value``, ``failures_torn``, ...)."""
         flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("evictions", "failures")}
+                if f.name not in ("evictions", "failures", *HISTOGRAM_FIELDS)}
         flat.update({f"evictions_{reason}": n for reason, n in self.evictions.items()})
         flat.update({f"failures_{reason}": n for reason, n in self.failures.items()})
         return flat

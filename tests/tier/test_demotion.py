@@ -246,3 +246,28 @@ def test_released_kept_cache_is_written_before_its_pages_go_unless_invalidated(r
     handoff.release([kept], "why", reason)
     kinds = [type(e).__name__ for e in books.take()]
     assert kinds == (["DemoteBlocks", "ReleasePages"] if demotes else ["ReleasePages"])
+
+
+def test_each_block_loaded_counts_its_latency_from_the_lookup_to_its_last_chunk():
+    """``kvelastic_tier_load_seconds``: measured on the daemon's clock (``books.now``),
+    per block loaded; a block released or dropped is not a load."""
+    from kvelastic.tier.stats import LOAD_BUCKETS
+
+    a = record(2, 1, 128, engine_id="a")
+    books = books_with(a)
+    tiering = Tiering(books)
+    demoted(books, tiering, "ns", [b"k0", b"k1", b"k2"])
+    tier = books.tier
+    assert tier is not None
+    books.now = 100.0
+    pinned = tiering.on_lookup(b"a", p.TierLookup(engine_id="a", keys=[b"k0", b"k1", b"k2"]))
+    assert isinstance(pinned, p.TierPinned) and pinned.lease
+    books.now = 100.0003
+    tiering.read(pinned.lease, 0, "")               # loaded 300 us after the lookup
+    books.now = 102.0
+    tiering.read(pinned.lease, 1, "")               # 2 s
+    tiering.read(pinned.lease, 2, "checksum")       # dropped: no load
+    counts = tier.stats.load_counts
+    assert sum(counts) == 2 and abs(tier.stats.load_seconds_sum - 2.0003) < 1e-9
+    assert counts[LOAD_BUCKETS.index(0.0005)] == 1 and counts[LOAD_BUCKETS.index(2.5)] == 1
+    assert "load_counts" not in tier.stats.counters()  # the counters stay counters

@@ -104,6 +104,13 @@ def test_a_slab_reclaimed_for_another_namespace_is_demoted_and_loaded_back(tmp_p
         assert len(written) == 1 and written[0][BLOCK // 2] == 7 and written[0].count(0) == BLOCK - 2
         assert all(x == bytes(BLOCK) for x in blocks if x is not written[0])
         assert tier(node.daemon)["counters"]["promotions"] == 4
+        # Each load's latency, lookup to last chunk, in kvelastic_tier_load_seconds.
+        load = tier(node.daemon)["load_seconds"]
+        assert sum(load["counts"]) == 4 and 0 < load["sum"] < 4 * 10 and load["counts"][-1] == 0
+        metrics = node.daemon.metrics()
+        assert "kvelastic_tier_load_seconds_count 4.0" in metrics
+        assert 'kvelastic_tier_load_seconds_bucket{le="+Inf"} 4.0' in metrics
+        assert 'kvelastic_tier_load_seconds_bucket{le="0.0001"}' in metrics
     finally:
         node.close()
 
