@@ -48,6 +48,7 @@ REQUIRED_PANELS = {
     "Blocks adopted and their hits per second": {"kvelastic_adopted_blocks_total", "kvelastic_adopted_hits_total"},
     "Node tier memory": {"kvelastic_tier_bytes", "kvelastic_tier_budget_bytes"},
     "Node tier blocks lost per second": {"kvelastic_tier_failures_total"},
+    "Node tier load latency": {"kvelastic_tier_load_seconds_bucket"},
     "Node tier blocks": {"kvelastic_tier_blocks"},
     "Node tier hit rate": {"kvelastic_tier_hit_blocks_total", "kvelastic_tier_lookup_blocks_total"},
     "Node tier demotions and promotions per second": {

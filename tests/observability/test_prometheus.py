@@ -238,6 +238,14 @@ def test_every_panel_query_returns_data_that_agrees_with_the_workload(run):
     moved = {ref: single(results[("Node tier demotions and promotions per second", ref)]) for ref in "ABC"}
     # As the grants' rate: every tier series since 0 in the window.
     assert moved == {"A": pytest.approx(unit * counters["demotions"]), "B": pytest.approx(unit * 2), "C": 0.0}
+    # Load latency: the two blocks' loads (lookup to last chunk), p50 and p99 within the buckets they fell in.
+    load_p50, load_p99 = (single(results[("Node tier load latency", ref)]) for ref in "AB")
+    load = status["tier"]["load_seconds"]
+    assert sum(load["counts"]) == 2
+    first = next(i for i, n in enumerate(load["counts"]) if n)
+    last = max(i for i, n in enumerate(load["counts"]) if n)
+    lo, hi = ([0.0, *load["buckets"]][first], [*load["buckets"], math.inf][last])
+    assert lo <= load_p50 <= load_p99 <= hi, (load_p50, load_p99, lo, hi)
 
     rejected = by(results[("Rejected messages", "A")], "reason")
     assert {r: v for r, v in rejected.items() if v} == {"unknown_engine": 1}   # every reason has a series
