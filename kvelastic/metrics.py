@@ -190,9 +190,10 @@ class DaemonCollector(Collector):
 
 # Why a saved kept slab was not adopted (``saved._unfit``).
 RESTART_DROP_REASONS = ("pages_gone", "over_budget", "device_gone", "malformed")
-# Why a claimed slab was adopted without its pages (``registration._match_claims``): no lent record of it,
-# one of another namespace, uid, secret or shape, one let go at the grace period's end, or dropped at start.
-LENT_UNMATCHED_REASONS = ("no_record", "mismatch", "late", "dropped")
+# Why a claimed slab was adopted without its pages (``registration.py``): no lent record of it, one of
+# another namespace, uid, secret or shape, one let go at the grace period's end, one dropped at start, or
+# its workers did not all re-register with it mapped before it was unmapped or the grace period ended.
+LENT_UNMATCHED_REASONS = ("no_record", "mismatch", "late", "dropped", "unconfirmed")
 # What became of the state file at start: read, or why not (``statefile.py``'s reasons, ``invalid`` for
 # books of another version).
 STATE_FILE_STATES = ("ok", "missing", "torn", "checksum", "version", "stale", "untrusted", "invalid", "io")

@@ -201,7 +201,7 @@ class Allocator:
 
     def lent_records(self) -> list[SavedLent]:
         """Every running engine's slab with pages, and the held records of engines not back yet."""
-        out = self.registration.held_records()
+        out = self.registration.records_to_save()
         for e in self.books.engines.values():
             if e.failed:
                 continue

@@ -208,6 +208,21 @@ class Registration:
         out = [rec for mine in self.lent.values() for rec in mine.values()]
         return out + [rec for _, mine, _ in self.awaiting.values() for rec in mine.values()]
 
+    def records_to_save(self) -> list[SavedLent]:
+        """The held records a state file names: the unclaimed ones, and those
+        awaiting their workers whose slab is still held without pages by the
+        registration that claimed it (one unmapped since names nothing)."""
+        out = [rec for mine in self.lent.values() for rec in mine.values()]
+        for engine_id, (serial, mine, _) in self.awaiting.items():
+            engine = self.books.engines.get(engine_id)
+            if engine is None or engine.serial != serial:
+                continue
+            for slab_id, rec in mine.items():
+                slab = engine.slabs.get(slab_id)
+                if slab is not None and slab.phase is Phase.HELD and not slab.pages:
+                    out.append(rec)
+        return out
+
     def lent_pages(self) -> dict[str, list[int]]:
         """Device -> the pages of ``held_records`` (the daemon's, in no slab, lent to no one new)."""
         out: dict[str, list[int]] = {}

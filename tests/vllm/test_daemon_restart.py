@@ -6,8 +6,10 @@ Engine ``llm`` serves the prefix workload and is killed: its cache is kept.
 Engine ``live`` (another tenant: another namespace) serves throughout. The
 daemon is killed with SIGKILL, and a new one started: it adopts the kept
 cache from its keeper and state file, ``live`` re-registers and goes on with
-stock's tokens, and the next ``llm`` starts warm, as it would have without
-the restart. The graceful stop and damaged state files are
+stock's tokens (its slabs adopted with their pages: issue 44), and the
+next ``llm`` starts warm, as it would have without the restart; once
+``live`` exits, its cache (made through the restart) is kept too, and the
+next engine of its namespace starts warm from it. The graceful stop and damaged state files are
 ``tests/daemon/test_keeper_daemon.py``'s.
 """
 
@@ -71,6 +73,9 @@ def test_kill_9_of_the_daemon_keeps_the_kept_cache_and_the_serving_engines(tiny_
         wait_for(lambda: [e["engine_id"] for e in daemon.status()["engines"]] == ["live"], timeout=30,
                  what="live re-registered")
         assert live.do("workload")["tokens"] == expected          # it served on, and serves now
+        # Its slabs were saved as lent (issue 44): adopted with their pages once its workers were back.
+        wait_for(lambda: daemon.status()["restart"]["lent_adopted"] > 0, timeout=30,
+                 what="live's slabs adopted with their pages")
 
         second = Engine(tiny_model, daemon, KVELASTIC_ENGINE_ID="llm")
         engines.append(second)
@@ -82,6 +87,16 @@ def test_kill_9_of_the_daemon_keeps_the_kept_cache_and_the_serving_engines(tiny_
 
         second.exit()
         live.exit()
+        until_kept(daemon)                               # llm's again, and live's: kept like any engine's
+        wait_for(lambda: len(kept(daemon)) == 2, what="live's cache kept too")
+        # The next engine of live's namespace starts warm from what live cached
+        # through the daemon's kill -9, on the very pages it wrote.
+        third = Engine(tiny_model, daemon, KVELASTIC_ENGINE_ID="live2", KVELASTIC_TENANT_SALT="other")
+        engines.append(third)
+        warm = third.do("workload")
+        assert warm["tokens"] == expected and warm["hits"] > 0, warm
+        assert third.do("stats")["adopted_hits"] > 0
+        third.exit()
         until_kept(daemon)
         with KeeperClient(keeper.path) as k:            # the books balance: the keeper holds what the daemon has
             wait_for(lambda: len(k.status().page_ids) == daemon.status()["pages"]["created"],
