@@ -184,3 +184,75 @@ def test_lent_slabs_are_written_coalesced_but_ahead_of_a_page_or_slab_named_othe
     books.orphans.keep(slab([9]))                  # the kept cache moved: at once, as ever
     assert write(0.34)
     assert not write(0.35)
+
+
+# ------------------------------------------------ claims (registration.py), in-process
+PAGE = 2 << 20
+TOKEN = b"s" * 16
+
+
+def restarted(records: list[saved.SavedLent]):
+    """An allocator that took back ``records`` at t=0 (their pages held for claims)."""
+    from kvelastic.daemon.allocator import Allocator
+    from kvelastic.status_report import RestartStatus
+
+    alloc = Allocator({"0": 8}, PAGE)
+    adoption = saved.adopt(saved.load(saved.save([], 20, 0.0, records)), set(range(20)), alloc.room(), 0.0)
+    alloc.adopt_kept(adoption, RestartStatus(state_file="ok", lent_held=len(adoption.lent)), now=0.0)
+    alloc.check()
+    return alloc
+
+
+def claim(alloc, held: list[int], namespace: str = "llama", token: bytes = TOKEN, mapped: list[int] | None = None,
+          now: float = 1.0):
+    alloc.peer_opened("a", -1, now, token)
+    alloc.handle(b"E", p.RegisterEngine(version=p.PROTOCOL_VERSION, engine_id="a", pid=1, namespace=namespace,
+                                        page_size=PAGE, pages_per_worker=1, num_workers=1, blocks_per_slab=4,
+                                        block_bytes=1 << 19, held=held, token=token), now)
+    alloc.peer_opened("a", 0, now, token)
+    out = alloc.handle(b"W", p.RegisterWorker(version=p.PROTOCOL_VERSION, engine_id="a", rank=0, pid=2,
+                                              mapped=held if mapped is None else mapped, token=token), now)
+    alloc.check()
+    return out
+
+
+def record(slab_id: int, page: int) -> saved.SavedLent:
+    return saved.SavedLent("a", "llama", -1, saved.token_digest(TOKEN), slab_id, "0", [page], ["0"])
+
+
+def test_a_claim_that_matches_takes_its_pages_once_its_workers_confirm():
+    alloc = restarted([record(0, 3), record(1, 4), record(5, 9)])
+    assert alloc.pools["0"].held_lent == 3 and alloc.pools["0"].creatable() == 5
+    effects = claim(alloc, [0, 1])
+    engine = alloc.engines["a"]
+    assert engine.slabs[0].pages == [3] and engine.slabs[1].pages == [4] and alloc.pools["0"].created == 2
+    assert alloc.pools["0"].held_lent == 0 and alloc.pools["0"].adopted == 0
+    restart = alloc.status().restart
+    assert restart.lent_adopted == 2 and restart.lent_let_go == 1 and restart.lent_unmatched == {}
+    assert [e.pages for e in effects if type(e).__name__ == "ReleasePages"] == []   # slab 5's went at registration
+    assert [(r.slab_id, r.pages) for r in alloc.lent_records()] == [(0, [3]), (1, [4])]
+
+
+@pytest.mark.parametrize(("how", "why"), [({"namespace": "qwen"}, "mismatch"), ({"token": b"t" * 16}, "mismatch"),
+                                          ({"mapped": []}, "unconfirmed")])
+def test_a_claim_that_does_not_match_is_adopted_without_pages_and_counted(how, why):
+    alloc = restarted([record(0, 3)])
+    claim(alloc, [0], **how)
+    slab = alloc.engines["a"].slabs[0]
+    assert slab.pages == [] and slab.adopted_pages == 1 and alloc.pools["0"].created == 0
+    restart = alloc.status().restart
+    assert restart.lent_adopted == 0 and restart.lent_unmatched == {why: 1} and restart.lent_let_go == 1
+    assert alloc.registration.held_records() == [] and alloc.pools["0"].held_lent == 0
+
+
+def test_unclaimed_records_are_let_go_after_the_grace_period_and_a_late_claim_counted():
+    from kvelastic.daemon import effects as fx
+    from kvelastic.daemon.registration import LENT_GRACE
+
+    alloc = restarted([record(0, 3)])
+    assert not [e for e in alloc.tick(LENT_GRACE - 0.5) if isinstance(e, fx.ReleasePages)]
+    released = [e for e in alloc.tick(LENT_GRACE + 0.1) if isinstance(e, fx.ReleasePages)]
+    assert [e.pages for e in released] == [(3,)] and alloc.pools["0"].held_lent == 0
+    claim(alloc, [0], now=LENT_GRACE + 1)
+    restart = alloc.status().restart
+    assert restart.lent_unmatched == {"late": 1} and restart.lent_let_go == 1 and restart.lent_adopted == 0
