@@ -7,7 +7,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,15 +17,10 @@ import msgspec
 import zmq
 
 from kvelastic import protocol as p
+from kvelastic_tools.ports import free_port as free_port  # re-exported: callers name it here
 from tests.backend import TEST_BACKEND
 
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # A Unix socket path holds at most 107 bytes; the daemon's longest is the

@@ -42,6 +42,7 @@ from kvelastic.vmm.base import DEFAULT_PAGE_SIZE
 from kvelastic_tools.bench.daemon import cpu_seconds, rss_bytes
 from kvelastic_tools.figures import percentile
 from kvelastic_tools.fuzz import Fuzzer
+from kvelastic_tools.ports import free_port as free_port  # re-exported: callers name it here
 
 PROBE_TIMEOUT = 2.0
 SYNC_TIMEOUT = 10.0
@@ -304,12 +305,6 @@ def beyond_maxmsgsize(socket_path: str, count: int = 2) -> None:
 
 
 # ------------------------------------------------- what the fuzz modes share
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def rejected_total(port: int) -> float:
     """Sum of ``kvelastic_rejected_messages_total`` over every reason."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:

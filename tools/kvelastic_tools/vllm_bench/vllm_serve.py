@@ -21,6 +21,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+from kvelastic_tools.ports import free_port as free_port  # re-exported: callers name it here
+
 # What vLLM needs on a CPU-only, offline machine shared by other work.
 VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -39,12 +41,6 @@ SERVE_FLAGS = ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager
 # the interpreter: kvelastic_vllm/cli.py), else the same CLI through the module.
 _VLLM_SCRIPT = pathlib.Path(sys.executable).with_name("vllm")
 VLLM = [str(_VLLM_SCRIPT)] if _VLLM_SCRIPT.exists() else [sys.executable, "-m", "kvelastic_vllm.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get(url: str, timeout: float = 5.0) -> str:
@@ -81,24 +77,43 @@ class VllmServer:
         self.log_path = log_path
         self.flags = flags or []
         self.proc: subprocess.Popen | None = None
+        self._started = False                    # once: a restart keeps its port
 
     def start(self, timeout: float = 240.0) -> VllmServer:
         self._log = open(self.log_path, "ab")
-        cmd = [*self.command, "serve", str(self.model), "--host", "127.0.0.1", "--port", str(self.port), *SERVE_FLAGS,
-               *self.flags]
-        self.proc = self.popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+        for attempt in range(3):
+            logged = self._log.tell()
+            cmd = [*self.command, "serve", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
+                   *SERVE_FLAGS, *self.flags]
+            self.proc = self.popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+            if self._wait_ready(deadline):
+                self._started = True
+                return self
+            # Another process took the port between its pick and vLLM's bind
+            # (``ports.py``): a first start moves to another port; a restart
+            # keeps its port (its callers know it), so it fails.
+            if self._started or attempt == 2 or b"Address already in use" not in self.log_path.read_bytes()[logged:]:
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            self.port = free_port()
+            self.base = f"http://127.0.0.1:{self.port}"
+        raise AssertionError("unreachable")
+
+    def _wait_ready(self, deadline: float) -> bool:
+        """True once the server answers ``/health``; False if it exited first.
+        Past ``deadline`` it is stopped and ``RuntimeError`` raised."""
+        proc = self.process()
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return False
             try:
                 http_get(self.base + "/health", 1.0)
-                return self
+                return True
             except OSError:
                 time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"vllm serve not ready in {timeout:.0f} s:\n{self.log()[-3000:]}")
+        raise RuntimeError(f"vllm serve not ready in time:\n{self.log()[-3000:]}")
 
     def process(self) -> subprocess.Popen[bytes]:
         """The server's process (``start`` ran)."""
