@@ -85,3 +85,29 @@ def test_kept_cache_is_demoted_and_promoted_by_the_next_engine(daemon_factory, t
     assert counters(daemon)["failures_checksum"] > 0
     assert counters(daemon)["promotions"] == promoted    # nothing that failed its check was served
     third.exit()
+
+
+def test_the_connector_composes_under_vllms_multi_connector(daemon_factory, tiny_model, tmp_path):
+    """``MultiConnector`` with the tier's connector first and vLLM's
+    ``ExampleConnector`` second: the tier's blocks still load (the first
+    child with a hit serves it), the second child saves what it sees, and
+    the tokens are stock's."""
+    stock = run_engine.Stock(tiny_model)
+    expected = stock.do("workload")["tokens"]
+    stock.exit()
+    folder = short_dir(tmp_path) / "tier"
+    folder.mkdir(mode=0o700)
+    daemon = daemon_factory(memory="64MiB", KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="256MiB",
+                            KVELASTIC_ORPHAN_CACHE_TTL="1s")
+    first = run_engine.Engine(tiny_model, daemon, KVELASTIC_ENGINE_ID="first")
+    assert first.do("workload")["tokens"] == expected
+    first.exit()
+    assert settled(daemon)["blocks"] > 0
+
+    saved = tmp_path / "example-connector"
+    saved.mkdir()
+    multi = TierEngine(tiny_model, daemon, "--multi", str(saved), KVELASTIC_ENGINE_ID="multi")
+    assert multi.do("workload")["tokens"] == expected
+    assert counters(daemon)["promotions"] > 0
+    assert any(saved.rglob("*.safetensors"))                # the other child ran beside it
+    multi.exit()

@@ -5,6 +5,10 @@ turns it on (docs/tier.md)::
       "kv_connector_module_path":"kvelastic_vllm.tier_connector",
       "kv_role":"kv_both","kv_load_failure_policy":"recompute"}'
 
+``--multi PATH``: the connector as the first child of vLLM's
+``MultiConnector``, vLLM's ``ExampleConnector`` (saving every request's KV
+under PATH) the second, as a deployment composes connectors.
+
 Everything else (the engine's settings, the commands it answers) is
 ``weights_run``'s, so its tokens compare with the stock oracle's
 (``run_engine.Stock``)."""
@@ -20,13 +24,25 @@ TIER_CONNECTOR = {"kv_connector": "KvelasticTierConnector", "kv_connector_module
                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 
 
+def multi(path: str) -> dict:
+    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"shared_storage_path": path}}
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"connectors": [TIER_CONNECTOR, example]}}
+
+
 def main() -> None:
     import vllm
 
+    config = TIER_CONNECTOR
+    if "--multi" in sys.argv:
+        at = sys.argv.index("--multi")
+        config = multi(sys.argv[at + 1])
+        del sys.argv[at:at + 2]
     original = vllm.LLM
 
     def llm(*args, **kwargs):
-        return original(*args, kv_transfer_config=TIER_CONNECTOR, **kwargs)
+        return original(*args, kv_transfer_config=config, **kwargs)
 
     vllm.LLM = llm     # weights_run.make_llm imports it at call time
     weights_run.main()
