@@ -111,3 +111,26 @@ def test_the_connector_composes_under_vllms_multi_connector(daemon_factory, tiny
     assert counters(daemon)["promotions"] > 0
     assert any(saved.rglob("*.safetensors"))                # the other child ran beside it
     multi.exit()
+
+
+def test_two_tensor_parallel_workers_each_load_their_part(daemon_factory, tiny_model, tmp_path):
+    """TP=2: the daemon demotes both workers' halves of each block (rank
+    after rank); each worker of the next engine copies its own half back.
+    A worker that took the wrong half would compute other tokens."""
+    stock = run_engine.Stock(tiny_model, "--tp2")
+    expected = stock.do("workload")["tokens"]
+    stock.exit()
+    folder = short_dir(tmp_path) / "tier"
+    folder.mkdir(mode=0o700)
+    daemon = daemon_factory(memory="64MiB", KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="256MiB",
+                            KVELASTIC_ORPHAN_CACHE_TTL="1s")
+    first = run_engine.Engine(tiny_model, daemon, "--tp2", KVELASTIC_ENGINE_ID="first")
+    assert first.do("workload")["tokens"] == expected
+    first.exit()
+    assert settled(daemon)["blocks"] > 0
+
+    second = TierEngine(tiny_model, daemon, "--tp2", KVELASTIC_ENGINE_ID="second")
+    out = second.do("workload")
+    assert out["tokens"] == expected
+    assert counters(daemon)["promotions"] > 0
+    second.exit()

@@ -22,11 +22,15 @@ zeroed new blocks). At least one prompt token is always left to compute.
 
 Worker side: ``register_kv_caches`` only records the views (the arena has
 no page mapped yet: touching a byte would kill the worker); a block's
-payload is its bytes layer after layer in address order, which is the
-daemon's region order (``kvelastic/daemon/tiering.py``).
+payload is each worker's part, rank after rank, and a worker's part its
+bytes layer after layer in address order, which is the daemon's region
+order (``kvelastic/daemon/tiering.py``). Every worker gets the whole payload
+in the step's metadata and copies its own part: with tensor parallelism its
+heads of every layer, with pipeline stages its layers (the daemon gives every
+worker the same pages per slab, so the parts are equal).
 
-One KV cache group and one worker (TP=PP=1) in this slice; otherwise the
-connector finds nothing.
+One KV cache group and one data-parallel rank in this version; otherwise
+the connector finds nothing.
 """
 
 from __future__ import annotations
@@ -80,16 +84,18 @@ class KvelasticTierConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         parallel = vllm_config.parallel_config
         groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or [None])
-        self.enabled = groups == 1 and parallel.world_size == 1
+        self.workers = max(1, int(parallel.world_size))          # tensor x pipeline ranks, each a worker
+        self.enabled = groups == 1 and int(getattr(parallel, "data_parallel_size", 1)) == 1
         if not self.enabled:
-            log.warning("kvelastic: the tier connector loads nothing here (%d KV cache groups, %d workers: "
-                        "one of each in this version)", groups, parallel.world_size)
+            log.warning("kvelastic: the tier connector loads nothing here (%d KV cache groups, %d data-parallel "
+                        "ranks: one of each in this version)", groups, parallel.data_parallel_size)
         self._held: OrderedDict[str, _Fetched] = OrderedDict()   # by request id, oldest first
         self._held_bytes = 0
         self._pending: list[tuple[list[int], list[bytes]]] = []
         self._suffix = b""
         self._kv: dict[str, torch.Tensor] = {}
         self._load_errors: set[int] = set()
+        self._rank: int | None = None          # this worker's rank (worker side, once known)
 
     # ------------------------------------------------------- scheduler side
     def _link(self) -> Any:
@@ -191,8 +197,26 @@ class KvelasticTierConnector(KVConnectorBase_V1):
                 if not self._scatter(block_id, payload):
                     self._load_errors.add(block_id)
 
+    def _worker_rank(self) -> int:
+        """This worker's rank among the engine's, as the daemon numbers them (its registration's)."""
+        if self._rank is None:
+            from kvelastic_vllm.state import state
+            from kvelastic_vllm.worker import _rank
+
+            worker = state().worker
+            self._rank = worker.rank if worker is not None else _rank()
+        return self._rank
+
     def _scatter(self, block_id: int, payload: bytes) -> bool:
-        """Copy a block's payload into its views, piece by piece in address order."""
+        """Copy this worker's part of a block's payload into its views, piece
+        by piece in address order."""
+        part, rest = divmod(len(payload), self.workers)
+        rank = self._worker_rank()
+        if rest or not 0 <= rank < self.workers:
+            log.error("kvelastic: a tier block of %d bytes does not split between %d workers (this one rank %d)",
+                      len(payload), self.workers, rank)
+            return False
+        payload = payload[rank * part:(rank + 1) * part]
         pieces: dict[int, torch.Tensor] = {}
         for view in self._kv.values():
             piece = view[block_id]
