@@ -4,6 +4,7 @@ and a real daemon:
 an engine serves a long shared prompt and exits; its kept cache expires
 (``KVELASTIC_ORPHAN_CACHE_TTL=1s``) and the daemon demotes it to the tier;
 an engine of the same model with ``KvelasticTierConnector`` configured
+(under vLLM's ``MultiConnector``, beside vLLM's ``ExampleConnector``)
 serves the same prompts, loading the blocks back (promotions counted), and
 its greedy tokens equal stock vLLM's. An engine of another tenant salt finds
 nothing; a block whose bytes were flipped on disk is dropped, counted, and
@@ -57,11 +58,17 @@ def test_kept_cache_is_demoted_and_promoted_by_the_next_engine(daemon_factory, t
     assert demoted["blocks"] > 0 and counters(daemon)["demotions"] == demoted["blocks"]
     (namespace,) = demoted["namespaces"]
 
-    second = TierEngine(tiny_model, daemon, KVELASTIC_ENGINE_ID="second")
+    # As a deployment composes connectors: vLLM's MultiConnector, the tier's
+    # first (the first child with a hit loads it), vLLM's ExampleConnector
+    # second (it saves what it sees). The plain connector: the engines below.
+    saved = tmp_path / "example-connector"
+    saved.mkdir()
+    second = TierEngine(tiny_model, daemon, "--multi", str(saved), KVELASTIC_ENGINE_ID="second")
     out = second.do("workload")
     assert out["tokens"] == expected
     promoted = counters(daemon)["promotions"]
     assert promoted > 0 and counters(daemon)["hit_blocks"] >= promoted
+    assert any(saved.rglob("*.safetensors"))                # the other child ran beside it
     print(f"tier: {demoted['blocks']} block(s) demoted, {promoted} promoted; tokens equal stock's")
     second.exit()
     settled(daemon)
@@ -85,32 +92,6 @@ def test_kept_cache_is_demoted_and_promoted_by_the_next_engine(daemon_factory, t
     assert counters(daemon)["failures_checksum"] > 0
     assert counters(daemon)["promotions"] == promoted    # nothing that failed its check was served
     third.exit()
-
-
-def test_the_connector_composes_under_vllms_multi_connector(daemon_factory, tiny_model, tmp_path):
-    """``MultiConnector`` with the tier's connector first and vLLM's
-    ``ExampleConnector`` second: the tier's blocks still load (the first
-    child with a hit serves it), the second child saves what it sees, and
-    the tokens are stock's."""
-    stock = run_engine.Stock(tiny_model)
-    expected = stock.do("workload")["tokens"]
-    stock.exit()
-    folder = short_dir(tmp_path) / "tier"
-    folder.mkdir(mode=0o700)
-    daemon = daemon_factory(memory="64MiB", KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="256MiB",
-                            KVELASTIC_ORPHAN_CACHE_TTL="1s")
-    first = run_engine.Engine(tiny_model, daemon, KVELASTIC_ENGINE_ID="first")
-    assert first.do("workload")["tokens"] == expected
-    first.exit()
-    assert settled(daemon)["blocks"] > 0
-
-    saved = tmp_path / "example-connector"
-    saved.mkdir()
-    multi = TierEngine(tiny_model, daemon, "--multi", str(saved), KVELASTIC_ENGINE_ID="multi")
-    assert multi.do("workload")["tokens"] == expected
-    assert counters(daemon)["promotions"] > 0
-    assert any(saved.rglob("*.safetensors"))                # the other child ran beside it
-    multi.exit()
 
 
 def test_two_tensor_parallel_workers_each_load_their_part(daemon_factory, tiny_model, tmp_path):
