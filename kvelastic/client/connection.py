@@ -122,6 +122,13 @@ class Connection:
         self._stop = threading.Event()
         self.connected = threading.Event()
         self.errors = 0                      # error replies to notifications
+        # Called with every message ``send``, ``call`` and ``call_async`` are
+        # given, on the sender's thread, before it is queued (an engine ships
+        # its journal ahead of a message that hands slabs back: ``EngineClient``).
+        self.before_send: Callable[[p.Msg], None] | None = None
+        # Called on the I/O thread with an ``Error`` that answers no request
+        # (a notification refused: counted in ``errors``).
+        self.on_error: Callable[[p.Error], None] | None = None
         self.reconnects = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -156,6 +163,7 @@ class Connection:
         command's ``req_id``."""
         if msg.req_id == 0:
             msg.req_id = self._new_req_id()
+        self._before(msg)
         self._post(msg, None)
 
     def call(self, msg: p.Msg, timeout: float = 10.0) -> p.Msg:
@@ -165,6 +173,7 @@ class Connection:
         it reads the socket for the reply; whatever else arrives meanwhile is
         delivered afterwards, in order."""
         msg.req_id = self._new_req_id()
+        self._before(msg)
         if self._on_io_thread():
             return self._result(self._call_here(msg, timeout))
         pending = _Pending(None)
@@ -185,7 +194,12 @@ class Connection:
         """Send a request without waiting: ``on_reply(reply)`` runs on the I/O
         thread; an ``Error`` reply or a lost connection arrives as an ``Error``."""
         msg.req_id = self._new_req_id()
+        self._before(msg)
         self._post(msg, _Pending(on_reply))
+
+    def _before(self, msg: p.Msg) -> None:
+        if self.before_send is not None:
+            self.before_send(msg)
 
     def tell(self, msg: p.Msg) -> None:
         """A worker's ack (``Mapped``, ``Unmapped``), on its page channel: read
@@ -376,6 +390,11 @@ class Connection:
         elif isinstance(msg, p.Error):
             self.errors += 1
             log.warning("engine %s: daemon rejected a message: %s (%s)", self.engine_id, msg.message, msg.reason)
+            if self.on_error is not None:
+                try:
+                    self.on_error(msg)
+                except Exception:
+                    log.exception("engine %s: error handler failed", self.engine_id)
         else:
             try:
                 self._on_command(msg)

@@ -56,6 +56,12 @@ DEMOTE_FOR = 10.0
 JOURNAL_MAX_OPS = 20000
 # ``_flush_journal(sync=True)`` waits at most this for the daemon's Ok.
 SYNC_TIMEOUT = 1.0
+# Messages that hand slabs back to the daemon: the journal goes ahead of them
+# (``EngineClient._journal_first``).
+HANDS_BACK = (p.Return, p.ReclaimDone)
+# After the daemon refused a journal, the whole index goes again, at most
+# once in this many seconds (``_on_refused``).
+RESYNC_INTERVAL = 1.0
 
 
 def wire_key(key) -> bytes:
@@ -143,6 +149,10 @@ class EngineClient:
                                on_command=self._on_command, on_tick=self._tick,
                                tick_interval=tick_interval, name=f"kvelastic-engine-{engine_id}")
         self.conn.token = self.token
+        self.conn.before_send = self._journal_first
+        self.conn.on_error = self._on_refused
+        self._resync_due = False           # a journal was refused: the index goes again (``_tick``)
+        self._resynced_at = -math.inf
 
     @property
     def low_watermark(self) -> int:
@@ -177,6 +187,10 @@ class EngineClient:
         if not self.lock.acquire(timeout=1.0):  # the scheduler is mid-request: retry soon
             raise DaemonUnavailable("engine busy; registration retried")
         try:
+            # Grants that came before the link broke are the pool's: a daemon
+            # that restarted hears of them here, or it would refuse every
+            # journal that names them (their AddSlab first).
+            self.apply_grants()
             held = self.pool.slab_ids()
             occupancy = self.pool.occupancies()
         finally:
@@ -420,6 +434,37 @@ class EngineClient:
             log.error("engine %s: the daemon failed this engine (%s); its memory stays quarantined until its "
                       "processes exit: restart it", self.engine_id, msg.reason)
 
+    def _journal_first(self, msg: p.Msg) -> None:
+        """Before a message that hands slabs back (``Return``, ``ReclaimDone``),
+        whoever sends it: ship the journal. The daemon takes a journal only
+        while every slab it names is still this engine's, and refuses one
+        whole (its keys with it); it reads the lifeline before the control
+        socket's next message, so a journal written now is applied first. A
+        ``Return`` sent after the pool let its slabs go, with their last ops
+        (a grant's ``AddSlab``, a key dropped in a slab the engine keeps)
+        still in the journal, would otherwise have that journal refused once
+        the slabs are unmapped, and the daemon's mirror would go on naming a
+        block the engine may rewrite. This client's own returns and reclaims
+        flush first already (``lock`` held: nothing left to ship); the I/O
+        thread never waits for ``lock`` (``_run_or_defer``)."""
+        if not isinstance(msg, HANDS_BACK) or self._closing:
+            return
+        if not self.lock.acquire(blocking=not self.conn._on_io_thread()):
+            return
+        try:
+            self._flush_journal()
+        finally:
+            self.lock.release()
+
+    def _on_refused(self, msg: p.Error) -> None:
+        """I/O thread: the daemon refused a notification. A refused journal
+        was dropped whole, so the daemon's mirror of this engine may lack
+        what it said, a dropped key above all (the cache kept after this
+        engine leaves would name a block it may have rewritten): the whole
+        index goes again on the next tick, as after a reconnect."""
+        if msg.reason == p.Reason.BAD_JOURNAL.value:
+            self._resync_due = True
+
     def _reclaim(self, msg: p.Reclaim) -> None:
         given, refused, cached = give_up(self.pool, msg.slabs)
         self._flush_journal()
@@ -452,6 +497,11 @@ class EngineClient:
                 want = 0
             if pool.ttl or pool.max_cached_blocks is not None:
                 pool.expire()
+            if self._resync_due and now - self._resynced_at >= RESYNC_INTERVAL:
+                self._resync_due = False
+                self._resynced_at = now
+                log.warning("engine %s: the daemon refused a journal: its whole index goes again", self.engine_id)
+                self._resend_index()
             returned = self._shrink(now)
             # The journal goes first: the daemon judges a grow (is this engine
             # idle?) on the activity the journal carries. With the lock free,
