@@ -169,7 +169,7 @@ class Daemon:
         """Stop without unmapping anything: engines keep serving from the pages
         they hold and adopt them again from the next daemon (invariant 9)."""
         if self.succession is not None:
-            self.succession.save(self.allocator, self.clock())   # the kept cache, for the next daemon
+            self.succession.save(self.allocator, self.clock(), final=True)   # kept and lent, for the next daemon
             self.succession = None        # what follows releases this daemon's handles, not the kept cache
         if self.keeper is not None:
             self.keeper.detach()          # the pages stay with the keeper for the next daemon

@@ -55,14 +55,16 @@ class Succession:
         self.saving = saved.Saving()   # what was written last, and when the next write is due
         self._dropped = False       # the keeper was lost: nothing is saved any more
 
-    def save(self, allocator: Allocator, now: float) -> None:
-        """Write the books if ``saved.Saving`` says they are due."""
+    def save(self, allocator: Allocator, now: float, final: bool = False) -> None:
+        """Write the books if ``saved.Saving`` says they are due, or whatever
+        it says when ``final`` (a graceful stop: no later write would carry a
+        lent change it still coalesces)."""
         if self._dropped:
             return
         if self.keeper.client is None:
             self._drop("the keeper was lost")
             return
-        if not self.saving.due(allocator, now):
+        if not final and not self.saving.due(allocator, now):
             return
         try:
             write_state(self.path, self.saving.payload(allocator, now), boot=self.boot)
