@@ -121,8 +121,9 @@ class Unmapping:
             owner = owner_tag(taker)   # handed on: free under the taker's tag until its grow maps them
             req.handoffs.append(Handoff(list(slab.pages), list(slab.page_devices), slab.handoff))
         elif slab.handoff_to == TO_TIER and self.cache.tiering is not None and not engine.failed \
-                and books.engines.get(engine.engine_id) is engine:
-            # Reclaimed from a running engine whose every worker acknowledged:
+                and books.engines.get(engine.engine_id) is engine and len(slab.asked) == engine.num_workers:
+            # Reclaimed from a running engine, every worker asked and none
+            # left (a running engine's unmap ends only with each one's ack):
             # the daemon alone holds the pages now. Written before anything
             # below can re-grant or release them (effects run in order).
             self.cache.tiering.demote_reclaimed(engine, slab)

@@ -360,16 +360,17 @@ class SimTier:
         names = in_tier if in_tier and self.rng.random() < 0.8 else sorted({e.namespace for e in w.engines})
         target = self.rng.choice(names)
         # Its KV that the daemon could still demote never reaches the tier:
-        # kept cache's, and that of slabs being reclaimed from its running
-        # engines (asked for, or unmapping). (Later slabs are the engines'
-        # own to clear: the sim's engines ignore ``ClearIndex``.)
+        # kept cache's, and that of slabs given up by its running engines and
+        # unmapping, noted for the tier. (The rest is the engines' own to
+        # clear, and the sim's engines ignore ``ClearIndex``: KV they go on
+        # caching, in a slab a reclaim asked for and they kept included, is
+        # not checked here.)
         alloc = w.allocator
-        asked = {(r.engine_id, s) for r in alloc.reclaiming.pending.values() for s in r.slabs}
         going = {page for slab in alloc.orphans if slab.namespace == target for page in slab.pages}
         for engine in alloc.engines.values():
             if target in (engine.namespace, engine.engine_id):
                 going.update(page for slab in engine.slabs.values()
-                             if slab.phase is Phase.UNMAPPING or (engine.engine_id, slab.slab_id) in asked
+                             if slab.phase is Phase.UNMAPPING and slab.handoff_to == tiering.TO_TIER
                              for page in slab.pages)
         for page in going:
             for offset in range(BLOCKS_PER_SLAB):
