@@ -42,20 +42,32 @@ def settled(daemon) -> dict:
                     and tier(daemon), timeout=60, what="the engine gone and its kept cache demoted")
 
 
+def tier_daemon(daemon_factory, tmp_path):
+    """A daemon with a disk tier (its folder returned too) whose kept cache
+    expires in a second, so a departed engine's blocks reach the tier soon."""
+    folder = short_dir(tmp_path) / "tier"
+    folder.mkdir(mode=0o700)
+    return daemon_factory(memory="64MiB", KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="256MiB",
+                          KVELASTIC_ORPHAN_CACHE_TTL="1s"), folder
+
+
+def served_and_demoted(model, daemon, *args: str) -> dict:
+    """An engine without the connector serves the workload and exits; once its
+    kept cache expired into the tier: its tokens, and the tier."""
+    first = run_engine.Engine(model, daemon, *args, KVELASTIC_ENGINE_ID="first")
+    tokens = first.do("workload")["tokens"]
+    first.exit()
+    return {"tokens": tokens, "tier": settled(daemon)}
+
+
 def test_kept_cache_is_demoted_and_promoted_by_the_next_engine(daemon_factory, tiny_model, tmp_path):
     stock = run_engine.Stock(tiny_model)
     expected = stock.do("workload")["tokens"]
     stock.exit()
-    folder = short_dir(tmp_path) / "tier"
-    folder.mkdir(mode=0o700)
-    daemon = daemon_factory(memory="64MiB", KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="256MiB",
-                            KVELASTIC_ORPHAN_CACHE_TTL="1s")
-
-    first = run_engine.Engine(tiny_model, daemon, KVELASTIC_ENGINE_ID="first")
-    assert first.do("workload")["tokens"] == expected
-    first.exit()
-    demoted = settled(daemon)
-    assert demoted["blocks"] > 0 and counters(daemon)["demotions"] == demoted["blocks"]
+    daemon, folder = tier_daemon(daemon_factory, tmp_path)
+    first = served_and_demoted(tiny_model, daemon)
+    demoted = first["tier"]
+    assert first["tokens"] == expected and demoted["blocks"] > 0 and counters(daemon)["demotions"] == demoted["blocks"]
     (namespace,) = demoted["namespaces"]
 
     # As a deployment composes connectors: vLLM's MultiConnector, the tier's
@@ -101,14 +113,9 @@ def test_two_tensor_parallel_workers_each_load_their_part(daemon_factory, tiny_m
     stock = run_engine.Stock(tiny_model, "--tp2")
     expected = stock.do("workload")["tokens"]
     stock.exit()
-    folder = short_dir(tmp_path) / "tier"
-    folder.mkdir(mode=0o700)
-    daemon = daemon_factory(memory="64MiB", KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="256MiB",
-                            KVELASTIC_ORPHAN_CACHE_TTL="1s")
-    first = run_engine.Engine(tiny_model, daemon, "--tp2", KVELASTIC_ENGINE_ID="first")
-    assert first.do("workload")["tokens"] == expected
-    first.exit()
-    assert settled(daemon)["blocks"] > 0
+    daemon, _ = tier_daemon(daemon_factory, tmp_path)
+    first = served_and_demoted(tiny_model, daemon, "--tp2")
+    assert first["tokens"] == expected and first["tier"]["blocks"] > 0
 
     second = TierEngine(tiny_model, daemon, "--tp2", KVELASTIC_ENGINE_ID="second")
     out = second.do("workload")

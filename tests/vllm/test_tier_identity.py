@@ -11,10 +11,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.daemon_proc import short_dir
 from tests.vllm.adapters import write_adapter
-from tests.vllm.run_engine import Engine, Stock
-from tests.vllm.test_tier import TierEngine, counters, settled
+from tests.vllm.run_engine import Stock
+from tests.vllm.test_tier import TierEngine, counters, served_and_demoted, settled, tier_daemon
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -51,15 +50,9 @@ def test_lora_diverged_and_other_weights_never_meet_the_tiers_blocks(daemon_fact
     base, lora, _, updated = stock(model, "workload", f"lora a {adapter}", "update 7", "workload", args=("--lora",))
     assert lora["tokens"] != base["tokens"] and updated["tokens"] != base["tokens"]   # each changes the KV
 
-    folder = short_dir(tmp_path) / "tier"
-    folder.mkdir(mode=0o700)
-    daemon = daemon_factory(memory="64MiB", KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="256MiB",
-                            KVELASTIC_ORPHAN_CACHE_TTL="1s")
-    first = Engine(model, daemon, "--lora", KVELASTIC_ENGINE_ID="first")
-    assert first.do("workload")["tokens"] == base["tokens"]
-    first.exit()
-    demoted = settled(daemon)["blocks"]
-    assert demoted > 0
+    daemon, _ = tier_daemon(daemon_factory, tmp_path)
+    first = served_and_demoted(model, daemon, "--lora")
+    assert first["tokens"] == base["tokens"] and first["tier"]["blocks"] > 0
 
     probe = TierEngine(model, daemon, "--lora", KVELASTIC_ENGINE_ID="probe")
     lookups, hits = counters(daemon)["lookups"], counters(daemon)["hit_blocks"]
