@@ -30,6 +30,7 @@ from kvelastic.core.pool import SlabPool
 from kvelastic.daemon.devices import Device
 from kvelastic.daemon.server import Daemon
 from kvelastic.vmm import get_backend
+from tests.daemon import threaded
 from tests.daemon_proc import wait_for
 
 MiB = 1 << 20
@@ -37,23 +38,9 @@ MiB = 1 << 20
 
 @pytest.fixture
 def served(tmp_path):
-    daemon = Daemon([Device("0", get_backend("host"), 16 * MiB)], str(tmp_path / "k.sock"))
-    stop = threading.Event()
-    thread = threading.Thread(target=daemon.serve, args=(stop.is_set,), daemon=True)
-    thread.start()
-    pool = SlabPool(4)
-    engine = EngineClient(pool, socket_path=daemon.socket_path, engine_id="e", namespace="n", page_size=2 * MiB,
-                          pages_per_worker=1, num_workers=1, block_bytes=MiB // 2, low_watermark=0,
-                          keep_idle_slabs=0, shrink_grace=3600).start()
-    engine.journal_interval = 3600.0      # shipped only when the test (or the client's own order) says
-    worker = WorkerClient(get_backend("host"), socket_path=daemon.socket_path, engine_id="e", rank=0,
-                          token=engine.token).start()
-    yield daemon, engine, worker
-    engine.close()
-    worker.close()
-    stop.set()
-    thread.join(5)
-    daemon.close()
+    with threaded.served(tmp_path, keep_idle_slabs=0, shrink_grace=3600) as (daemon, engine, worker):
+        engine.journal_interval = 3600.0      # shipped only when the test (or the client's own order) says
+        yield daemon, engine, worker
 
 
 def refused_journals(daemon: Daemon) -> float:

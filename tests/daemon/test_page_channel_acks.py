@@ -7,19 +7,14 @@ they were; a frame that breaks the framing closes that channel only."""
 from __future__ import annotations
 
 import socket
-import threading
 
 import msgspec
 import pytest
 
 from kvelastic import protocol as p
-from kvelastic.client.engine import EngineClient
-from kvelastic.client.worker import WorkerClient
-from kvelastic.core.pool import SlabPool
-from kvelastic.daemon.devices import Device
 from kvelastic.daemon.peers import MAX_ACK, MAX_JOURNAL
 from kvelastic.daemon.server import Daemon
-from kvelastic.vmm import get_backend
+from tests.daemon import threaded
 from tests.daemon.hostile import open_lifeline
 from tests.daemon_proc import wait_for
 
@@ -28,22 +23,8 @@ MiB = 1 << 20
 
 @pytest.fixture
 def served(tmp_path):
-    daemon = Daemon([Device("0", get_backend("host"), 16 * MiB)], str(tmp_path / "k.sock"))
-    stop = threading.Event()
-    thread = threading.Thread(target=daemon.serve, args=(stop.is_set,), daemon=True)
-    thread.start()
-    pool = SlabPool(4)
-    engine = EngineClient(pool, socket_path=daemon.socket_path, engine_id="e", namespace="n", page_size=2 * MiB,
-                          pages_per_worker=1, num_workers=1, block_bytes=MiB // 2, low_watermark=0,
-                          shrink_grace=60).start()
-    worker = WorkerClient(get_backend("host"), socket_path=daemon.socket_path, engine_id="e", rank=0,
-                          token=engine.token).start()
-    yield daemon, engine, worker
-    engine.close()
-    worker.close()
-    stop.set()
-    thread.join(5)
-    daemon.close()
+    with threaded.served(tmp_path, shrink_grace=60) as parts:
+        yield parts
 
 
 def rejected(daemon: Daemon, reason: str) -> float:
