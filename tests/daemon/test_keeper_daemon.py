@@ -82,12 +82,9 @@ def test_the_keeper_holds_the_daemons_pages_past_its_death(tmp_path, engines):
         keeper.stop()
 
 
-def cache_kept_then_daemon_gone(tmp_path, engines, how: str):
-    """A daemon with a keeper; engine ``a`` of llama-1 caches 4 blocks ("sys",
-    KV bytes 7) and is killed, so they are kept; engine ``c`` (another
-    namespace) keeps serving from its own slab (saved as lent); then the
-    daemon goes (``kill``: SIGKILL; ``stop``: SIGTERM). Returns the keeper,
-    the live engine and the page count the daemon had."""
+def keeper_and_a_cache(tmp_path, engines):
+    """A daemon with a keeper, and engine ``a`` of llama-1 that cached 4
+    blocks ("sys", KV bytes 7) and shipped its journal."""
     daemon = DaemonProcess(tmp_path, memory="32MiB")
     keeper = KeeperProcess(tmp_path, socket=daemon.socket).start()
     daemon.start()
@@ -95,6 +92,16 @@ def cache_kept_then_daemon_gone(tmp_path, engines, how: str):
     assert a.do("ensure", n=4)["ok"]
     cache_in_a_step(a, "sys", 4, value=7)
     a.do("flush")
+    return daemon, keeper, a
+
+
+def cache_kept_then_daemon_gone(tmp_path, engines, how: str):
+    """A daemon with a keeper; engine ``a`` of llama-1 caches 4 blocks ("sys",
+    KV bytes 7) and is killed, so they are kept; engine ``c`` (another
+    namespace) keeps serving from its own slab (saved as lent); then the
+    daemon goes (``kill``: SIGKILL; ``stop``: SIGTERM). Returns the keeper,
+    the live engine and the page count the daemon had."""
+    daemon, keeper, a = keeper_and_a_cache(tmp_path, engines)
     a.kill()
     wait_for(lambda: kept_blocks(daemon, "llama-1") == 4, what="a's cache kept")
     c = engines(daemon, "c", namespace="qwen", **KEEP)
@@ -244,13 +251,7 @@ def running_engine_then_daemon_killed(tmp_path, engines):
     ("sys", KV bytes 7) and keeps running; once the state file names its
     slabs (lent records, written coalesced), the daemon is killed (-9).
     Returns the keeper, ``a`` and its lent records."""
-    daemon = DaemonProcess(tmp_path, memory="32MiB")
-    keeper = KeeperProcess(tmp_path, socket=daemon.socket).start()
-    daemon.start()
-    a = engines(daemon, "a", namespace="llama-1", **KEEP)
-    assert a.do("ensure", n=4)["ok"]
-    cache_in_a_step(a, "sys", 4, value=7)
-    a.do("flush")
+    daemon, keeper, a = keeper_and_a_cache(tmp_path, engines)
     slabs = next(e for e in daemon.status()["engines"] if e["engine_id"] == "a")["slabs"]
     wait_for(lambda: len(lent_saved(daemon, "a")) == slabs, what="a's slabs saved")
     records = lent_saved(daemon, "a")
