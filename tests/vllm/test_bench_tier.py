@@ -1,0 +1,46 @@
+"""``kvelastic bench tier --quick --json``: stock vLLM against kvelastic with
+the node tier (docs/tier.md) on the tiny model, through the CLI as a user
+runs it: two engine slots, every visit on a new engine, so the second pass
+over the system prompts finds them in the tier (demoted from the departed
+engines' kept cache) and loads them through ``KvelasticTierConnector``.
+The figures must say what the bench claims: the same greedy tokens in both
+modes, tier hits (vLLM's external hits, the daemon's promotions), a hit
+rate above stock's and within the oracle's, and consistent arithmetic."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_bench_tier_quick_loads_demoted_blocks_with_the_same_tokens(tmp_path):
+    png = tmp_path / "tier.png"
+    result = subprocess.run([sys.executable, "-m", "kvelastic", "bench", "tier", "--quick", "--json"],
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "KVELASTIC_BENCH_TIER_PNG": str(png)})
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["benchmark"] == "tier" and out["quick"]
+    stock, tier = out["modes"]["stock"], out["modes"]["tier"]
+    assert "error" not in stock and "error" not in tier
+    assert stock["requests"] == tier["requests"] == 8
+    assert stock["same_tokens_as_stock"] and tier["same_tokens_as_stock"]
+    assert out["tier_vs_kvelastic"]["met"]["same_tokens"]
+    # Blocks reached the tier (demoted when the departed engines' kept cache expired) and came back.
+    assert tier["tier"]["demotions"] > 0 and tier["tier"]["promotions"] > 0
+    assert tier["external_hit_tokens"] > 0 and stock["external_hit_tokens"] == 0
+    assert tier["external_hit_tokens"] == 32 * tier["tier"]["promotions"]   # whole 32-token blocks
+    # The tier hits what stock recomputes, and never more than the oracle.
+    assert stock["oracle_hit_rate"] == tier["oracle_hit_rate"] > 0
+    assert stock["hit_rate"] < tier["hit_rate"] <= tier["oracle_hit_rate"]
+    assert tier["hit_rate_over_oracle"] == pytest.approx(tier["hit_rate"] / tier["oracle_hit_rate"], abs=2e-3)
+    for mode in (stock, tier):
+        assert 0 < mode["ttft_p50_ms"] <= mode["ttft_p90_ms"] <= mode["ttft_p99_ms"]
+        assert mode["throughput_tok_s"] > 0
+    assert png.stat().st_size > 0

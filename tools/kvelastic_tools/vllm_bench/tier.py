@@ -1,0 +1,393 @@
+"""``kvelastic bench tier``: the node tier (docs/tier.md, issue 43) against
+stock vLLM, kvelastic without the tier and vLLM's own KV offloading.
+
+Three engines (real vLLM, CPU build, one process per engine life:
+``tier_run.py``) serve one seeded trace (``tier_model.Workload``): rotating
+long system prompts, each visited twice by a two-turn conversation, a
+prefix working set ~4x the device memory (kvelastic's budget). An engine is
+replaced (exits; a new one takes its slot) every few visits, as rolling
+restarts and autoscaling do: that is what sends blocks to the tier today
+(demotion source A, a departed engine's kept cache released when its TTL,
+``KVELASTIC_ORPHAN_CACHE_TTL=1s`` here, expires or a demand needs its pages;
+blocks evicted inside a running engine do not reach it yet).
+
+Modes, one after the other, the same requests in the same order, one
+request at a time:
+
+- ``stock``: vLLM alone, each engine ``memory / engines`` of KV;
+- ``kvelastic``: the daemon (budget ``memory``), no tier;
+- ``tier``: the daemon with ``KVELASTIC_TIER_DIR``, the engines with
+  ``KvelasticTierConnector``;
+- ``kvelastic_ttl10m``: kvelastic without the tier at its default kept-cache
+  TTL (10 minutes: kept cache waits for a warm start, or yields to demand);
+- ``offload``: stock vLLM with its ``OffloadingConnector`` (host memory as
+  large as the budget), ``simple_offload`` (its ``SimpleCPUOffloadConnector``)
+  and ``lmcache`` (``LMCacheConnectorV1``); a mode whose engine does not start
+  on this build is recorded with its error.
+
+Per mode: the hit rate (vLLM's prefix-cache hits, local plus a connector's,
+over prompt tokens) and its ratio to the oracle's (the same prompts against a
+cache that never evicts), TTFT p50/p90/p99, throughput (tokens in and out
+over the time spent serving; engine start-ups excluded, the same in every
+mode), and whether the greedy tokens equal stock's.
+
+The crossover (``crossover``): per model, the TTFT of a prompt of L+1
+tokens whose first L are computed (a fresh engine) against loaded from the
+tier (another engine after the first's kept cache was demoted), over a sweep
+of L (three prompts per L, medians); the smallest L from which loading wins.
+
+Engines are forked from one fork server (``tier_run --server``) that
+imported vLLM once: a start-up of 2 s instead of 12 to 20 s on two busy
+cores. Options (environment): ``KVELASTIC_BENCH_TIER_PNG`` (where the plot
+goes; none if unset), ``KVELASTIC_BENCH_TIER_VISITS_PER_LIFE`` (visits an
+engine serves before it is replaced; 1 by default, ``tier_model.FULL``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from kvelastic_tools.figures import percentile
+from kvelastic_tools.vllm_bench import tier_model
+from kvelastic_tools.vllm_bench.tier_model import Workload
+
+MiB = 1 << 20
+TTL = "200ms"
+TIER_SIZE = "1GiB"
+MODES = ("stock", "kvelastic", "tier", "kvelastic_ttl10m", "offload", "simple_offload", "lmcache")
+QUICK_MODES = ("stock", "tier")
+SWEEP = (32, 128, 256, 512, 1024, 2016)   # L + 1 tokens within the tiny model's 2,048 positions
+REPEATS = 3                               # prompts per L (the median is reported)
+QUICK_SWEEP = (32, 256)
+# Issue 43's targets for the tier mode.
+TARGETS = {"hit_rate_over_oracle_min": 0.9, "ttft_p50_over_kvelastic_max": 0.5, "throughput_over_kvelastic_min": 1.0}
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+class Engine:
+    """One engine life: ``tier_run``'s engine, forked by its fork server (``server``)."""
+
+    def __init__(self, server: str, model: pathlib.Path, mode: str, kv_bytes: int, max_len: int, log: pathlib.Path,
+                 socket_path: str | None, engine_id: str, cpu_bytes: int = 0) -> None:
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVELASTIC_ENABLE": "0"}
+        if socket_path is not None:
+            env.update(KVELASTIC_ENABLE="1", KVELASTIC_SOCKET=socket_path, KVELASTIC_ENGINE_ID=engine_id)
+        self.engine_id = engine_id
+        self.started = time.monotonic()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(600)
+        self.sock.connect(server)
+        self.sock.sendall((json.dumps({"argv": [str(model), mode, str(kv_bytes), str(max_len), str(cpu_bytes)],
+                                       "env": env, "log": str(log)}) + "\n").encode())
+        self.stream = self.sock.makefile("rw")
+        line = self._read(("READY", "FAILED"))
+        if line.startswith("FAILED"):
+            self.exit()
+            raise EngineFailed(json.loads(line[len("FAILED"):]))
+        self.start_s = time.monotonic() - self.started
+
+    def _read(self, prefixes: tuple[str, ...]) -> str:
+        for line in self.stream:
+            if line.startswith(prefixes):
+                return line.strip()
+        raise EngineFailed("the engine exited (its log says why)")
+
+    def req(self, ids: list[int], max_tokens: int) -> dict[str, Any]:
+        self.stream.write("req " + json.dumps({"ids": ids, "max_tokens": max_tokens}) + "\n")
+        self.stream.flush()
+        return json.loads(self._read(("RESULT ",))[len("RESULT "):])
+
+    def exit(self) -> None:
+        """End of input; returns once the engine's process is gone (its end of the socket closed)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+            while self.sock.recv(65536):
+                pass
+        self.stream.close()
+        self.sock.close()
+
+
+@contextlib.contextmanager
+def fork_server(folder: pathlib.Path) -> Iterator[str]:
+    """``tier_run --server``: vLLM imported once, an engine forked per life; yields its socket."""
+    path = str(folder / "fork.sock")
+    with open(folder / "fork-server.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvelastic_tools.vllm_bench.tier_run", "--server", path],
+                                stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "SERVING":
+            raise RuntimeError(f"the fork server did not start: {proc.wait(30)}")
+        yield path
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@contextlib.contextmanager
+def daemon(folder: pathlib.Path, memory: int, tier: bool, ttl: str = TTL) -> Iterator[str]:
+    """A kvelastic daemon (host backend), with a disk tier in ``folder/tier`` if ``tier``; yields its socket."""
+    from kvelastic.ctl import get_status
+
+    sock = str(folder / "kvelastic.sock")
+    env = dict(os.environ, KVELASTIC_SOCKET=sock, KVELASTIC_MEMORY=str(memory), KVELASTIC_BACKEND="host",
+               KVELASTIC_METRICS_PORT="0", KVELASTIC_LOG_LEVEL="info", KVELASTIC_ORPHAN_CACHE_TTL=ttl,
+               KVELASTIC_IDLE_GRACE="1s", KVELASTIC_HOLD_DOWN="2s")
+    if tier:
+        (folder / "tier").mkdir(mode=0o700)
+        env.update(KVELASTIC_TIER_DIR=str(folder / "tier"), KVELASTIC_TIER_SIZE=TIER_SIZE)
+    log_path = folder / "daemon.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "daemon"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon did not start:\n{log_path.read_text()[-2000:]}")
+            try:
+                get_status(sock, timeout=0.5)
+                break
+            except Exception:   # noqa: BLE001 - not up yet
+                time.sleep(0.1)
+        yield sock
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def _tier_counters(sock: str) -> dict[str, Any]:
+    from kvelastic.ctl import get_status
+
+    tier = get_status(sock).get("tier") or {}
+    counters = tier.get("counters", {})
+    return {"blocks": tier.get("blocks", 0), "demotions": counters.get("demotions", 0),
+            "promotions": counters.get("promotions", 0), "hit_blocks": counters.get("hit_blocks", 0),
+            "lookups": counters.get("lookups", 0)}
+
+
+def _settle(sock: str, timeout: float = 20.0, gone: str | None = None) -> None:
+    """Until no kept cache is left (released: demoted, with a tier) and no engine is registered
+    (only engine ``gone`` is not, if given)."""
+    from kvelastic.ctl import get_status
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = get_status(sock)
+        ids = {e["engine_id"] for e in status["engines"]}
+        if (gone not in ids if gone is not None else not ids) and not status.get("orphans"):
+            return
+        time.sleep(0.05)
+
+
+def _ms(values: list[float], q: float) -> float | None:
+    return round(percentile(values, q) * 1e3, 1) if values else None
+
+
+def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, server: str) -> dict[str, Any]:
+    """The whole trace in ``mode``: per-request results and the mode's figures."""
+    elastic = mode in ("kvelastic", "tier", "kvelastic_ttl10m")
+    kv_bytes = w.per_engine
+    requests: list[dict[str, Any]] = []
+    starts: list[float] = []
+    lives = 0
+    with contextlib.ExitStack() as stack:
+        ttl = "10m" if mode == "kvelastic_ttl10m" else TTL
+        sock = stack.enter_context(daemon(folder, w.memory, mode == "tier", ttl)) if elastic else None
+
+        def start(slot: int) -> Engine:
+            nonlocal lives
+            lives += 1
+            engine = Engine(server, model, mode, kv_bytes, w.max_model_len, folder / f"engine-{mode}.log", sock,
+                            f"{mode}-{slot}-{lives}", cpu_bytes=w.memory)
+            starts.append(engine.start_s)
+            return engine
+
+        slots: list[Engine | None] = [None] * w.engines
+        served = [0] * w.engines
+        def exit_all() -> None:
+            for e in slots:
+                if e is not None:
+                    e.exit()
+
+        stack.callback(exit_all)
+        started = time.monotonic()
+        for slot, p, index in w.visits():
+            engine = slots[slot]
+            if engine is not None and served[slot] >= w.visits_per_life:
+                engine.exit()
+                gone, slots[slot], engine = engine.engine_id, None, None
+                if sock is not None and ttl == TTL:
+                    # Its kept cache released (demoted, with the tier) before the next engine starts: an
+                    # engine that grows adopts the namespace's kept slabs first (warm start), and blocks it
+                    # then evicts inside itself never reach the tier (demotion source B is not built).
+                    _settle(sock, gone=gone)
+            if engine is None:
+                slots[slot] = engine = start(slot)
+                served[slot] = 0
+            served[slot] += 1
+            history = w.system_prompt(index)
+            for turn in range(w.turns):
+                prompt = history + w.user_turn(index, p, turn)
+                out = engine.req(prompt, w.answer_tokens)
+                requests.append({"prompt": prompt, "pass": p, "turn": turn, **out})
+                history = prompt + out["tokens"]
+        wall = time.monotonic() - started
+        tier = _tier_counters(sock) if mode == "tier" and sock else None
+    oracle = tier_model.oracle_hits([(r["prompt"], r["tokens"]) for r in requests])
+    queries = sum(len(r["prompt"]) for r in requests)
+    hits = sum(r["hits"] + r["external"] for r in requests)
+    serving = sum(r["seconds"] for r in requests)
+    ttfts = [r["ttft_s"] for r in requests]
+    revisits = [r["ttft_s"] for r in requests if r["pass"] > 0 and r["turn"] == 0]
+    tokens_out = sum(len(r["tokens"]) for r in requests)
+    result: dict[str, Any] = {
+        "requests": len(requests), "engine_lives": lives,
+        "engine_start_s_median": round(sorted(starts)[len(starts) // 2], 2) if starts else None,
+        "prompt_tokens": queries, "hit_tokens": int(hits),
+        "external_hit_tokens": int(sum(r["external"] for r in requests)),
+        "hit_rate": round(hits / queries, 4), "oracle_hit_rate": round(sum(oracle) / queries, 4),
+        "hit_rate_over_oracle": round(hits / sum(oracle), 4) if sum(oracle) else None,
+        "ttft_p50_ms": _ms(ttfts, 0.5), "ttft_p90_ms": _ms(ttfts, 0.9), "ttft_p99_ms": _ms(ttfts, 0.99),
+        # The requests the tier is for: a system prompt's first turn on its second visit.
+        "ttft_revisit_p50_ms": _ms(revisits, 0.5), "ttft_revisit_p90_ms": _ms(revisits, 0.9),
+        "serving_s": round(serving, 2), "wall_s": round(wall, 2),
+        "throughput_tok_s": round((queries + tokens_out) / serving, 1) if serving else None,
+        "requests_per_s": round(len(requests) / serving, 3) if serving else None,
+    }
+    if tier is not None:
+        result["tier"] = tier
+    result["_tokens"] = [r["tokens"] for r in requests]
+    result["_ttfts"] = ttfts
+    return result
+
+
+def crossover(name: str, sweep: tuple[int, ...], folder: pathlib.Path, server: str) -> dict[str, Any]:
+    """TTFT of L computed against L loaded from the tier, per L of ``sweep``, for model ``name``."""
+    model, shape = tier_model.build(name)
+    per_token = tier_model.kv_bytes_per_token(shape)
+    repeats = 1 if sweep == QUICK_SWEEP else REPEATS
+    memory = max(32 * MiB, 2 * per_token * repeats * (sum(sweep) + 64 * len(sweep)))
+    memory = -(-memory // (2 * MiB)) * 2 * MiB
+    max_len = min(shape.max_pos, max(sweep) + 64)
+    rng = random.Random(11)
+    prompts = [[[rng.randrange(3, tier_model.VOCAB_SIZE) for _ in range(n + 1)] for n in sweep] for _ in range(repeats)]
+    warm = [rng.randrange(3, tier_model.VOCAB_SIZE) for _ in range(40)]
+    with daemon(folder, memory, tier=True) as sock:
+        log = folder / "engine-crossover.log"
+        first = Engine(server, model, "kvelastic", memory, max_len, log, sock, f"{name}-compute")
+        first.req(warm, 1)      # the first step's one-off costs, outside the figures
+        computed = [[first.req(ids, 1) for ids in rep] for rep in prompts]
+        first.exit()
+        _settle(sock)
+        demoted = _tier_counters(sock)
+        second = Engine(server, model, "tier", memory, max_len, log, sock, f"{name}-load")
+        second.req(warm, 1)
+        loaded = [[second.req(ids, 1) for ids in rep] for rep in prompts]
+        second.exit()
+
+    def median_ms(runs: list[list[dict[str, Any]]], i: int) -> float:
+        return round(sorted(r[i]["ttft_s"] for r in runs)[len(runs) // 2] * 1e3, 2)
+
+    points = []
+    for i, n in enumerate(sweep):
+        points.append({"tokens": n, "computed_ms": median_ms(computed, i), "loaded_ms": median_ms(loaded, i),
+                       "loaded_tokens": min(int(r[i]["external"]) for r in loaded),
+                       "same_tokens": all(c[i]["tokens"] == ld[i]["tokens"] for c, ld in zip(computed, loaded))})
+    wins = [p["loaded_ms"] < p["computed_ms"] and p["loaded_tokens"] > 0 for p in points]
+    at = next((points[i]["tokens"] for i in range(len(points)) if all(wins[i:])), None)
+    return {"model": name, "params": tier_model.params(shape), "kv_bytes_per_token": per_token,
+            "demoted_blocks": demoted["demotions"], "points": points, "loading_wins_from_tokens": at}
+
+
+def _targets(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    tier, base = modes.get("tier", {}), modes.get("kvelastic", {})
+    ratio = tier.get("hit_rate_over_oracle")
+    ttft = (tier["ttft_p50_ms"] / base["ttft_p50_ms"]) if tier.get("ttft_p50_ms") and base.get("ttft_p50_ms") else None
+    thr = (tier["throughput_tok_s"] / base["throughput_tok_s"]) if tier.get("throughput_tok_s") and \
+        base.get("throughput_tok_s") else None
+    out = {"hit_rate_over_oracle": ratio, "ttft_p50_over_kvelastic": None if ttft is None else round(ttft, 3),
+           "throughput_over_kvelastic": None if thr is None else round(thr, 3),
+           "same_tokens": tier.get("same_tokens_as_stock")}
+    out["met"] = {
+        "hit_rate": ratio is not None and ratio >= TARGETS["hit_rate_over_oracle_min"],
+        "ttft_p50": ttft is not None and ttft <= TARGETS["ttft_p50_over_kvelastic_max"],
+        "throughput": thr is not None and thr >= TARGETS["throughput_over_kvelastic_min"],
+        "same_tokens": bool(tier.get("same_tokens_as_stock")),
+    }
+    return out
+
+
+def run(quick: bool = False, png: str | None = None, modes: tuple[str, ...] | None = None,
+        crossover_models: tuple[str, ...] | None = None) -> dict[str, Any]:
+    w = tier_model.QUICK if quick else tier_model.FULL
+    life = os.environ.get("KVELASTIC_BENCH_TIER_VISITS_PER_LIFE")    # e.g. 4: tier_model.LIFE4
+    if life:
+        w = dataclasses.replace(w, visits_per_life=int(life))
+    modes = modes or (QUICK_MODES if quick else MODES)
+    crossover_models = crossover_models if crossover_models is not None else (() if quick else ("tiny", "bench"))
+    model, shape = tier_model.build(w.model)
+    results: dict[str, dict[str, Any]] = {}
+    curves = {}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kvt-") as top, fork_server(pathlib.Path(top)) as server:
+        for mode in modes:
+            with tempfile.TemporaryDirectory(prefix="kvt-") as folder:
+                try:
+                    results[mode] = run_mode(w, model, mode, pathlib.Path(folder), server)
+                except EngineFailed as e:
+                    results[mode] = {"error": str(e)}
+        for name in crossover_models:
+            with tempfile.TemporaryDirectory(prefix="kvt-") as folder:
+                try:
+                    curves[name] = crossover(name, QUICK_SWEEP if quick else SWEEP, pathlib.Path(folder), server)
+                except (EngineFailed, RuntimeError, OSError) as e:
+                    curves[name] = {"model": name, "error": f"{type(e).__name__}: {e}"}
+    stock = results.get("stock", {}).get("_tokens")
+    for r in results.values():
+        if "_tokens" in r:
+            r["same_tokens_as_stock"] = r["_tokens"] == stock if stock is not None else None
+    per_token = tier_model.kv_bytes_per_token(shape)
+    out = {
+        "benchmark": "tier", "quick": quick,
+        "workload": {**dataclasses.asdict(w), "params": tier_model.params(shape),
+                     "kv_bytes_per_token": per_token, "orphan_cache_ttl": TTL, "tier_size": TIER_SIZE,
+                     "prefix_working_set_over_memory": round(
+                         w.prompts * (w.system_tokens + w.turns * (w.user_tokens + w.answer_tokens)) * per_token
+                         / w.memory, 2)},
+        "modes": {m: {k: v for k, v in r.items() if not k.startswith("_")} for m, r in results.items()},
+        "crossover": curves,
+        "targets": TARGETS,
+        "tier_vs_kvelastic": _targets(results),
+        "total_s": round(time.monotonic() - started, 1),
+    }
+    if png is None:
+        png = os.environ.get("KVELASTIC_BENCH_TIER_PNG")
+    if png:
+        from kvelastic_tools.vllm_bench.tier_plot import plot
+
+        plot(png, out, {m: r.get("_ttfts", []) for m, r in results.items()})
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(quick="--quick" in sys.argv), indent=2))
