@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from kvelastic.core.stats import EVICTION_REASONS
 from kvelastic.protocol import Reason
@@ -297,7 +296,7 @@ def tier_load_family(load: LoadLatency) -> HistogramMetricFamily:
                                    "Seconds from an engine's tier lookup to each of its blocks loaded (the "
                                    "block's last chunk read by the daemon).")
     cumulative, total = [], 0
-    for bound, n in zip([*(floatToGoString(b) for b in load.buckets), "+Inf"], load.counts):
+    for bound, n in zip([*(str(float(b)) for b in load.buckets), "+Inf"], load.counts):   # "0.0001", "10.0"
         total += n
         cumulative.append((bound, total))
     family.add_metric([], cumulative or [("+Inf", 0)], sum_value=load.sum)
