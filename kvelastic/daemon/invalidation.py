@@ -98,6 +98,7 @@ class CacheScope:
         from now on (its pages still go where they were going): its namespace
         changed under it, or was invalidated. Slabs it maps now, slabs it
         gives up for a replica, and slabs replicas give up for its grows."""
+        engine.scope_changes += 1
         mine = self.grows.of_engine(engine.engine_id)
         seqs = {req.seq for req in mine}
         for req in mine:

@@ -56,7 +56,8 @@ class Reclaims:
                     engine.slabs[slab_id].handoff, engine.slabs[slab_id].handoff_to = valid, -1
         for engine_id, slabs in by_engine.items():
             rid = books.command(books.engines[engine_id].identity, p.Reclaim(slabs=slabs))
-            self.pending[rid] = ReclaimRequest(engine_id, slabs, req, books.now + books.timing.reclaim_timeout)
+            self.pending[rid] = ReclaimRequest(engine_id, slabs, req, books.now + books.timing.reclaim_timeout,
+                                               (books.engines[engine_id].scope_changes, requester.scope_changes))
             req.reclaims.add(rid)
             log.info("engine %s: asked to give up %d slab(s) for engine %s", engine_id, len(slabs),
                      requester.engine_id)
@@ -72,6 +73,11 @@ class Reclaims:
         engine = books.engine(m.engine_id)
         del self.pending[m.req_id]
         requester = books.engines.get(rec.grow.engine_id)
+        # The engine answers a reclaim before it hears of an invalidation (or
+        # divergence) sent after it, so the cached blocks it lists may predate
+        # it: such an answer hands its pages on without their keys.
+        current = rec.scopes[0] == engine.scope_changes and \
+            (requester is None or rec.scopes[1] == requester.scope_changes)
         for slab_id in m.given:
             slab = engine.slabs.get(slab_id)
             if slab is not None and slab.phase is Phase.HELD:
@@ -79,7 +85,7 @@ class Reclaims:
                 rec.grow.incoming.add((engine.engine_id, slab_id))
                 self._moved(engine, rec.grow.engine_id)
                 valid, slab.handoff = slab.handoff, ()
-                cached = m.cached.get(slab_id)
+                cached = m.cached.get(slab_id) if current else None
                 if cached and requester is not None and self.cache.may_hand_on(engine, requester, cached):
                     slab.handoff, slab.handoff_to = tuple(cached), rec.grow.seq
                 elif cached and valid and self.cache.tiering is not None:

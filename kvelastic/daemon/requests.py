@@ -68,3 +68,4 @@ class ReclaimRequest:
     slabs: list[int]
     grow: GrowRequest
     deadline: float
+    scopes: tuple[int, int] = (0, 0)   # the giver's and the requester's ``scope_changes`` when it was sent

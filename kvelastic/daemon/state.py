@@ -117,6 +117,7 @@ class EngineRecord:
     reclaims: int = 0
     kept_keys: set[bytes] = dataclasses.field(default_factory=set)   # keys already kept for its namespace
     private: bool = False          # its weights may differ from its namespace's: no cache given, taken or kept
+    scope_changes: int = 0         # invalidations and divergences so far (a reclaim answered before one: stale keys)
     # This registration, among every one the daemon made: an engine id may be
     # registered again while its last registration still departs (unmapping,
     # quarantined); the two records never alias (``Allocator.departing``).

@@ -98,6 +98,7 @@ def main() -> None:
         raw = f"{prefix}-{i}".encode()
         return hashlib.sha256(raw).digest() + bytes(4) if cfg.get("vllm_keys") else raw
 
+    held: list[bool] = []     # ``hold``: the pool lock, held between commands
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -155,6 +156,13 @@ def main() -> None:
         elif op == "diverge":    # its weights changed in memory (the plugin: a prefix-cache reset, an RPC)
             engine.diverge(cmd.get("reason", "test"))
             out["namespace"] = engine.namespace
+        elif op == "hold":       # the scheduler holds the pool (mid-step): the daemon's commands wait for it
+            engine.lock.acquire()
+            held.append(True)
+        elif op == "release":    # and lets go: a command that waited runs at the next tick
+            while held:
+                held.pop()
+                engine.lock.release()
         elif op == "flush":
             with engine.lock:
                 engine._flush_journal(sync=True)

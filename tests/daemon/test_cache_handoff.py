@@ -4,8 +4,11 @@ blocks as cached, so its first lookups hit. Across namespaces (the tenant
 salt is part of one) the pages are fresh and nothing is adopted. Real
 daemon, engine and worker processes (host pages)."""
 
+import threading
+
 import pytest
 
+from kvelastic import protocol as p
 from tests.daemon.books import parse_metrics, value
 from tests.daemon_proc import wait_for
 
@@ -54,3 +57,23 @@ def test_across_namespaces_the_pages_are_fresh_and_nothing_is_adopted(daemon_fac
     assert c.do("lookup", prefix="sys", n=4)["hits"] == 0
     assert c.do("read")["values"] == [0]                            # nothing of a's KV is visible
     assert engine_stats(daemon, "c")["adopted_blocks"] == 0
+
+
+def test_a_reclaim_answered_after_an_invalidation_hands_on_pages_without_keys(daemon_factory, engines):
+    """The namespace is invalidated after the daemon asked a for its slab but
+    before a answered (its scheduler held the pool): a lists its cached
+    blocks as they were before, so b gets the pages and none of the keys."""
+    daemon = daemon_factory(memory="2MiB")                          # one slab
+    a = warm_giver(daemon, engines)
+    b = engines(daemon, "b", namespace="llama-1", grace=60)
+    a.do("hold")                                                    # a is mid-step: the Reclaim waits
+    grown = {}
+    grow = threading.Thread(target=lambda: grown.update(b.do("ensure", n=4, timeout=10)))
+    grow.start()
+    wait_for(lambda: "asked to give up 1 slab(s) for engine b" in daemon.log(), what="the reclaim sent")
+    assert isinstance(daemon.request(p.Invalidate(target="llama-1")), p.Invalidated)
+    a.do("release")                                                 # answers the Reclaim, then the ClearIndex
+    grow.join(30)
+    assert grown.get("ok"), grown
+    assert b.do("lookup", prefix="sys", n=4)["hits"] == 0           # no key from before the invalidation
+    assert engine_stats(daemon, "b")["adopted_blocks"] == 0
