@@ -11,7 +11,8 @@ HOLD = 2.0
 
 
 def node(engines: int = 2, pages: int = 6) -> World:
-    w = World(seed=1, engines=0, budget_pages=pages, timing=Timing(idle_grace=GRACE, hold_down=HOLD))
+    w = World(seed=1, engines=0, budget_pages=pages, timing=Timing(idle_grace=GRACE, hold_down=HOLD),
+              tier=False)                 # its engines cache blocks they never wrote: no KV to demote
     w.delay = lambda: 0.001                       # a quiet, fast network: only the policy is under test
     w.engines = [SimEngine(w, f"e{i}", workers=1, demand_share=0.0) for i in range(engines)]
     for e in w.engines:
@@ -131,7 +132,7 @@ def test_hold_down_then_a_move_back_without_thrash():
 
 def test_a_move_back_within_a_second_counts_as_thrash():
     """With no hold-down configured, a move back within a second is counted."""
-    w = World(seed=1, engines=0, budget_pages=4, timing=Timing(idle_grace=GRACE, hold_down=0.0))
+    w = World(seed=1, engines=0, budget_pages=4, timing=Timing(idle_grace=GRACE, hold_down=0.0), tier=False)
     w.delay = lambda: 0.001
     w.engines = [SimEngine(w, f"e{i}", workers=1, demand_share=0.0) for i in range(2)]
     for e in w.engines:
