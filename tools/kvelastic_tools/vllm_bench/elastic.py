@@ -104,7 +104,6 @@ def group_rss(pid: int) -> int:
 @contextlib.contextmanager
 def daemon(folder: pathlib.Path, memory: int) -> Iterator[tuple[str, int, pathlib.Path]]:
     """A kvelastic daemon (host backend); yields its socket, metrics port and log."""
-    from kvelastic.ctl import get_status
 
     sock = str(folder / "kvelastic.sock")
     port = vllm_serve.free_port()
@@ -112,19 +111,8 @@ def daemon(folder: pathlib.Path, memory: int) -> Iterator[tuple[str, int, pathli
     env = dict(os.environ, KVELASTIC_SOCKET=sock, KVELASTIC_MEMORY=str(memory), KVELASTIC_BACKEND="host",
                KVELASTIC_METRICS_PORT=str(port), KVELASTIC_METRICS_ADDR="127.0.0.1", KVELASTIC_LOG_LEVEL="info",
                KVELASTIC_IDLE_GRACE=IDLE_GRACE, KVELASTIC_HOLD_DOWN=HOLD_DOWN)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "daemon"], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+    proc = vllm_serve.start_daemon(env, log_path, timeout=20)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon did not start:\n{log_path.read_text()[-2000:]}")
-            try:
-                get_status(sock, timeout=0.5)
-                break
-            except Exception:   # noqa: BLE001 - not up yet
-                time.sleep(0.1)
         yield sock, port, log_path
     finally:
         proc.terminate()

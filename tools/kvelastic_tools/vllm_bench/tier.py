@@ -60,7 +60,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvelastic_tools.figures import percentile
-from kvelastic_tools.vllm_bench import tier_model
+from kvelastic_tools.vllm_bench import tier_model, vllm_serve
 from kvelastic_tools.vllm_bench.tier_model import Workload
 
 MiB = 1 << 20
@@ -142,7 +142,6 @@ def fork_server(folder: pathlib.Path) -> Iterator[str]:
 @contextlib.contextmanager
 def daemon(folder: pathlib.Path, memory: int, tier: bool, ttl: str = TTL) -> Iterator[str]:
     """A kvelastic daemon (host backend), with a disk tier in ``folder/tier`` if ``tier``; yields its socket."""
-    from kvelastic.ctl import get_status
 
     sock = str(folder / "kvelastic.sock")
     env = dict(os.environ, KVELASTIC_SOCKET=sock, KVELASTIC_MEMORY=str(memory), KVELASTIC_BACKEND="host",
@@ -151,20 +150,8 @@ def daemon(folder: pathlib.Path, memory: int, tier: bool, ttl: str = TTL) -> Ite
     if tier:
         (folder / "tier").mkdir(mode=0o700)
         env.update(KVELASTIC_TIER_DIR=str(folder / "tier"), KVELASTIC_TIER_SIZE=TIER_SIZE)
-    log_path = folder / "daemon.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "daemon"], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+    proc = vllm_serve.start_daemon(env, folder / "daemon.log")
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon did not start:\n{log_path.read_text()[-2000:]}")
-            try:
-                get_status(sock, timeout=0.5)
-                break
-            except Exception:   # noqa: BLE001 - not up yet
-                time.sleep(0.1)
         yield sock
     finally:
         proc.terminate()

@@ -209,3 +209,23 @@ PREFIX_REPETITION = ["--dataset-name", "prefix_repetition", "--prefix-repetition
                      "--prefix-repetition-suffix-len", "32", "--prefix-repetition-num-prefixes", "4",
                      "--prefix-repetition-output-len", "16"]
 RANDOM = ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "16"]
+
+
+def start_daemon(env: dict[str, str], log_path: pathlib.Path, timeout: float = 30.0) -> subprocess.Popen[bytes]:
+    """``kvelastic daemon`` with ``env`` (its socket: ``KVELASTIC_SOCKET``),
+    its output appended to ``log_path``, once it answers ``status``."""
+    from kvelastic.ctl import get_status
+
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "daemon"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the daemon did not start:\n{log_path.read_text()[-2000:]}")
+        try:
+            get_status(env["KVELASTIC_SOCKET"], timeout=0.5)
+            return proc
+        except Exception:   # noqa: BLE001 - not up yet
+            time.sleep(0.1)
