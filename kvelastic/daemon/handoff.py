@@ -123,6 +123,13 @@ class CacheHandoff:
             log.info("engine %s: warm start: %d kept slab(s) of namespace %s with %d cached block(s), "
                      "left by %s", engine.engine_id, len(taken), engine.namespace,
                      sum(len(o.cached) for o in taken), ", ".join(sorted({o.engine_id for o in taken})))
+            if self.tiering is not None:
+                # Written through to the tier first, while the daemon holds the
+                # pages alone: the engine keeps only what its requests use, and
+                # evicts the rest where nothing demotes it (``bench tier``: a
+                # running engine took departed engines' kept cache within
+                # milliseconds, and most of it never reached the tier).
+                self.tiering.demote(taken)
         return taken
 
     def expire(self) -> None:

@@ -131,9 +131,10 @@ class Tiering:
 
     # ---------------------------------------------------------- demotion
     def demote(self, slabs: list[OrphanSlab]) -> None:
-        """Kept slabs about to be released: reserve their blocks in the tier
-        and have the loop write them first (host backend only: the daemon
-        reads the memfd pages it holds)."""
+        """Kept slabs about to be released, or handed to an engine: reserve
+        their blocks in the tier (those not in it already) and have the loop
+        write them first (host backend only: the daemon reads the memfd pages
+        it holds, which no worker maps yet)."""
         if self.tier is None or self.books.backend != "host" or not slabs:
             return
         for o in slabs:

@@ -111,3 +111,43 @@ def test_kept_cache_is_demoted_and_promoted_under_leases(tmp_path):
         for e in started:
             e.close()
         daemon.stop()
+
+
+def test_kept_cache_adopted_by_an_engine_is_written_through_to_the_tier(tmp_path):
+    """Kept cache taken by the next engine of its namespace (a warm start) is
+    written to the tier on its way, well before its TTL: that engine keeps
+    only what its requests use, and what it evicts later stays in the tier."""
+    folder = short_dir(tmp_path) / "tier"
+    folder.mkdir(mode=0o700)
+    daemon = DaemonProcess(tmp_path, memory="8MiB", KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="64MiB",
+                           KVELASTIC_ORPHAN_CACHE_TTL="600s").start()
+    started: list[EngineProcess] = []
+    try:
+        a = EngineProcess(daemon.socket, "a", namespace="llama-1", ppw=2, bps=4, **KEEP)
+        started.append(a)
+        assert a.do("ensure", n=4)["ok"]
+        step = a.do("step")["step"]
+        assert a.do("alloc", n=4)["ok"]
+        a.do("cache", prefix="sys")
+        a.do("seal")
+        a.do("write", value=9)
+        a.do("end_step", n=step)
+        a.do("free")
+        a.do("flush")
+        a.kill()
+        wait_for(lambda: daemon.status().get("orphans"), timeout=10, what="a's cache kept")
+        assert tier(daemon)["blocks"] == 0                 # kept for 600 s: nothing demoted yet
+
+        b = EngineProcess(daemon.socket, "b", namespace="llama-1", ppw=2, bps=4, **KEEP)
+        started.append(b)
+        assert b.do("ensure", n=4)["ok"]                   # its first grow: a warm start
+        assert b.do("lookup", prefix="sys", n=4)["hits"] == 4
+        assert tier(daemon)["blocks"] == 4 and tier(daemon)["counters"]["demotions"] == 4
+        pinned = b.send(p.TierLookup(engine_id="b", keys=keys("sys", 4)))
+        assert isinstance(pinned, p.TierPinned) and pinned.nbytes == [BLOCK] * 4
+        blocks = [fetch(b, pinned.lease, i) for i in range(4)]
+        assert sum(block is not None and block[0] == 9 for block in blocks) == 1   # a's bytes, as written
+    finally:
+        for e in started:
+            e.close()
+        daemon.stop()
