@@ -64,3 +64,18 @@ def test_handoff_is_timed_over_rounds_beside_the_raw_map(figures: dict[str, Any]
 
 def test_devices_are_skipped_with_the_reason(figures: dict[str, Any]) -> None:
     assert figures["devices"] == {"status": "skipped", "why": "no GPU"}
+
+
+def test_a_grants_calls_are_timed_one_by_one_beside_the_grant(figures: dict[str, Any]) -> None:
+    """Where a grant's time goes: each call of it alone, per slab (host pages
+    here: the kit's smoke), and what the sum leaves to the protocol, the
+    loop and the acknowledgement of the grant end to end."""
+    g = figures["grant_phases"]
+    assert g["pages_per_slab"] == 1 and g["rounds"] == 10
+    assert set(g["per_slab"]) == {"create", "export", "transfer", "import", "map", "teardown"}
+    assert all(0 < v["p50_us"] <= v["p99_us"] for v in g["per_slab"].values())
+    calls = sum(g["per_slab"][k]["p50_us"] for k in ("create", "export", "transfer", "import", "map"))
+    assert g["grant_calls_p50_us"] == round(calls, 1)
+    against = g["against_grant"]
+    assert against["grant_p50_us"] == figures["grant"]["1_engine"]["grant_p50_us"]
+    assert against["protocol_loop_ack_us"] == round(against["grant_p50_us"] - against["calls_p50_us"], 1)

@@ -7,7 +7,10 @@ one by one (p50/p99 over ``PAGES`` pages of 2 MiB, several rounds, the first
 discarded as warm-up), plus what batching buys (map N pages, then one
 ``cuMemSetAccess`` over the whole range), the zeroing bandwidth of the
 backend's scrub against ``torch.zero_`` on the same memory, and a grant end
-to end (engine -> daemon -> worker mapped -> grant) through a real daemon.
+to end (engine -> daemon -> worker mapped -> grant) through a real daemon,
+beside each of its calls timed alone (``grantphases.py``: create, export,
+transfer, import, map), so the report says what the protocol, the loop and
+the acknowledgement take.
 
 Then what moving memory between engines costs: ``recycling`` (per page, a
 fresh page -- release + create, what the daemon does -- against zeroing the
@@ -37,6 +40,7 @@ from kvelastic.vmm import get_backend
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE, Backend
 from kvelastic.vmm.errors import PageMismatch
 from kvelastic_tools.figures import percentile
+from kvelastic_tools.gpucheck import grantphases
 
 # kvcached (ovg-project), CUDA VMM on an A100, microseconds per 2 MiB page.
 ANCHORS_US = {"cuMemCreate": 193.0, "cuMemMap": 1.45, "cuMemSetAccess": 36.0, "cuMemUnmap": 25.6}
@@ -280,14 +284,19 @@ def main(backend_name: str) -> dict[str, Any]:
         _guarded(figures, "zeroing", lambda: zeroing(backend))
         _guarded(figures, "arena_vs_raw", lambda: vmm.bench_cuda(backend, 20))
         _guarded(figures, "grant", lambda: grant_latency("cuda", 300, 4))
+        _guarded(figures, "grant_phases", lambda: grantphases.grant_phases(backend, 1, 100))
         _guarded(figures, "recycling", lambda: vmm.bench_recycle(backend, 64, 4, (16, 64)))
         _guarded(figures, "handoff", lambda: handoff_latency("cuda", 100, figures))
     else:  # smoke on host pages: the same code paths, quick, no GPU figures
         _guarded(figures, "arena_vs_raw", lambda: vmm.bench_host(backend, 3))
         _guarded(figures, "zeroing", lambda: zeroing(backend, pages=16, rounds=1))
         _guarded(figures, "grant", lambda: grant_latency("host", 20, 0))
+        _guarded(figures, "grant_phases", lambda: grantphases.grant_phases(backend, 1, 10))
         _guarded(figures, "recycling", lambda: vmm.bench_recycle(backend, 16, 2, (16,)))
         _guarded(figures, "handoff", lambda: handoff_latency("host", 10, figures))
+    if "error" not in figures.get("grant_phases", {"error": ""}):
+        figures["grant_phases"]["against_grant"] = grantphases.unaccounted(figures["grant_phases"],
+                                                                           figures.get("grant", {}))
     _guarded(figures, "devices", lambda: two_devices(backend))   # last: it switches the thread's context
     backend.close()
     figures["seconds"] = round(time.perf_counter() - started, 2)
