@@ -29,7 +29,6 @@ import math
 import os
 import pathlib
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -115,12 +114,7 @@ def daemon(folder: pathlib.Path, memory: int) -> Iterator[tuple[str, int, pathli
     try:
         yield sock, port, log_path
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        vllm_serve.stop_daemon(proc)
 
 
 @contextlib.contextmanager

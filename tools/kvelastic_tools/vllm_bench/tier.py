@@ -154,12 +154,7 @@ def daemon(folder: pathlib.Path, memory: int, tier: bool, ttl: str = TTL) -> Ite
     try:
         yield sock
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        vllm_serve.stop_daemon(proc)
 
 
 def _tier_counters(sock: str) -> dict[str, Any]:

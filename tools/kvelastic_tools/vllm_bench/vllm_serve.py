@@ -229,3 +229,13 @@ def start_daemon(env: dict[str, str], log_path: pathlib.Path, timeout: float = 3
             return proc
         except Exception:   # noqa: BLE001 - not up yet
             time.sleep(0.1)
+
+
+def stop_daemon(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (a graceful stop), then SIGKILL past 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
