@@ -215,8 +215,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVELASTIC_TIER_DIR", "tier_dir", "", parse_directory,
              "Daemon: a local directory (absolute) for the node's disk tier, shared by every engine: blocks "
              "that leave device memory kept by value, and checked (CRC-32) on every read; rebuilt from what "
-             "the directory holds when the daemon starts. Empty: no tier. Departed engines' kept cache is "
-             "demoted there; engines load it back through KvelasticTierConnector (docs/tier.md)."),
+             "the directory holds when the daemon starts. Empty: no tier. Departed engines' kept cache (when "
+             "it expires, yields, or goes to another engine) and cached slabs reclaimed from running engines "
+             "are demoted there; engines load them back through KvelasticTierConnector (docs/tier.md)."),
     Variable("KVELASTIC_TIER_SIZE", "tier_size", "8GiB", parse_size,
              "Daemon: the disk tier's budget; when it is full the blocks of least value (hits, decayed, times "
              "cost per byte) go first."),
