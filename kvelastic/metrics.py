@@ -250,6 +250,8 @@ TIER_COUNTERS = (
     ("tier_demotions", "demotions", "Blocks written to the node's tier (findable from then on)."),
     ("tier_demotions_reclaimed", "demotions_reclaimed",
      "Of the blocks written to the node's tier, those of cached slabs reclaimed from running engines."),
+    ("tier_demotions_evicted", "demotions_evicted",
+     "Of the blocks written to the node's tier, those running engines were about to evict (copied while cached)."),
     ("tier_promotions", "promotions", "Blocks loaded back from the tier by an engine."),
     ("tier_lookup_blocks", "lookup_blocks", "Blocks engines asked the tier for."),
     ("tier_hit_blocks", "hit_blocks", "Blocks the tier held when asked (pinned for a load)."),

@@ -55,7 +55,7 @@ from kvelastic.status_report import StatusReport
 
 # 2: a worker's commands and acks on its page channel; 3: an engine's journal on its lifeline;
 # 4: demoted blocks in the journal (DemoteBlock, PromoteBlock)
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 1 << 20
 
 # Timing both sides rely on (seconds). The daemon's deadlines are configurable
@@ -298,6 +298,10 @@ class Journal(Msg):
     # Answer with Ok once applied: the engine is about to run a step that may
     # rewrite blocks whose keys this journal drops (see ``EngineClient.seal_step``).
     sync: bool = False
+    # The last ``TierCopied`` ticket the engine heard of when it took this
+    # journal: every drop of a block made before it heard is in this journal
+    # or an earlier one (docs/tier.md, "Source B").
+    tier_ack: int = 0
 
 
 class JournalFrame(Msg, tag="Journal"):
@@ -310,6 +314,7 @@ class JournalFrame(Msg, tag="Journal"):
     occupancy: dict[int, tuple[int, int, int]]
     stats: dict[str, int] = {}
     sync: bool = False
+    tier_ack: int = 0
 
 
 class Heartbeat(Msg):
@@ -454,6 +459,10 @@ class Registered(Msg):
     # To a worker: the daemon's deadline for each map and unmap ack; a worker
     # in a longer step says ``Busy`` well within it.
     ack_timeout: float = ACK_TIMEOUT
+    # To an engine: the node has a tier fed from running engines' evictions
+    # (source B): under pressure, demote the next blocks to be evicted ahead
+    # (``DEMOTE``) and answer ``TierCopied``, whatever ``orphan_ttl`` is.
+    tier: bool = False
 
 
 class Granted(Msg):
@@ -505,6 +514,15 @@ class TierData(Msg):
     data: bytes
 
 
+class TierCopied(Msg):
+    """To an engine: the daemon copied the blocks that its journals marked
+    ``DEMOTE``, up to this ``ticket``, into the tier's staging. Its next
+    journal carries the ticket back (``Journal.tier_ack``); a copied block
+    that journal or an earlier one drops may have been rewritten while it was
+    read, and is discarded; the others are written to the tier."""
+    ticket: int
+
+
 class StatusReply(Msg):
     status: StatusReport
 
@@ -513,7 +531,7 @@ Message = (
     RegisterEngine | RegisterWorker | Grow | Return | Journal | Heartbeat | Unregister | Busy | Diverge
     | ReclaimDone | Mapped | Unmapped | Status | SetLimit | Invalidate | TierLookup | TierFetch | TierRelease
     | Ok | Error | Invalidated | Registered | Granted | Reclaim | Failed | ClearIndex | MapSlab | UnmapSlab
-    | StatusReply | TierPinned | TierData
+    | StatusReply | TierPinned | TierData | TierCopied
 )
 
 def fd_socket_path(socket_path: str) -> str:

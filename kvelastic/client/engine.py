@@ -133,6 +133,9 @@ class EngineClient:
         self.on_tick: Callable[[], None] | None = None
         self.hash_seed = ""                # its namespace's block-hash root, likewise
         self.orphan_ttl = 0.0              # the daemon keeps this engine's cache after it leaves
+        self.tier = False                  # the daemon's tier takes this engine's evictions (source B)
+        self._tier_ack = 0                 # the last ``TierCopied`` ticket heard (I/O thread)
+        self._tier_ack_sent = 0            # the last one a journal carried back
         self.refused_until = 0.0           # after a refused grow, no prefetch for a while
         self._grow_in_flight = False       # a reserve grow awaits its answer
         self._grow_answered = threading.Event()
@@ -143,7 +146,7 @@ class EngineClient:
         self._now = 0.0
         self._closing = False
         self._last_flush = 0.0
-        self._sealed_at = -math.inf        # the last seal written (demotion follows it: ``_flush_journal``)
+        self._pressed_at = -math.inf       # a seal, or an eviction of a block not demoted (``_flush_journal``)
         self.journal_interval = JOURNAL_INTERVAL
         self.conn = Connection(socket_path, engine_id, -1, handshake=self._register,
                                on_command=self._on_command, on_tick=self._tick,
@@ -208,6 +211,7 @@ class EngineClient:
         # under a running engine).
         self.hash_seed = self.hash_seed or reply.hash_seed
         self.orphan_ttl = reply.orphan_ttl
+        self.tier = reply.tier
         if self.private:   # a reconnect keeps the daemon's record, which a lost Diverge never reached
             expect(conn.call(self._diverge_message("re-registered"), timeout=5.0), p.Ok)
         self._grow_in_flight = False
@@ -349,7 +353,7 @@ class EngineClient:
         with nothing to seal."""
         if self.orphan_ttl and self.pool.journal.removed and self.conn.connected.is_set():
             with self.lock:
-                self._sealed_at = time.monotonic()
+                self._pressed_at = time.monotonic()
                 self._flush_journal(seal=True)
 
     def wake(self) -> None:
@@ -428,6 +432,11 @@ class EngineClient:
             self._run_or_defer(lambda: self._reclaim(msg))
         elif isinstance(msg, p.ClearIndex):
             self._run_or_defer(self._clear_index)
+        elif isinstance(msg, p.TierCopied):
+            # Carried back by the next journal, taken after this was heard
+            # (the tick ships one for it even with no ops).
+            self._tier_ack = max(self._tier_ack, msg.ticket)
+            self.wake()
         elif isinstance(msg, p.Failed):
             self.failed = msg.reason
             self._closing = True    # the daemon forgot it: no more journals, heartbeats or grows
@@ -506,7 +515,8 @@ class EngineClient:
             # The journal goes first: the daemon judges a grow (is this engine
             # idle?) on the activity the journal carries. With the lock free,
             # no step is being scheduled: this costs the scheduler nothing.
-            if returned or want or now - self._last_flush >= self.journal_interval:
+            if returned or want or now - self._last_flush >= self.journal_interval \
+                    or self._tier_ack != self._tier_ack_sent:
                 self._last_flush = now
                 self._flush_journal()
             if returned:
@@ -546,11 +556,21 @@ class EngineClient:
         cached blocks until free and demoted blocks make ``low_watermark`` (a
         step's worth and a slab): the next to be evicted, so the steps until
         the next journal evict them with no seal, at the price of at most
-        that many blocks left out of what the daemon keeps of a crashed engine."""
-        if demote and self.orphan_ttl and time.monotonic() - self._sealed_at < DEMOTE_FOR:
-            self.pool.demote(self.reserve.low_watermark)
+        that many blocks left out of what the daemon keeps of a crashed engine.
+        Where the node's tier takes running engines' evictions (``tier``),
+        evictions under pressure demote the same way, whatever the TTL: the
+        daemon copies each demoted block into the tier while it is still
+        cached (docs/tier.md, "Source B"), and this journal carries back the
+        last ``TierCopied`` ticket heard (on its last frame: every drop made
+        before the ticket was heard is in it or an earlier journal)."""
+        if demote and (self.orphan_ttl or self.tier):
+            if self.tier and self.pool.journal.removed:   # an eviction the daemon had no copy of
+                self._pressed_at = time.monotonic()
+            if time.monotonic() - self._pressed_at < DEMOTE_FOR:
+                self.pool.demote(self.reserve.low_watermark)
+        ack = self._tier_ack
         batch = self.pool.take_journal(occupancy=not seal)
-        if batch:
+        if batch or ack != self._tier_ack_sent:
             counters = {} if seal else self.pool.stats.counters()
             # The core's op tuples are their wire form once keys are bytes (vLLM's
             # are): shipped as they stand, no object per op (``p.JournalFrame``).
@@ -560,13 +580,14 @@ class EngineClient:
                 chunk = ops if len(ops) <= JOURNAL_MAX_OPS else ops[start:start + JOURNAL_MAX_OPS]
                 last = start + JOURNAL_MAX_OPS >= len(ops)
                 msg = p.JournalFrame(engine_id=self.engine_id, ops=chunk, occupancy=batch.occupancy if last else {},
-                                     stats=counters if last else {})
+                                     stats=counters if last else {}, tier_ack=ack if last else 0)
                 if not self.conn.write_lifeline(p.encode(msg)):
                     # Not registered, or the lifeline broke: the next
                     # registration resends the index. The daemon may not have
                     # heard of a demotion in this batch: none counts.
                     self.pool.forget_demotions()
                     return
+            self._tier_ack_sent = ack
         if sync:
             expect(self.conn.call(p.Journal(engine_id=self.engine_id, ops=[], occupancy={}, sync=True),
                                   SYNC_TIMEOUT), p.Ok)

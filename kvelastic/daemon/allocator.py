@@ -57,6 +57,7 @@ from kvelastic.daemon.registration import LENT_GRACE, Registration
 from kvelastic.daemon.rejected import RefusalLog, Rejected
 from kvelastic.daemon.requests import GrowRequest, ReclaimRequest, ReturnRequest, Timing
 from kvelastic.daemon.saved import Adoption, SavedLent, token_digest
+from kvelastic.daemon.staging import Staging
 from kvelastic.daemon.state import EngineRecord, PagePool, owner_tag
 from kvelastic.daemon.tenancy import Credential
 from kvelastic.daemon.tiering import Tiering
@@ -86,6 +87,7 @@ class Allocator:
         self.books = books = Books(budgets, page_size, backend, timing, events)
         books.tier = tier
         self.tiering = Tiering(books)
+        self.staging = Staging(books, self.tiering)     # source B: running engines' evictions
         self.cache = CacheHandoff(books, self.tiering)
         self.growth = Growth(books, self.cache)
         self.unmapping = Unmapping(books, self.cache, self.growth)
@@ -302,6 +304,12 @@ class Allocator:
         self.tiering.written(committed, failed)
         return self.books.take()
 
+    def tier_copied(self, staged: list[int], failed: list[tuple[int, str]], now: float) -> list[fx.Effect]:
+        """The loop staged a running engine's demoted blocks (source B)."""
+        self.books.now = now
+        self.staging.copied(staged, failed)
+        return self.books.take()
+
     def tier_read(self, lease: int, block: int, error: str, now: float) -> list[fx.Effect]:
         """The loop sent a tier block's last chunk, or found it bad (``error``: why)."""
         self.books.now = now
@@ -382,6 +390,7 @@ class Allocator:
         self.registration.expire_lent()
         self.cache.expire()
         self.tiering.expire()
+        self.staging.expire()
         self.growth.progress()
         self._release_stale()
         return books.take()
@@ -426,7 +435,12 @@ class Allocator:
                     journal_intake.accept_departed(gone, m)
                     return p.Ok() if m.sync else None
         engine = books.own_engine(identity, m.engine_id)
-        journal_intake.accept(engine, m, books.now)
+        try:
+            journal_intake.accept(engine, m, books.now)
+        except Rejected:
+            self.staging.refused(engine)     # the drops it carried are unknown
+            raise
+        self.staging.journal(engine, m)
         if books.events:
             events = journal_events(m.ops, engine.block_tokens, engine.key_group_suffix, books.medium)
             if events:
@@ -441,6 +455,7 @@ class Allocator:
         self.growth.answer_gone(engine, why)
         self.reclaiming.end_for(engine.engine_id)
         self.tiering.end_for(engine)      # no pin outlives its engine
+        self.staging.end_for(engine)      # nor a copy it did not confirm
         self.registration.departed(engine)   # its slabs never take their saved pages now
         if books.events:  # its prefix cache is gone with it
             books.emit(fx.Publish(kv_events_topic(engine.engine_id, engine.namespace), (AllBlocksCleared(),)))

@@ -51,6 +51,12 @@ class Books:
         self._out: list[fx.Effect] = []
         self._next_req = 1 << 32
 
+    @property
+    def takes_evictions(self) -> bool:
+        """The tier takes blocks that running engines evict (source B): a tier
+        on the host backend, whose pages the daemon reads itself."""
+        return self.tier is not None and self.backend == "host"
+
     # ------------------------------------------------------------ effects
     def emit(self, effect: fx.Effect) -> None:
         self._out.append(effect)

@@ -110,10 +110,24 @@ class DemoteBlock:
 @dataclasses.dataclass(frozen=True)
 class DemoteBlocks:
     """Write these blocks of ``namespace`` to the tier, before anything that
-    follows releases their pages; the loop answers ``Allocator.tier_written``."""
+    follows releases their pages; the loop answers ``Allocator.tier_written``.
+    ``staged``: blocks of a running engine (source B), only copied into the
+    loop's staging now (``Allocator.tier_copied``): whether their bytes may
+    have been rewritten while read is known later (``WriteStaged``).
+    """
 
     namespace: str
     blocks: tuple[DemoteBlock, ...]
+    staged: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteStaged:
+    """Staged copies (``DemoteBlocks(staged=True)``): write ``write`` to the
+    tier (the loop answers ``Allocator.tier_written``), discard ``drop``."""
+
+    write: tuple[int, ...]
+    drop: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,4 +148,4 @@ class ReadTierBlock:
 
 
 Effect = Send | SendPages | CreatePages | ReleasePages | Publish | Rejected | GrantLatency | DeleteTierBlocks | \
-    DemoteBlocks | ReadTierBlock
+    DemoteBlocks | WriteStaged | ReadTierBlock

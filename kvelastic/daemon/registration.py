@@ -102,7 +102,8 @@ class Registration:
             log.info("engine %s reconnected", m.engine_id)
             return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=books.page_size,
                                 max_slabs=old.max_slabs, token=old.token, idle_grace=books.rules.idle_grace,
-                                hash_seed=self.hash_seed(old.namespace), orphan_ttl=books.timing.orphan_ttl)
+                                hash_seed=self.hash_seed(old.namespace), orphan_ttl=books.timing.orphan_ttl,
+                                tier=books.takes_evictions)
         if len(books.engines) >= self.max_engines:
             raise Rejected(p.Reason.LIMIT, f"{len(books.engines)} engines registered, the most this daemon takes "
                                            f"(KVELASTIC_MAX_ENGINES)")
@@ -137,7 +138,8 @@ class Registration:
             self._confirm(engine)
         return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=books.page_size,
                             max_slabs=max_slabs, token=engine.token, idle_grace=books.rules.idle_grace,
-                            hash_seed=self.hash_seed(m.namespace), orphan_ttl=books.timing.orphan_ttl)
+                            hash_seed=self.hash_seed(m.namespace), orphan_ttl=books.timing.orphan_ttl,
+                            tier=books.takes_evictions)
 
     def _next_serial(self) -> int:
         self._serial += 1

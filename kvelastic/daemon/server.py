@@ -392,7 +392,11 @@ class Daemon:
                     self.tier_store.delete(slot)
             return self.allocator.tiering.deleted(effect.slots)     # announced ones: published removed
         elif isinstance(effect, fx.DemoteBlocks):    # before the ReleasePages that follow it
+            if effect.staged:                        # before the TierCopied that follows it
+                return self.allocator.tier_copied(*self.tier_io.demote(effect), now)
             return self.allocator.tier_written(*self.tier_io.demote(effect), now)
+        elif isinstance(effect, fx.WriteStaged):
+            return self.allocator.tier_written(*self.tier_io.write_staged(effect), now)
         elif isinstance(effect, fx.ReadTierBlock):
             reply, error, finished = self.tier_io.read(effect)
             follow = self.allocator.tier_read(effect.lease, effect.block, error, now) if finished else []

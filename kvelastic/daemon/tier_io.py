@@ -3,6 +3,12 @@ to move. Demotion reads a block's runs from memfd pages the daemon holds alone
 and writes them to the ``DiskStore``; a ``TierFetch`` is answered with a chunk
 of a block read (and checked) from it. Synchronous in this slice: a block of
 a small model is tens of KiB; an off-loop writer thread is what remains.
+
+Blocks of a running engine (source B) are read into ``staged`` first and
+written only once the engine's journal proved they were not rewritten while
+read (``WriteStaged``): torn bytes never reach the disk, where a restart
+would find them. ``staged`` holds what ``tiering.py`` reserved and has not
+decided yet, at most ``tiering.MAX_STAGED_BYTES``.
 """
 
 from __future__ import annotations
@@ -40,30 +46,60 @@ class TierIO:
         self.devices = devices
         self.store = store
         self._last: tuple[int, bytes] | None = None    # the block read last (slot, payload): its next chunks
+        # Source B's copies awaiting the engine's word: slot -> (namespace, block, payload).
+        self.staged: dict[int, tuple[str, fx.DemoteBlock, bytes]] = {}
 
     def demote(self, effect: fx.DemoteBlocks) -> tuple[list[int], list[tuple[int, str]]]:
-        """Write each block; (committed slots, [(failed slot, reason)])."""
+        """Write each block (or stage it: ``effect.staged``); (slots written or
+        staged, [(failed slot, reason)])."""
         done: list[int] = []
         failed: list[tuple[int, str]] = []
         for block in effect.blocks:
-            if self.store is None:
-                failed.append((block.slot, "io"))
-                continue
             try:
                 payload = read_runs(self.devices, block.runs)
-                self.store.write(block.slot, effect.namespace, block.key, payload, cost=block.cost,
-                                 parent=block.parent)
-            except TierWriteError as exc:
-                log.warning("tier: block %d of namespace %s not demoted: %s", block.slot, effect.namespace, exc)
-                failed.append((block.slot, exc.reason))
             except OSError as exc:
                 log.warning("tier: block %d of namespace %s not demoted: %s", block.slot, effect.namespace, exc)
                 failed.append((block.slot, "io"))
-            else:
+                continue
+            if effect.staged:
+                self.staged[block.slot] = (effect.namespace, block, payload)
                 done.append(block.slot)
-        if done:
+            elif self._write(effect.namespace, block, payload, failed):
+                done.append(block.slot)
+        if done and not effect.staged:
             log.info("tier: %d block(s) of namespace %s demoted", len(done), effect.namespace)
         return done, failed
+
+    def write_staged(self, effect: fx.WriteStaged) -> tuple[list[int], list[tuple[int, str]]]:
+        """Write the staged copies found whole, drop the others; (slots
+        written, [(failed slot, reason)])."""
+        for slot in effect.drop:
+            self.staged.pop(slot, None)
+        done: list[int] = []
+        failed: list[tuple[int, str]] = []
+        for slot in effect.write:
+            staged = self.staged.pop(slot, None)
+            if staged is None:
+                failed.append((slot, "io"))
+            elif self._write(*staged, failed):
+                done.append(slot)
+        return done, failed
+
+    def _write(self, namespace: str, block: fx.DemoteBlock, payload: bytes, failed: list[tuple[int, str]]) -> bool:
+        if self.store is None:
+            failed.append((block.slot, "io"))
+            return False
+        try:
+            self.store.write(block.slot, namespace, block.key, payload, cost=block.cost, parent=block.parent)
+        except TierWriteError as exc:
+            log.warning("tier: block %d of namespace %s not demoted: %s", block.slot, namespace, exc)
+            failed.append((block.slot, exc.reason))
+        except OSError as exc:
+            log.warning("tier: block %d of namespace %s not demoted: %s", block.slot, namespace, exc)
+            failed.append((block.slot, "io"))
+        else:
+            return True
+        return False
 
     def read(self, effect: fx.ReadTierBlock) -> tuple[p.TierData, str, bool]:
         """The answer to a fetch, why the block failed ("" if it did not) and

@@ -123,7 +123,9 @@ class Tiering:
         # The tier's blocks as routers hear of them, by slot: (namespace, event).
         self._announcing: dict[int, tuple[str, bytes, BlockStored]] = {}   # reserved, written not yet
         self.announced: dict[int, tuple[str, bytes, BlockStored]] = {}     # published stored
-        self._reclaimed: set[int] = set()   # slots being written from slabs reclaimed from running engines
+        # Slots being written from running engines, counted apart once committed:
+        # slabs reclaimed from them, blocks they were about to evict (``staging.py``).
+        self.counted_as: dict[int, str] = {}
 
     @property
     def tier(self) -> TierIndex | None:
@@ -138,7 +140,7 @@ class Tiering:
         if self.tier is None or self.books.backend != "host" or not slabs:
             return
         for o in slabs:
-            self._demote(o.namespace, o.shape, o.pages, o.page_devices, o.cached)
+            self.reserve(o.namespace, o.shape, o.pages, o.page_devices, o.cached)
         self._delete_released()
 
     def takes_reclaimed(self, engine: EngineRecord) -> bool:
@@ -188,20 +190,24 @@ class Tiering:
         re-grants or releases them)."""
         if not self.takes_reclaimed(engine) or not slab.handoff or not slab.pages:
             return
-        reserved = self._demote(engine.namespace, shape_of(engine), slab.pages, slab.page_devices, slab.handoff)
-        self._reclaimed.update(reserved)
+        reserved = [slot for slot, _ in self.reserve(engine.namespace, shape_of(engine), slab.pages,
+                                                     slab.page_devices, slab.handoff)]
+        self.counted_as.update(dict.fromkeys(reserved, "demotions_reclaimed"))
         if reserved:
             log.info("engine %s: %d cached block(s) of reclaimed slab %d go to the tier", engine.engine_id,
                      len(reserved), slab.slab_id)
         self._delete_released()
 
-    def _demote(self, namespace: str, shape: SlabShape, pages: list[int], page_devices: list[str],
-                cached: tuple[p.CachedBlock, ...]) -> list[int]:
+    def reserve(self, namespace: str, shape: SlabShape, pages: list[int], page_devices: list[str],
+                cached: tuple[p.CachedBlock, ...], staged: bool = False) -> list[tuple[int, p.CachedBlock]]:
         """Reserve ``cached`` (a slab's blocks, in the prefix's order as far as
-        known) and emit their ``DemoteBlocks``; the slots reserved."""
+        known) and emit their ``DemoteBlocks``; (slot, block) of those reserved.
+        ``staged`` (source B): blocks of a running engine's LRU, in no
+        prefix's order: no parent, each the cost of one block."""
         tier, books = self.tier, self.books
         assert tier is not None
         blocks: list[fx.DemoteBlock] = []
+        out: list[tuple[int, p.CachedBlock]] = []
         parent: bytes | None = None
         for position, c in enumerate(cached, 1):
             runs = block_runs(shape, books.page_size, pages, page_devices, c.offset)
@@ -210,34 +216,36 @@ class Tiering:
             nbytes = shape.block_bytes
             # Cost: a monotone proxy of the work to compute it again (its
             # place in the slab's order, which is the prefix's as far as known).
-            cost, par = float(position * nbytes), parent if parent != c.key else None
+            cost, par = float((1 if staged else position) * nbytes), parent if parent != c.key else None
             slot = tier.reserve(namespace, c.key, nbytes, cost, books.now, par)
-            parent = c.key
+            parent = None if staged else c.key
             if slot is not None:
                 blocks.append(fx.DemoteBlock(slot, c.key, par, cost, tuple(runs)))
+                out.append((slot, c))
                 event = tier_stored(c.key, c.label)
                 if event is not None and books.events:
                     self._announcing[slot] = (namespace, c.key, event)
         if blocks:
-            books.emit(fx.DemoteBlocks(namespace, tuple(blocks)))
-        return [b.slot for b in blocks]
+            books.emit(fx.DemoteBlocks(namespace, tuple(blocks), staged=staged))
+        return out
 
     def written(self, committed: list[int], failed: list[tuple[int, str]]) -> None:
-        """The loop wrote (or could not write) the blocks of a ``DemoteBlocks``."""
+        """The loop wrote (or could not write) the blocks of a ``DemoteBlocks``
+        (or a ``WriteStaged``)."""
         tier = self.tier
         if tier is None:
             return
         stored: dict[str, list[tuple[bytes, BlockStored]]] = {}
         for slot in committed:
-            if tier.commit(slot) and slot in self._reclaimed:
-                tier.stats.demotions_reclaimed += 1
-            self._reclaimed.discard(slot)
+            counter = self.counted_as.pop(slot, None)
+            if tier.commit(slot) and counter is not None:
+                setattr(tier.stats, counter, getattr(tier.stats, counter) + 1)
             if slot in self._announcing:
                 namespace, key, event = self.announced[slot] = self._announcing.pop(slot)
                 stored.setdefault(namespace, []).append((key, event))
         for slot, reason in failed:
             tier.abort(slot, reason)
-            self._reclaimed.discard(slot)
+            self.counted_as.pop(slot, None)
             self._announcing.pop(slot, None)
         for namespace, blocks in stored.items():
             topic, ordered = tier_topic(namespace), parents_first([e for _, e in blocks])

@@ -12,8 +12,12 @@ import dataclasses
 EVICTION_REASONS = ("value", "invalidate", "budget")
 # Why a block was lost: a write that failed (disk full, an I/O error), bytes
 # that failed their check when read (torn, checksum, identity), an I/O error
-# on read ("io"), or a load the engine did not finish (killed mid-load: "load").
-FAILURE_REASONS = ("disk_full", "io", "torn", "checksum", "identity", "load")
+# on read ("io"), a load the engine did not finish (killed mid-load: "load"),
+# or a running engine's block copied while still cached (source B) that the
+# engine dropped before it confirmed the copy ("raced": its bytes may have
+# been rewritten while read) or never confirmed (it left, resent its index or
+# ran past the deadline: "unconfirmed").
+FAILURE_REASONS = ("disk_full", "io", "torn", "checksum", "identity", "load", "raced", "unconfirmed")
 
 
 # Upper bounds (seconds) of the load latency histogram: from a block of a
@@ -29,6 +33,7 @@ HISTOGRAM_FIELDS = ("load_counts", "load_seconds_sum")
 class TierStats:
     demotions: int = 0        # blocks committed: their bytes are in the tier and findable
     demotions_reclaimed: int = 0   # of those, of cached slabs reclaimed from running engines (counted by the daemon)
+    demotions_evicted: int = 0     # of those, of blocks running engines were about to evict (source B; likewise)
     already_held: int = 0     # demotions not needed: the key was in the tier already
     rejected_full: int = 0    # demotions refused: no room (what is left is held by loads and writes)
     restored: int = 0         # entries rebuilt from what a store found after a restart
