@@ -136,6 +136,13 @@ def main() -> None:
                 out["keys"] = sorted(k.hex() for k, _ in pool.cached_keys())
         elif op in ("write", "read"):
             out["values"] = view_op(workers, op, cmd.get("value", 0))
+        elif op == "write_blocks":   # value + k at the first byte of block k's run in every page (a region a page)
+            for worker in workers:
+                with worker.step():
+                    view = worker.arena.tensor(torch.uint8, (worker.arena.size,))
+                    for o in sorted(o for offs in worker.slabs.values() for o in offs):
+                        for k in range(cfg.get("bps", 4)):
+                            view[o + k * page_size // cfg.get("bps", 4)] = cmd["value"] + k
         elif op == "step":       # a model step is being scheduled (as vLLM's schedule() begins)
             with engine.lock:
                 out["step"] = pool.begin_step()
