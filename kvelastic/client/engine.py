@@ -146,7 +146,7 @@ class EngineClient:
         self._now = 0.0
         self._closing = False
         self._last_flush = 0.0
-        self._pressed_at = -math.inf       # a seal, or an eviction of a block not demoted (``_flush_journal``)
+        self._sealed_at = -math.inf        # the last seal written (demotion follows it: ``_flush_journal``)
         self.journal_interval = JOURNAL_INTERVAL
         self.conn = Connection(socket_path, engine_id, -1, handshake=self._register,
                                on_command=self._on_command, on_tick=self._tick,
@@ -353,7 +353,7 @@ class EngineClient:
         with nothing to seal."""
         if self.orphan_ttl and self.pool.journal.removed and self.conn.connected.is_set():
             with self.lock:
-                self._pressed_at = time.monotonic()
+                self._sealed_at = time.monotonic()
                 self._flush_journal(seal=True)
 
     def wake(self) -> None:
@@ -558,16 +558,14 @@ class EngineClient:
         the next journal evict them with no seal, at the price of at most
         that many blocks left out of what the daemon keeps of a crashed engine.
         Where the node's tier takes running engines' evictions (``tier``),
-        evictions under pressure demote the same way, whatever the TTL: the
+        every journal demotes so, whatever the TTL and before any pressure
+        (the first evictions are of the oldest blocks, a prefix's own): the
         daemon copies each demoted block into the tier while it is still
         cached (docs/tier.md, "Source B"), and this journal carries back the
         last ``TierCopied`` ticket heard (on its last frame: every drop made
         before the ticket was heard is in it or an earlier journal)."""
-        if demote and (self.orphan_ttl or self.tier):
-            if self.tier and self.pool.journal.removed:   # an eviction the daemon had no copy of
-                self._pressed_at = time.monotonic()
-            if time.monotonic() - self._pressed_at < DEMOTE_FOR:
-                self.pool.demote(self.reserve.low_watermark)
+        if demote and (self.tier or self.orphan_ttl and time.monotonic() - self._sealed_at < DEMOTE_FOR):
+            self.pool.demote(self.reserve.low_watermark)
         ack = self._tier_ack
         batch = self.pool.take_journal(occupancy=not seal)
         if batch or ack != self._tier_ack_sent:

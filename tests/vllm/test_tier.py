@@ -8,8 +8,12 @@ an engine of the same model with ``KvelasticTierConnector`` configured
 serves the same prompts, loading the blocks back (promotions counted), and
 its greedy tokens equal stock vLLM's. An engine of another tenant salt finds
 nothing; a block whose bytes were flipped on disk is dropped, counted, and
-computed again, with the same tokens."""
+computed again, with the same tokens. And source B: an engine that keeps
+running evicts the prompt's blocks under pressure; the daemon copied them
+into the tier while they were cached, and another engine loads them back
+while the first still runs, with stock's tokens."""
 
+import json
 import pathlib
 
 import pytest
@@ -122,3 +126,36 @@ def test_two_tensor_parallel_workers_each_load_their_part(daemon_factory, tiny_m
     assert out["tokens"] == expected
     assert counters(daemon)["promotions"] > 0
     second.exit()
+
+
+# Prompts that share nothing with the workload's (``warm_run.SYSTEM``) nor
+# with each other's first block: enough of them to push the workload's
+# blocks out of a 4 MiB budget (128 blocks of the tiny model's 32 KiB).
+PUSHERS = [f"{i} unrelated " + " ".join(f"w{i}x{j}" for j in range(300)) for i in range(12)]
+
+
+def test_blocks_a_running_engine_evicts_reach_the_tier_while_it_runs(daemon_factory, tiny_model, tmp_path):
+    stock = run_engine.Stock(tiny_model)
+    expected = stock.do("workload")["tokens"]
+    stock.exit()
+    folder = short_dir(tmp_path) / "tier"
+    folder.mkdir(mode=0o700)
+    # No kept cache at all (TTL 0): only source B can bring the blocks down.
+    daemon = daemon_factory(memory="8MiB", KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="256MiB",
+                            KVELASTIC_ORPHAN_CACHE_TTL="0")
+    first = run_engine.Engine(tiny_model, daemon, KVELASTIC_ENGINE_ID="first")
+    assert first.do("workload")["tokens"] == expected
+    for prompt in PUSHERS:                        # other work: the workload's blocks are evicted
+        first.do("prompts " + json.dumps([prompt]))
+    demoted = wait_for(lambda: counters(daemon)["demotions_evicted"] >= 40 and counters(daemon), timeout=30,
+                       what="first's evicted blocks in the tier")
+    assert demoted["demotions_reclaimed"] == 0 and demoted["demotions"] == demoted["demotions_evicted"]
+
+    second = TierEngine(tiny_model, daemon, KVELASTIC_ENGINE_ID="second")       # first still runs
+    out = second.do("workload")
+    assert out["tokens"] == expected
+    assert counters(daemon)["promotions"] > 0
+    print(f"source B: {demoted['demotions_evicted']} evicted block(s) demoted, "
+          f"{counters(daemon)['promotions']} promoted, {demoted['failures_raced']} raced; tokens equal stock's")
+    second.exit()
+    first.exit()
