@@ -127,8 +127,7 @@ class Staging:
                 p.CachedBlock(block % bps, cast(bytes, mirror.key_of[block]), mirror.label_of.get(block, b"")))
         if not by_slab:
             return
-        ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
-        deadline = books.now + COPY_TIMEOUT
+        ticket, deadline, reserved = self._next_ticket, books.now + COPY_TIMEOUT, False
         for slab_id, cached in by_slab.items():
             slab = engine.slabs[slab_id]
             for slot, c in self.tiering.reserve(engine.namespace, shape, slab.pages, slab.page_devices,
@@ -138,9 +137,12 @@ class Staging:
                 mine[block] = slot
                 self.staged_bytes += shape.block_bytes
                 self.tiering.counted_as[slot] = "demotions_evicted"
-        # After the copies (the loop performs effects in order): the engine
-        # hears the ticket only once they ended.
-        books.emit(fx.Send(engine.identity, p.TierCopied(ticket=ticket)))
+                reserved = True
+        if reserved:
+            # After the copies (the loop performs effects in order): the
+            # engine hears the ticket only once they ended.
+            self._next_ticket += 1
+            books.emit(fx.Send(engine.identity, p.TierCopied(ticket=ticket)))
 
     def _race(self, slots: Iterable[int]) -> None:
         for slot in slots:
