@@ -216,8 +216,9 @@ VARIABLES: tuple[Variable, ...] = (
              "Daemon: a local directory (absolute) for the node's disk tier, shared by every engine: blocks "
              "that leave device memory kept by value, and checked (CRC-32) on every read; rebuilt from what "
              "the directory holds when the daemon starts. Empty: no tier. Departed engines' kept cache (when "
-             "it expires, yields, or goes to another engine) and cached slabs reclaimed from running engines "
-             "are demoted there; engines load them back through KvelasticTierConnector (docs/tier.md)."),
+             "it expires, yields, or goes to another engine), cached slabs reclaimed from running engines and "
+             "the blocks running engines are about to evict are demoted there (host backend); engines load "
+             "them back through KvelasticTierConnector (docs/tier.md)."),
     Variable("KVELASTIC_TIER_SIZE", "tier_size", "8GiB", parse_size,
              "Daemon: the disk tier's budget; when it is full the blocks of least value (hits, decayed, times "
              "cost per byte) go first."),
