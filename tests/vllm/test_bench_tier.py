@@ -44,3 +44,32 @@ def test_bench_tier_quick_loads_demoted_blocks_with_the_same_tokens(tmp_path):
         assert 0 < mode["ttft_p50_ms"] <= mode["ttft_p90_ms"] <= mode["ttft_p99_ms"]
         assert mode["throughput_tok_s"] > 0
     assert png.stat().st_size > 0
+
+
+def test_full_workload_interleaves_turns_on_long_lived_engines():
+    """The full workload's order (no engine run): engines never replaced, a
+    conversation's next turn after the first turns of the next K visits, on
+    its visit's slot, a prompt's second visit on another slot than its first;
+    ``INTERLEAVE=0`` is the old back-to-back order, and the oracle follows the
+    order sent (a turn's prefix hits only once its earlier turn was sent)."""
+    from kvelastic_tools.vllm_bench import tier_model as m
+
+    w = m.FULL
+    assert w.visits_per_life == 0 and w.interleave == m.INTERLEAVE > 0
+    order = w.requests()
+    visits = w.visits()
+    assert sorted(order) == [(v, t) for v in range(len(visits)) for t in range(w.turns)]
+    at = {vt: i for i, vt in enumerate(order)}
+    for v in range(len(visits)):
+        firsts = [u for u in range(v + 1, len(visits)) if at[(u, 0)] < at[(v, 1)]]
+        assert firsts == list(range(v + 1, min(v + 1 + w.interleave, len(visits))))
+    for i in range(w.prompts):
+        assert visits[i][0] != visits[w.prompts + i][0] and visits[i][2] == visits[w.prompts + i][2]
+    assert m.BACK_TO_BACK.requests() == [(v, t) for v in range(len(visits)) for t in range(w.turns)]
+    # The oracle over the prompts in the order sent: turn 1 of visit 0 sent after turn 0 hits its prefix.
+    first = w.system_prompt(0) + w.user_turn(0, 0, 0)
+    answer = [5] * w.answer_tokens
+    second = first + answer + w.user_turn(0, 0, 1)
+    assert m.oracle_hits([(second, answer), (first, answer)])[0] == 0
+    cached = (len(first) + w.answer_tokens - 1) // m.BLOCK * m.BLOCK    # the last answer token's KV is never computed
+    assert m.oracle_hits([(first, answer), (second, answer)])[1] == cached

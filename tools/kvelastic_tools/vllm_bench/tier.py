@@ -4,12 +4,14 @@ stock vLLM, kvelastic without the tier and vLLM's own KV offloading.
 Three engines (real vLLM, CPU build, one process per engine life:
 ``tier_run.py``) serve one seeded trace (``tier_model.Workload``): rotating
 long system prompts, each visited twice by a two-turn conversation, a
-prefix working set ~4x the device memory (kvelastic's budget). An engine is
-replaced (exits; a new one takes its slot) every few visits, as rolling
-restarts and autoscaling do: that is what sends blocks to the tier today
-(demotion source A, a departed engine's kept cache released when its TTL,
-``KVELASTIC_ORPHAN_CACHE_TTL=1s`` here, expires or a demand needs its pages;
-blocks evicted inside a running engine do not reach it yet).
+prefix working set ~4x the device memory (kvelastic's budget). Engines live
+for the whole mode (``tier_model.FULL``): the blocks they are about to evict
+under pressure are copied into the tier while still cached (demotion source
+B), as are cached slabs reclaimed from them (source A) and, at the end,
+their kept cache. A conversation's turns are interleaved with other visits
+(think time: turn t+1 of a visit after the first turns of the next
+``tier_model.INTERLEAVE`` visits), so that it has left device memory before
+its next turn.
 
 Modes, one after the other, the same requests in the same order, one
 request at a time:
@@ -38,9 +40,26 @@ of L (three prompts per L, medians); the smallest L from which loading wins.
 
 Engines are forked from one fork server (``tier_run --server``) that
 imported vLLM once: a start-up of 2 s instead of 12 to 20 s on two busy
-cores. Options (environment): ``KVELASTIC_BENCH_TIER_PNG`` (where the plot
-goes; none if unset), ``KVELASTIC_BENCH_TIER_VISITS_PER_LIFE`` (visits an
-engine serves before it is replaced; 1 by default, ``tier_model.FULL``).
+cores. Options (environment):
+
+- ``KVELASTIC_BENCH_TIER_INTERLEAVE``: K, the first turns of other visits
+  sent between two turns of a conversation (``tier_model.INTERLEAVE`` by
+  default); ``0``: each visit's turns back to back (the workload of the
+  runs before 2026-11-29's third, ``tier_model.BACK_TO_BACK``);
+- ``KVELASTIC_BENCH_TIER_VISITS_PER_LIFE``: visits an engine serves before
+  it is replaced (it exits, a new one takes its slot; before a new one starts
+  the bench waits for the departed engine's kept cache to be released, with
+  ``KVELASTIC_ORPHAN_CACHE_TTL=200ms``); ``0`` (the default): never, engines
+  live for the whole mode; ``1``: the runs before source B
+  (``tier_model.LIFE1``);
+- ``KVELASTIC_BENCH_TIER_MODES``: the modes to run, comma-separated (all of
+  ``MODES`` by default);
+- ``KVELASTIC_BENCH_TIER_CROSSOVER``: the models of the crossover,
+  comma-separated (``tiny,bench`` by default; empty: none);
+- ``KVELASTIC_BENCH_TIER_PNG``: where the plot goes (none if unset);
+- ``KVELASTIC_BENCH_TIER_LOGS``: a directory where each mode's daemon and
+  engine logs are kept (``LOGS/MODE/``; they go with the mode's temporary
+  directory otherwise).
 """
 
 from __future__ import annotations
@@ -51,6 +70,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -158,13 +178,18 @@ def daemon(folder: pathlib.Path, memory: int, tier: bool, ttl: str = TTL) -> Ite
 
 
 def _tier_counters(sock: str) -> dict[str, Any]:
+    """The tier's counters: demotions (of them from blocks running engines were about to evict, source B,
+    and from reclaimed cached slabs; the rest kept cache), promotions, lookups and failures by reason."""
     from kvelastic.ctl import get_status
 
     tier = get_status(sock).get("tier") or {}
     counters = tier.get("counters", {})
-    return {"blocks": tier.get("blocks", 0), "demotions": counters.get("demotions", 0),
-            "promotions": counters.get("promotions", 0), "hit_blocks": counters.get("hit_blocks", 0),
-            "lookups": counters.get("lookups", 0)}
+    out = {"blocks": tier.get("blocks", 0)}
+    for name in ("demotions", "demotions_evicted", "demotions_reclaimed", "already_held", "rejected_full",
+                 "promotions", "hit_blocks", "lookups", "lookup_blocks"):
+        out[name] = counters.get(name, 0)
+    out["failures"] = {k[len("failures_"):]: n for k, n in counters.items() if k.startswith("failures_") and n}
+    return out
 
 
 def _settle(sock: str, timeout: float = 20.0, gone: str | None = None) -> None:
@@ -213,26 +238,29 @@ def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, 
 
         stack.callback(exit_all)
         started = time.monotonic()
-        for slot, p, index in w.visits():
+        visits = w.visits()
+        history: dict[int, list[int]] = {}
+        for v, turn in w.requests():
+            slot, p, index = visits[v]
             engine = slots[slot]
-            if engine is not None and served[slot] >= w.visits_per_life:
+            if turn == 0 and engine is not None and 0 < w.visits_per_life <= served[slot]:
+                # Replaced before a visit begins; later turns of its visits go to the next engine of the slot.
                 engine.exit()
                 gone, slots[slot], engine = engine.engine_id, None, None
                 if sock is not None and ttl == TTL:
                     # Its kept cache released (demoted, with the tier) before the next engine starts: an
-                    # engine that grows adopts the namespace's kept slabs first (warm start), and blocks it
-                    # then evicts inside itself never reach the tier (demotion source B is not built).
+                    # engine that grows would otherwise adopt the namespace's kept slabs first (warm start).
                     _settle(sock, gone=gone)
             if engine is None:
                 slots[slot] = engine = start(slot)
                 served[slot] = 0
-            served[slot] += 1
-            history = w.system_prompt(index)
-            for turn in range(w.turns):
-                prompt = history + w.user_turn(index, p, turn)
-                out = engine.req(prompt, w.answer_tokens)
-                requests.append({"prompt": prompt, "pass": p, "turn": turn, **out})
-                history = prompt + out["tokens"]
+            if turn == 0:
+                served[slot] += 1
+            prompt = history.pop(v, w.system_prompt(index)) + w.user_turn(index, p, turn)
+            out = engine.req(prompt, w.answer_tokens)
+            requests.append({"prompt": prompt, "pass": p, "turn": turn, "visit": v, **out})
+            if turn + 1 < w.turns:
+                history[v] = prompt + out["tokens"]
         wall = time.monotonic() - started
         tier = _tier_counters(sock) if mode == "tier" and sock else None
     oracle = tier_model.oracle_hits([(r["prompt"], r["tokens"]) for r in requests])
@@ -241,6 +269,7 @@ def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, 
     serving = sum(r["seconds"] for r in requests)
     ttfts = [r["ttft_s"] for r in requests]
     revisits = [r["ttft_s"] for r in requests if r["pass"] > 0 and r["turn"] == 0]
+    later = [r["ttft_s"] for r in requests if r["turn"] > 0]
     tokens_out = sum(len(r["tokens"]) for r in requests)
     result: dict[str, Any] = {
         "requests": len(requests), "engine_lives": lives,
@@ -252,6 +281,8 @@ def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, 
         "ttft_p50_ms": _ms(ttfts, 0.5), "ttft_p90_ms": _ms(ttfts, 0.9), "ttft_p99_ms": _ms(ttfts, 0.99),
         # The requests the tier is for: a system prompt's first turn on its second visit.
         "ttft_revisit_p50_ms": _ms(revisits, 0.5), "ttft_revisit_p90_ms": _ms(revisits, 0.9),
+        # A conversation's later turns (interleaved: its prefix left device memory meanwhile).
+        "ttft_later_turn_p50_ms": _ms(later, 0.5),
         "serving_s": round(serving, 2), "wall_s": round(wall, 2),
         "throughput_tok_s": round((queries + tokens_out) / serving, 1) if serving else None,
         "requests_per_s": round(len(requests) / serving, 3) if serving else None,
@@ -301,6 +332,12 @@ def crossover(name: str, sweep: tuple[int, ...], folder: pathlib.Path, server: s
             "demoted_blocks": demoted["demotions"], "points": points, "loading_wins_from_tokens": at}
 
 
+def _keep_logs(folder: pathlib.Path, to: pathlib.Path) -> None:
+    to.mkdir(parents=True, exist_ok=True)
+    for log in folder.glob("*.log"):
+        shutil.copyfile(log, to / log.name)
+
+
 def _targets(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     tier, base = modes.get("tier", {}), modes.get("kvelastic", {})
     ratio = tier.get("hit_rate_over_oracle")
@@ -322,11 +359,20 @@ def _targets(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def run(quick: bool = False, png: str | None = None, modes: tuple[str, ...] | None = None,
         crossover_models: tuple[str, ...] | None = None) -> dict[str, Any]:
     w = tier_model.QUICK if quick else tier_model.FULL
-    life = os.environ.get("KVELASTIC_BENCH_TIER_VISITS_PER_LIFE")    # e.g. 4: tier_model.LIFE4
+    life = os.environ.get("KVELASTIC_BENCH_TIER_VISITS_PER_LIFE")    # e.g. 1: tier_model.LIFE1
     if life:
         w = dataclasses.replace(w, visits_per_life=int(life))
-    modes = modes or (QUICK_MODES if quick else MODES)
+    interleave = os.environ.get("KVELASTIC_BENCH_TIER_INTERLEAVE")   # 0: tier_model.BACK_TO_BACK
+    if interleave:
+        w = dataclasses.replace(w, interleave=int(interleave))
+    env_modes = os.environ.get("KVELASTIC_BENCH_TIER_MODES")
+    modes = modes or (tuple(m for m in env_modes.split(",") if m) if env_modes else None) or \
+        (QUICK_MODES if quick else MODES)
+    env_curves = os.environ.get("KVELASTIC_BENCH_TIER_CROSSOVER")
+    if crossover_models is None and env_curves is not None:
+        crossover_models = tuple(m for m in env_curves.split(",") if m)
     crossover_models = crossover_models if crossover_models is not None else (() if quick else ("tiny", "bench"))
+    logs = os.environ.get("KVELASTIC_BENCH_TIER_LOGS")
     model, shape = tier_model.build(w.model)
     results: dict[str, dict[str, Any]] = {}
     curves = {}
@@ -338,6 +384,9 @@ def run(quick: bool = False, png: str | None = None, modes: tuple[str, ...] | No
                     results[mode] = run_mode(w, model, mode, pathlib.Path(folder), server)
                 except EngineFailed as e:
                     results[mode] = {"error": str(e)}
+                finally:
+                    if logs:
+                        _keep_logs(pathlib.Path(folder), pathlib.Path(logs) / mode)
         for name in crossover_models:
             with tempfile.TemporaryDirectory(prefix="kvt-") as folder:
                 try:

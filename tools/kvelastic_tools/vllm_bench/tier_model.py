@@ -1,10 +1,16 @@
 """The workload and the models of ``kvelastic bench tier``, and the oracle.
 
-The workload (``trace``): rotating long system prompts, each visited by a
+The workload (``Workload``): rotating long system prompts, each visited by a
 multi-turn conversation, twice over (two passes in the same cyclic order,
 the worst order for an LRU cache smaller than the working set); visits go
 round-robin to the engine slots, shifted by one slot on the second pass so
 that a prompt comes back on another engine than the one that computed it.
+A conversation's turns all go to its visit's slot. With ``interleave`` K > 0
+the turns of a visit are interleaved with other visits (think time: other
+users' requests run between a user's turns): turn t+1 of visit v is sent
+right after the first turn of visit v + (t+1)·K (or after the last first
+turn, near the end), so K other visits' first turns run between two turns
+of a conversation (``requests``). K = 0: each visit's turns back to back.
 
 The oracle (``oracle_hits``): vLLM's prefix cache with infinite room, over
 the prompts a mode actually sent (their answers are the engine's own):
@@ -58,9 +64,10 @@ class Workload:
     user_tokens: int         # tokens a user adds per turn
     answer_tokens: int       # greedy tokens per answer
     passes: int              # times every system prompt is visited
-    visits_per_life: int     # an engine exits (and a new one takes its slot) after this many visits
+    visits_per_life: int     # an engine exits (and a new one takes its slot) after this many visits; 0: never
     memory: int              # kvelastic's budget (the daemon's KVELASTIC_MEMORY), bytes
     max_model_len: int
+    interleave: int = 0      # K: a visit's next turn is sent after the first turns of the next K visits
     seed: int = 7
 
     @property
@@ -76,6 +83,14 @@ class Workload:
                 out.append(((i + p) % self.engines, p, i))
         return out
 
+    def requests(self) -> list[tuple[int, int]]:
+        """``(visit, turn)`` per request, in the order they are sent: sorted by
+        ``(visit + turn·K, turn)``, so that at step j the first turn of visit j
+        goes first, then turn t of visit j - t·K (K = 0: back to back)."""
+        k = self.interleave
+        return sorted(((v, t) for v in range(self.prompts * self.passes) for t in range(self.turns)),
+                      key=lambda vt: (vt[0] + vt[1] * k, vt[1]) if k else vt)
+
     def system_prompt(self, index: int) -> list[int]:
         rng = random.Random(self.seed * 1_000_003 + index)
         return [rng.randrange(3, VOCAB_SIZE) for _ in range(self.system_tokens)]
@@ -86,13 +101,24 @@ class Workload:
 
 
 # Full: 20 system prompts of 512 tokens (with their conversations ~12K
-# tokens, ~4x the 24 MiB = 3,072 tokens of the budget); an engine is
-# replaced after every visit, so that every block it computed leaves as kept
-# cache (the tier's only source today). ``LIFE4``: replaced every 4 visits,
-# its blocks evicted inside the engine meanwhile lost to the tier.
+# tokens, ~4x the 24 MiB = 3,072 tokens = 96 blocks of the budget). Engines
+# live for the whole mode (blocks they evict reach the tier through demotion
+# source B). Interleaved with K = 18: a first turn leaves 17 full blocks
+# cached (512 + 32 prompt tokens and 7 answer tokens whose KV was computed:
+# 551 tokens), and the visits go round-robin to 3 slots, so between a
+# visit's two turns its engine computes K / 3 = 6 other first turns, 102
+# blocks: more than the 96 of the whole budget, so the conversation has left
+# device memory even in an engine that holds all of it (kvelastic without the
+# tier), let alone stock's 32 blocks per engine.
+INTERLEAVE = 18
 FULL = Workload(model="bench", engines=3, prompts=20, system_tokens=512, turns=2, user_tokens=32, answer_tokens=8,
-                passes=2, visits_per_life=1, memory=24 << 20, max_model_len=768)
-LIFE4 = dataclasses.replace(FULL, visits_per_life=4)
+                passes=2, visits_per_life=0, memory=24 << 20, max_model_len=768, interleave=INTERLEAVE)
+# The earlier runs' workloads: turns back to back, an engine replaced after
+# every visit (run 2; its kept cache was the tier's only source then) or
+# every 4 (run 1's first try).
+BACK_TO_BACK = dataclasses.replace(FULL, interleave=0)
+LIFE1 = dataclasses.replace(FULL, interleave=0, visits_per_life=1)
+LIFE4 = dataclasses.replace(FULL, interleave=0, visits_per_life=4)
 # Quick (the test): the tiny model, two slots, every visit on a new engine.
 QUICK = Workload(model="tiny", engines=2, prompts=2, system_tokens=256, turns=2, user_tokens=32, answer_tokens=8,
                  passes=2, visits_per_life=1, memory=16 << 20, max_model_len=768)
