@@ -33,9 +33,29 @@ SYNC_TIMEOUT = 1.0
 SYNC_BACKOFF = 5.0
 UNREGISTER_TIMEOUT = 2.0           # an exiting engine waits this long for its Unregister's answer
 FAILED: Any = getattr(p, "Failed", None)   # the daemon tells an engine it failed it: it restarts
+TIER_COPIED: Any = getattr(p, "TierCopied", None)   # source B: the daemon copied the blocks demoted so far
 PROMPTS = 12                       # prompt families per namespace: requests share prefixes
 MAX_REQUEST_BLOCKS = 8
 DIVERGE = 0.002                    # per unit of work: the engine's weights change in memory
+# Demotion source B (``EngineClient._flush_journal``): where the daemon's tier
+# takes running engines' evictions (``Registered.tier``), a journal shipped
+# within DEMOTE_FOR of an eviction under pressure (a seal, or an eviction of a
+# block not demoted) first demotes the next DEMOTE_LEAD blocks to be evicted
+# (the client's ``low_watermark``: a slab's worth). DEMOTE_FOR is compressed
+# as the sim compresses every deadline (the client's is 10 s).
+DEMOTE_FOR = 2.0
+DEMOTE_LEAD = BLOCKS_PER_SLAB
+# A ``ClearIndex`` heard while the scheduler holds the client's lock waits
+# (``EngineClient._run_or_defer``) for the next poll or tick; meanwhile the
+# scheduler's own flushes (``ensure``, ``seal_step``) may ship journals, with
+# the last ``TierCopied`` ticket heard. Of ClearIndex heard: so deferred; of
+# those, a flush of the scheduler's comes first where a ticket is to be acked.
+CLEAR_DEFERRED = 0.3
+FLUSH_BEFORE_CLEAR = 0.5
+# Per unit of work of an engine that demotes: its I/O thread ships the journal
+# (every ``journal_interval`` in the client): journals follow each other while
+# an earlier one is still on its way, as the ack rule must expect.
+JOURNAL_TICK = 0.6
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,6 +83,11 @@ class EngineWorld(WorkerWorld, Protocol):
     @property
     def restart_at(self) -> dict[str, float]: ...
 
+    @property
+    def evictions(self) -> bool:
+        """Engines honour ``Registered.tier`` (demotion source B) and ``ClearIndex``."""
+        ...
+
     def connect(self, identity: bytes) -> None: ...
 
     def open_peer(self, engine: SimEngine, rank: int, token: bytes = b"") -> None: ...
@@ -76,6 +101,8 @@ class EngineWorld(WorkerWorld, Protocol):
     def check_adoption(self, engine: SimEngine, slab_id: int, cached: list[p.CachedBlock]) -> None: ...
 
     def check_rewrite(self, engine: SimEngine, step: Step) -> None: ...
+
+    def drain_lifeline(self, identity: bytes) -> None: ...
 
     def haunt(self, engine_id: str, w: SimWorker, frozen: bool, step_until: float, exit_at: float) -> None: ...
 
@@ -115,6 +142,13 @@ class SimEngine:
         self.sync_failed_at = -1e9
         self.leaving = 0                       # the Unregister it waits for (a graceful exit)
         self.leave_sent = 0.0
+        # Source B (``EngineClient``): the daemon's tier takes its evictions; the
+        # last ``TierCopied`` ticket heard, and the last a journal carried back;
+        # when it last evicted under pressure; a ``ClearIndex`` not applied yet.
+        self.tier = False
+        self.tier_ack = self.tier_ack_sent = 0
+        self.pressed_at = -math.inf
+        self.clear_due = False
 
     @property
     def block_bytes(self) -> int:
@@ -149,6 +183,7 @@ class SimEngine:
             self.send(p.Diverge(engine_id=self.name, namespace=self.namespace, reason="re-registered"))
         if self.pool.slab_ids():     # as the real client: a new daemon gets the step state, then the whole index
             self.pool.take_journal()
+            self.pool.forget_demotions()       # every key goes again
             ops = [p.ClearKeys(), *p.journal_ops(self.pool.journal.resync())]
             ops += [p.StoreKey(key=wire_key(key), block=block) for key, block in self.pool.cached_keys()]
             self.removal_unacked = False       # every drop so far is in what this sends
@@ -180,7 +215,14 @@ class SimEngine:
             self.world.close_peer(self, w.rank, w.token)
 
     def disconnect(self) -> None:
-        """Close every connection still open (a dead worker's already is)."""
+        """Close every connection still open (a dead worker's already is).
+        An engine that demotes (source B) counts on its lifeline: the daemon
+        reads the journals written there to the end before it hears the
+        engine died (``EngineClient.seal_step``), so a demoted block it
+        evicted and rewrote is never kept as valid cache; the rest in flight
+        is lost."""
+        if self.tier and self.identity in self.world.wires:
+            self.world.drain_lifeline(self.identity)
         for identity, rank, token in [(self.identity, -1, self.token)] + [(w.identity, w.rank, w.token)
                                                                    for w in self.workers]:
             if identity in self.world.wires:
@@ -205,6 +247,8 @@ class SimEngine:
         self.pending.clear()
         self.step = None
         self.removal_unacked, self.sync_failed_at, self.leaving = False, -1e9, 0
+        self.tier, self.tier_ack, self.tier_ack_sent = False, 0, 0     # a new process hears anew
+        self.pressed_at, self.clear_due = -math.inf, False
 
     def leave(self) -> None:
         """A graceful exit between steps (as ``EngineClient.close``): the last
@@ -214,7 +258,8 @@ class SimEngine:
         for req in self.live:
             self.pool.free(req.blocks[::-1])
         self.live.clear()
-        self.flush_journal()
+        self.pool.restore_demoted()            # as the client: all it caches may be kept now
+        self.flush_journal(demote=False, deferred=False)
         self.leaving = self.send(p.Unregister(engine_id=self.name))
         self.leave_sent = self.world.now
 
@@ -247,13 +292,39 @@ class SimEngine:
         self.world.client_send(self.identity, msg)
         return self.next_req
 
-    def flush_journal(self) -> None:
+    def flush_journal(self, demote: bool = True, deferred: bool = True) -> None:
+        """As ``EngineClient._flush_journal``: under pressure the next blocks
+        to be evicted are demoted first (``demote_ahead``); the ack is read
+        before the journal is taken, and a journal goes for a new ticket even
+        with no ops. ``deferred``: what the I/O thread deferred runs first (a
+        ``ClearIndex``: its tick and a reclaim run it; the scheduler's own
+        flushes and ``close`` do not)."""
+        if deferred and self.clear_due:
+            self.clear_index()
+        if demote:
+            self.demote_ahead()
+        ack = self.tier_ack
         batch = self.pool.take_journal()
         self.removal_unacked |= batch.removed
-        if batch:
+        if batch or ack != self.tier_ack_sent:
             self.world.client_send(self.identity, p.Journal(engine_id=self.name, ops=p.journal_ops(batch.ops),
                                                             occupancy=batch.occupancy,
-                                                            stats={"block_ops": self.pool.stats.block_ops}))
+                                                            stats={"block_ops": self.pool.stats.block_ops},
+                                                            tier_ack=ack))
+            self.tier_ack_sent = ack
+
+    def demote_ahead(self) -> None:
+        """Where the tier takes this engine's evictions and it evicted under
+        pressure within DEMOTE_FOR (a key dropped that was not demoted), the
+        least recently used cached blocks are demoted until free and demoted
+        blocks make DEMOTE_LEAD: the daemon copies them while still cached."""
+        if not self.tier:
+            return
+        now = self.world.now
+        if self.pool.journal.removed:
+            self.pressed_at = now
+        if now - self.pressed_at < DEMOTE_FOR:
+            self.pool.demote(DEMOTE_LEAD)
 
     def on_message(self, msg: p.Msg) -> None:
         step = self.step
@@ -273,10 +344,26 @@ class SimEngine:
                 self.world.counts["id_reuse"] += 1       # registered again while the last one's workers run
             self.registered, self.max_slabs, self.token = True, msg.max_slabs, msg.token
             self.orphan_ttl = msg.orphan_ttl
+            self.tier = bool(getattr(msg, "tier", False)) and self.world.evictions   # (an older client: never)
+            if self.tier and self.tier_ack:    # as the client: the last ticket heard is kept (another daemon's?)
+                self.world.counts["tier_ack_kept_registering"] += 1
             self.sync_failed_at = -1e9         # as the client: this daemon answers seals
             if first:                          # its workers get the secret now (vLLM: with the KV config)
                 for w in self.workers:
                     self.start_worker(w)
+            return
+        if TIER_COPIED is not None and isinstance(msg, TIER_COPIED):
+            # Carried back by the next journal (``work`` ships one for it).
+            self.tier_ack = max(self.tier_ack, msg.ticket)
+            self.world.counts["tier_copied_heard"] += 1
+            return
+        if isinstance(msg, p.ClearIndex):
+            if self.world.evictions:       # (without source B the sim's engines ignore it: see ``tier.py``)
+                if self.world.rng.random() < CLEAR_DEFERRED:
+                    self.clear_due = True              # the scheduler holds the lock: the next poll runs it
+                    self.world.counts["clear_index_deferred"] += 1
+                else:
+                    self.clear_index()
             return
         if isinstance(msg, p.Error) and msg.reason == p.Reason.BAD_ADOPTION.value:
             if not self.dying:                   # refused: reconnect and register what it really holds
@@ -297,6 +384,8 @@ class SimEngine:
                             self.world.check_adoption(self, slab_id, msg.cached[slab_id])
                             self.pool.adopt(slab_id, [(c.offset, c.key) for c in msg.cached[slab_id]])
         elif isinstance(msg, p.Reclaim):
+            if self.clear_due:                 # deferred after the ClearIndex, it runs after it
+                self.clear_index()
             given, refused, cached = give_up(self.pool, msg.slabs)
             self.flush_journal()
             self.world.client_send(self.identity, p.ReclaimDone(req_id=msg.req_id, engine_id=self.name,
@@ -347,6 +436,13 @@ class SimEngine:
         returns an idle slab."""
         if not self.registered or self.dying or self.leaving:
             return
+        if self.clear_due:
+            # The deferred ClearIndex runs at the scheduler's next poll; until
+            # then its own flushes (``ensure``'s) may ship the last ticket heard.
+            if self.tier_ack != self.tier_ack_sent and rng.random() < FLUSH_BEFORE_CLEAR:
+                self.flush_journal(deferred=False)
+                self.world.counts["tier_ack_before_clear"] += 1
+            self.clear_index()
         op = rng.random()
         if self.step is None and not self.private and rng.random() < DIVERGE:
             self.diverge()
@@ -364,7 +460,15 @@ class SimEngine:
                 self.send(p.Return(engine_id=self.name, slabs=[slab_id]))
         elif op >= 0.9:
             self.flush_journal()
+        if self.tier_ack != self.tier_ack_sent or (self.tier and rng.random() < JOURNAL_TICK):
+            self.flush_journal()                  # the I/O thread's tick (for a new ticket, at once)
         self.expire_grows(now)
+
+    def clear_index(self) -> None:
+        """``ClearIndex`` (``EngineClient._clear_index``): every key dropped."""
+        self.clear_due = False
+        self.pool.clear_index()
+        self.world.counts["clear_index"] += 1
 
     def key(self, prompt: int, i: int) -> bytes:
         return f"{self.checkpoint}:{prompt}:{i}".encode()
@@ -437,11 +541,17 @@ class SimEngine:
         step = self.step
         if step is None:
             return
+        if self.tier:
+            self.pressed_at = self.world.now       # as ``seal_step``: evictions under pressure
+            self.demote_ahead()
+        ack = self.tier_ack
         batch = self.pool.take_journal()
         self.removal_unacked |= batch.removed
         step.sync_req = self.send(p.Journal(engine_id=self.name, ops=p.journal_ops(batch.ops),
                                             occupancy=batch.occupancy,
-                                            stats={"block_ops": self.pool.stats.block_ops}, sync=True))
+                                            stats={"block_ops": self.pool.stats.block_ops}, sync=True,
+                                            tier_ack=ack))
+        self.tier_ack_sent = ack
         step.sync_sent = self.world.now
 
     def sync_answered(self, ok: bool) -> None:

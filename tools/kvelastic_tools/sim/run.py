@@ -17,7 +17,7 @@ from kvelastic.daemon.state import Phase
 from kvelastic.errors import InvariantViolation
 from kvelastic_tools.sim import checks, ghosts, hostile, keeper
 from kvelastic_tools.sim.guard import SimAbort
-from kvelastic_tools.sim.tier import short_leases
+from kvelastic_tools.sim.tier import short_leases, small_staging
 from kvelastic_tools.sim.world import SimEngine, World
 
 HEARTBEAT = p.HEARTBEAT_INTERVAL
@@ -60,11 +60,14 @@ DEPART, RESTART = 0.835, 0.84
 KILL_LATER, KILL_NOW = 0.3, 0.6
 
 
-def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = SIM_TIMING) -> SimResult:
-    w = World(seed, timing=timing)
+def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = SIM_TIMING,
+             evictions: bool = True) -> SimResult:
+    """``evictions``: False for engines that ignore ``Registered.tier`` and
+    ``ClearIndex`` (as before demotion source B: the seeds found then replay)."""
+    w = World(seed, timing=timing, evictions=evictions)
     injected: collections.Counter = collections.Counter()
     try:
-        with short_leases():
+        with short_leases(), small_staging():
             run_steps(w, steps, faults, injected)
             if not w.violations:
                 settle(w)

@@ -27,6 +27,21 @@ granted before it, nor from a file a new daemon restored); KV the daemon
 held for demotion when its namespace was invalidated (kept cache, a
 running engine's slab being reclaimed) is never demoted; no lease outlives its engine or its deadline.
 
+Demotion source B (``staging.py``): the sim's engines honour ``Registered.tier``
+(``engine.py``): under pressure their journals demote the next blocks to be
+evicted, they carry the last ``TierCopied`` ticket back (``Journal.tier_ack``)
+and apply ``ClearIndex`` (sometimes after a flush, as a deferred one in the
+client). ``DemoteBlocks(staged=True)`` snapshots each block's content into
+``staged`` with no check (a copy may be torn, or of a block rewritten: the ack
+rule is there to discard those) and answers ``tier_copied``; a copy's read
+fails now and then. ``WriteStaged`` checks each copy it writes as ``demote``
+checks a block (KV of that namespace and key, whole, not invalidated, nor
+from before its namespace's invalidation) and stores it; what it drops is
+discarded. Invariants: staged bytes within ``MAX_STAGED_BYTES`` (compressed
+here, as the copy deadline is: ``small_staging``) and equal to the copies'
+sum; every pending copy staged by the loop; no copy outlives its engine's
+registration, nor its deadline past a tick.
+
 The world is seen through ``TierWorld`` (``World`` fits it): this module
 does not import ``world.py``.
 """
@@ -42,7 +57,7 @@ from typing import Any, Protocol
 
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
-from kvelastic.daemon import tiering
+from kvelastic.daemon import staging, tiering
 from kvelastic.daemon.allocator import Allocator
 from kvelastic.daemon.state import Phase
 from kvelastic.errors import InvariantViolation
@@ -64,6 +79,11 @@ DISK_FULL, TORN = 0.05, 0.05
 LOOKUP, KILL, INVALIDATE = 0.1, 0.006, 0.006
 # Of leases granted: abandoned (left to expire), released part-way.
 ABANDON, RELEASE = 0.08, 0.12
+# Source B: a copy's read fails (``tier_copied`` hears it failed); the staging's
+# room, in one-worker blocks, and a copy's deadline, compressed (``small_staging``).
+READ_FAILS = 0.02
+STAGED_BLOCKS = 6
+COPY_TIMEOUT = 1.0
 
 
 def with_tier(seed: int) -> bool:
@@ -80,6 +100,18 @@ def short_leases(timeout: float = LEASE_TIMEOUT) -> Iterator[None]:
         yield
     finally:
         tiering.LEASE_TIMEOUT = saved
+
+
+@contextlib.contextmanager
+def small_staging() -> Iterator[None]:
+    """Source B's staging room and copy deadline, compressed as leases' are
+    (STAGED_BLOCKS, COPY_TIMEOUT): both are met within a run."""
+    saved = staging.MAX_STAGED_BYTES, staging.COPY_TIMEOUT
+    staging.MAX_STAGED_BYTES, staging.COPY_TIMEOUT = STAGED_BLOCKS * BLOCK_BYTES, COPY_TIMEOUT
+    try:
+        yield
+    finally:
+        staging.MAX_STAGED_BYTES, staging.COPY_TIMEOUT = saved
 
 
 class TierWorld(Protocol):
@@ -107,6 +139,9 @@ class TierWorld(Protocol):
     def restart_at(self) -> dict[str, float]: ...
 
     @property
+    def evictions(self) -> bool: ...
+
+    @property
     def stopped(self) -> bool: ...
 
     def call(self, fn: Any, *args: Any) -> list[fx.Effect]: ...
@@ -126,8 +161,20 @@ class Stored:
     cost: float
     nbytes: int
     content: tuple[KV | None, ...]     # the device's KV in the block's places when it was read
-    epoch: int                         # its namespace's invalidations before it was written
+    epoch: int                         # its namespace's invalidations before it was read
     torn: bool = False
+    evicted: bool = False              # a running engine's block (source B)
+
+
+@dataclasses.dataclass(eq=False)
+class StagedCopy:
+    """Source B: a running engine's block copied into the loop's staging."""
+
+    namespace: str
+    block: fx.DemoteBlock
+    content: tuple[KV | None, ...]     # the device's KV in the block's places when copied
+    epoch: int                         # its namespace's invalidations before it was copied
+    whole: bool                        # the content was that key's, whole, when copied
 
 
 @dataclasses.dataclass(eq=False)
@@ -170,10 +217,18 @@ class SimTier:
         self.leased_through_invalidation: set[int] = set()   # leases held when their namespace was invalidated
         self.restored_invalidated: set[int] = set()          # slots of invalidated blocks a new daemon restored
         self.last_tick = 0.0               # when the allocator last ticked (``run.tick``): leases expire then
+        self.staged: dict[int, StagedCopy] = {}   # source B: the loop's staging (``TierIO.staged``)
+        # KV on the device when its namespace was invalidated (by id; held): a
+        # running engine clears its keys (``ClearIndex``), so none is written to the tier after.
+        self.superseded: dict[int, KV] = {}
+        self.tallied: collections.Counter[str] = collections.Counter()   # the index's counters counted so far
 
     def new_index(self) -> TierIndex:
         """A daemon starts: its index rebuilt from the store, as ``main.open_tier`` does."""
+        self.tally()
         self.index = TierIndex(BUDGET_BLOCKS * BLOCK_BYTES)
+        self.tallied.clear()
+        self.staged.clear()                # the loop's staging went with the daemon
         if self.store:
             rebuild(self.index, SimStore(self.store), self.world.now)   # type: ignore[arg-type]
             self.world.counts["tier_rebuilt"] += 1
@@ -189,7 +244,9 @@ class SimTier:
     def perform(self, e: fx.Effect) -> list[fx.Effect]:
         """One of the tier's effects, as the loop (``tier_io.py``) does it."""
         if isinstance(e, fx.DemoteBlocks):
-            return self.demote(e)
+            return self.stage(e) if getattr(e, "staged", False) else self.demote(e)
+        if isinstance(e, fx.WriteStaged):
+            return self.write_staged(e)
         if isinstance(e, fx.ReadTierBlock):
             return self.read(e)
         if isinstance(e, fx.DeleteTierBlocks):
@@ -210,14 +267,7 @@ class SimTier:
         failed: list[tuple[int, str]] = []
         for block in e.blocks:
             content = tuple(device.kv.get((page, within // BLOCK_BYTES)) for _dev, page, within, _n in block.runs)
-            for kv in content:
-                if kv is None or kv.namespace != e.namespace or kv.key != block.key or not kv.complete:
-                    what = "no KV" if kv is None else f"KV of {kv.namespace}:{kv.key!r} by {kv.writer} " \
-                        f"step {kv.step}{'' if kv.complete else ' (torn)'}"
-                    w.violation(f"tier: block {block.key!r} of {e.namespace} demoted from pages holding {what}")
-                elif id(kv) in self.stale:
-                    w.violation(f"tier: block {block.key!r} of {e.namespace} demoted from KV invalidated "
-                                f"(by {kv.writer} step {kv.step})")
+            self.check_content(e.namespace, block.key, content)
             if self.rng.random() < DISK_FULL:
                 failed.append((block.slot, "disk_full"))
                 w.counts["tier_disk_full"] += 1
@@ -231,6 +281,103 @@ class SimTier:
         effects = w.call(w.allocator.tier_written, done, failed, w.now)
         w.counts["tier_demoted_reclaimed"] += self.index.stats.demotions_reclaimed - before   # of those
         return effects
+
+    def check_content(self, namespace: str, key: bytes, content: tuple[KV | None, ...], staged: bool = False,
+                      current: bool = True) -> None:
+        """What is written to the tier as ``namespace``'s ``key``: that KV,
+        whole, never invalidated; a ``staged`` copy of a running engine's
+        block, copied while its namespace was ``current`` (not invalidated
+        since), never from before its namespace's invalidation either (its
+        engine cleared its keys). (Kept cache of an engine that left before it
+        cleared them is counted, not checked: ``tier_demoted_superseded``.)"""
+        w = self.world
+        whence = "written from a staged copy" if staged else "demoted from pages"
+        for kv in content:
+            if kv is None or kv.namespace != namespace or kv.key != key or not kv.complete:
+                what = "no KV" if kv is None else f"KV of {kv.namespace}:{kv.key!r} by {kv.writer} " \
+                    f"step {kv.step}{'' if kv.complete else ' (torn)'}"
+                w.violation(f"tier: block {key!r} of {namespace} {whence} holding {what}")
+            elif id(kv) in self.stale:
+                of = "written from a staged copy of" if staged else "demoted from"
+                w.violation(f"tier: block {key!r} of {namespace} {of} KV invalidated (by {kv.writer} step {kv.step})")
+            elif id(kv) in self.superseded and not (staged and current):
+                w.counts["tier_demoted_superseded" if not staged else "tier_staged_superseded"] += 1
+            elif id(kv) in self.superseded:
+                w.violation(f"tier: block {key!r} of {namespace} written from a staged copy of KV written before "
+                            f"its namespace was invalidated (by {kv.writer} step {kv.step})")
+
+    def whole(self, namespace: str, key: bytes, content: tuple[KV | None, ...]) -> bool:
+        """The content is what ``check_content`` lets a staged copy write."""
+        return all(kv is not None and kv.namespace == namespace and kv.key == key and kv.complete
+                   and id(kv) not in self.stale and id(kv) not in self.superseded for kv in content)
+
+    # ----------------------------------------------------- source B
+    def stage(self, e: fx.DemoteBlocks) -> list[fx.Effect]:
+        """A running engine's demoted blocks copied into staging, unchecked:
+        whether a copy is whole is the engine's next journal's to say."""
+        w, device = self.world, self.world.device
+        done: list[int] = []
+        failed: list[tuple[int, str]] = []
+        for block in e.blocks:
+            if self.rng.random() < READ_FAILS:
+                failed.append((block.slot, "io"))
+                w.counts["tier_staged_read_failed"] += 1
+                continue
+            content = tuple(device.kv.get((page, within // BLOCK_BYTES)) for _dev, page, within, _n in block.runs)
+            copy = StagedCopy(e.namespace, block, content, self.invalidated[e.namespace],
+                              self.whole(e.namespace, block.key, content))
+            self.staged[block.slot] = copy
+            if not copy.whole:
+                w.counts["tier_staged_torn"] += 1       # copied after the engine rewrote it (or invalidated)
+            done.append(block.slot)
+        w.counts["tier_staged"] += len(done)
+        return w.call(w.allocator.tier_copied, done, failed, w.now)
+
+    def write_staged(self, e: fx.WriteStaged) -> list[fx.Effect]:
+        """The copies found whole written (and checked as a demotion is), the others discarded."""
+        w = self.world
+        for slot in e.drop:
+            copy = self.staged.pop(slot, None)
+            w.counts["tier_staged_dropped"] += 1
+            if copy is not None and not copy.whole:
+                w.counts["tier_staged_torn_dropped"] += 1   # the ack rule kept a torn copy off the disk
+        done: list[int] = []
+        failed: list[tuple[int, str]] = []
+        for slot in e.write:
+            copy = self.staged.pop(slot, None)
+            if copy is None:
+                w.violation(f"tier: slot {slot} written from staging, where no copy of it is")
+                failed.append((slot, "io"))
+                continue
+            block = copy.block
+            # Copied before its namespace was invalidated: the slot died with
+            # it (committed, it is freed and its file deleted; never served,
+            # which ``check_served`` holds to, a restart in between included).
+            # Copied after: the engine had to clear its keys first.
+            current = copy.epoch == self.invalidated[copy.namespace]
+            if not current:
+                w.counts["tier_staged_written_invalidated"] += 1
+            self.check_content(copy.namespace, block.key, copy.content, staged=True, current=current)
+            if self.rng.random() < DISK_FULL:
+                failed.append((slot, "disk_full"))
+                w.counts["tier_disk_full"] += 1
+                continue
+            nbytes = sum(n for _dev, _page, _within, n in block.runs)
+            self.store[slot] = Stored(copy.namespace, block.key, block.parent, block.cost, nbytes, copy.content,
+                                      copy.epoch, torn=self.rng.random() < TORN, evicted=True)
+            done.append(slot)
+        w.counts["tier_staged_written"] += len(done)
+        return w.call(w.allocator.tier_written, done, failed, w.now)
+
+    def tally(self) -> None:
+        """The index's source-B counters, into the world's (each index counts from zero)."""
+        stats, w = self.index.stats, self.world
+        for name, n in (("tier_staged_committed", stats.demotions_evicted),
+                        ("tier_staged_raced", stats.failures.get("raced", 0)),
+                        ("tier_staged_unconfirmed", stats.failures.get("unconfirmed", 0))):
+            if n > self.tallied[name]:
+                w.counts[name] += n - self.tallied[name]
+                self.tallied[name] = n
 
     def read(self, e: fx.ReadTierBlock) -> list[fx.Effect]:
         """A fetch: the block's bytes (here: its content checked) or its failure."""
@@ -247,6 +394,8 @@ class SimTier:
             w.counts["tier_torn"] += 1
         else:
             self.check_served(e, b)
+            if b.evicted and e.offset + e.chunk >= b.nbytes:
+                w.counts["tier_promoted_evicted"] += 1      # demoted from a running engine, loaded back
         size = -1 if error or b is None else b.nbytes
         finished = size < 0 or e.offset + e.chunk >= size
         reply = p.TierData(req_id=e.req_id, lease=e.lease, block=e.block, offset=e.offset, size=size, data=b"")
@@ -377,6 +526,23 @@ class SimTier:
                 kv = w.device.kv.get((page, offset))
                 if kv is not None:
                     self.stale[id(kv)] = kv
+        if w.evictions:
+            # The engines registered in it clear their keys (``ClearIndex``):
+            # none of their KV reaches the tier from now on. (An engine on its
+            # way to a registration hears none: what it caches is not checked,
+            # ``tier_invalidated_unregistered`` counts them.)
+            for sim in w.engines:
+                record = alloc.engines.get(sim.name)
+                told = sim.alive and record is not None and record.identity == sim.identity \
+                    and record.namespace == target
+                if not told and sim.alive and sim.namespace == target:
+                    w.counts["tier_invalidated_unregistered"] += 1
+                for worker in sim.workers if told else ():
+                    for page in {page for pages in worker.mapped.values() for page in pages}:
+                        for offset in range(BLOCKS_PER_SLAB):
+                            kv = w.device.kv.get((page, offset))
+                            if kv is not None and kv.namespace == target:
+                                self.superseded[id(kv)] = kv
         self.invalidated[target] += 1
         self.leased_through_invalidation.update(lease.lease for lease in w.allocator.tiering.leases.values()
                                                 if lease.namespace == target)
@@ -417,6 +583,8 @@ class SimTier:
                     w.violation(f"tier: slot {slot} of lease {lease.lease} freed while pinned")
                 elif not done and index.servable(slot) and slot not in self.store:
                     w.violation(f"tier: live slot {slot} of lease {lease.lease}: its file deleted while pinned")
+        self.check_staging()
+        self.tally()
         for identity, load in list(self.loads.items()):
             if identity not in w.wires:       # the engine died
                 if load.lease:
@@ -427,8 +595,33 @@ class SimTier:
                     w.counts["lease_expired"] += 1
                     del self.loads[identity]
 
+    def check_staging(self) -> None:
+        """Source B's books: staged bytes within the room and what the copies
+        add up to; every pending copy staged by the loop; none outlives its
+        engine's registration, nor its deadline past a tick."""
+        w, st = self.world, self.world.allocator.staging
+        if st.staged_bytes > staging.MAX_STAGED_BYTES:
+            w.violation(f"tier: {st.staged_bytes} bytes staged > {staging.MAX_STAGED_BYTES}")
+        if st.staged_bytes != sum(c.nbytes for c in st.copies.values()):
+            w.violation(f"tier: {st.staged_bytes} bytes staged, the copies add up to "
+                        f"{sum(c.nbytes for c in st.copies.values())}")
+        serials = {record.serial: record.engine_id for record in w.allocator.engines.values()}
+        for slot, c in st.copies.items():
+            if c.serial not in serials:
+                w.violation(f"tier: copy of block {c.block} (slot {slot}, ticket {c.ticket}) outlived its "
+                            f"engine's registration {c.serial}")
+            elif self.last_tick > c.deadline:
+                w.violation(f"tier: copy of block {c.block} of {serials[c.serial]} (slot {slot}) outlived its "
+                            f"deadline ({c.deadline:.3f}; ticked at {self.last_tick:.3f})")
+            if slot not in self.staged:
+                w.violation(f"tier: copy of block {c.block} (slot {slot}) pending, not in the loop's staging")
+
     def settled(self) -> None:
         """Every engine left: no lease is left, nothing is pinned."""
         leases = self.world.allocator.tiering.leases
         if leases:
             self.world.violation(f"tier: leases {sorted(leases)} left after every engine exited")
+        copies = self.world.allocator.staging.copies
+        if copies or self.staged:
+            self.world.violation(f"tier: copies {sorted(copies)} pending, {sorted(self.staged)} staged after "
+                                 "every engine exited")

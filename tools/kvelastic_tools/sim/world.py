@@ -105,7 +105,7 @@ class WatchedOrphans(OrphanCache):
 
 class World:
     def __init__(self, seed: int, engines: int = 3, budget_pages: int = 24, timing: Timing = Timing(),
-                 tier: bool | None = None) -> None:
+                 tier: bool | None = None, evictions: bool = True) -> None:
         self.rng = random.Random(seed)
         self.seed = seed
         self.now = 0.0
@@ -115,6 +115,9 @@ class World:
         if self.tier is not None and timing.orphan_ttl > TIER_ORPHAN_TTL:
             timing = dataclasses.replace(timing, orphan_ttl=TIER_ORPHAN_TTL)
         self.timing = timing
+        # Engines honour ``Registered.tier`` (demotion source B: ``engine.py``,
+        # ``tier.py``) and ``ClearIndex``; False: they ignore both, as before it.
+        self.evictions = evictions
         self.budget_pages = budget_pages
         self.device = Device()
         self.handed_blocks = 0     # cached blocks adopted with slabs handed on by a live replica
@@ -298,7 +301,8 @@ class World:
                     self.device.pages.discard(page)
                     if page not in mapped and page not in self.keeper.held:
                         self.device.forget(page)
-            elif isinstance(e, (fx.DemoteBlocks, fx.ReadTierBlock, fx.DeleteTierBlocks)) and self.tier is not None:
+            elif isinstance(e, (fx.DemoteBlocks, fx.WriteStaged, fx.ReadTierBlock, fx.DeleteTierBlocks)) \
+                    and self.tier is not None:
                 queue.extend(self.tier.perform(e))      # the tier's I/O, as the loop's ``tier_io`` does it
             if self.crash_armed and self.rng.random() < 0.01:  # kill -9 at any point of the effects
                 self.crash()
@@ -478,6 +482,27 @@ class World:
             self.violation(f"{what} block {c.offset} ({c.key!r}) of page {page} is torn: {kv.writer}'s step "
                            f"{kv.step} writing it never finished")
 
+    def drain_lifeline(self, identity: bytes) -> None:
+        """The client's journals in flight on ``identity``'s lifeline reach the
+        daemon before it hears the connection close (the rest is lost with it)."""
+        wire = self.wires.get(identity)
+        if wire is None:
+            return
+        while wire.to_daemon and not self.stopped and identity in self.wires:
+            msg = wire.to_daemon.popleft().msg
+            if isinstance(msg, p.Journal):
+                self.perform(self.call(self.allocator.handle, identity, msg, self.now))
+                self.counts["lifeline_drained"] += 1
+
+    def in_flight_demotions(self, engine: SimEngine) -> set[int]:
+        """Blocks ``engine`` demoted in journals on its lifeline, not read yet:
+        the daemon reads them before it decides anything about the engine."""
+        wire = self.wires.get(engine.identity)
+        if wire is None or not engine.tier:
+            return set()
+        return {op.block for env in wire.to_daemon if isinstance(env.msg, p.Journal)
+                for op in env.msg.ops if isinstance(op, p.DemoteBlock)}
+
     def check_rewrite(self, engine: SimEngine, step: Step) -> None:
         """A step starts writing its blocks: the daemon must hold none of them
         as valid cache of this engine (the seal made it hear every key dropped
@@ -489,7 +514,10 @@ class World:
                        and r.identity == engine.identity), None)
         if record is None or record.failed:
             return
+        demoting = self.in_flight_demotions(engine)
         for blk, _key in step.writes:
+            if blk.block_id in demoting:
+                continue
             slab_id, offset = divmod(blk.block_id, BLOCKS_PER_SLAB)
             for at, key in record.mirror.valid_in(slab_id, record.blocks_per_slab):
                 if at == offset:
