@@ -84,7 +84,8 @@ class TierStatus(msgspec.Struct, kw_only=True):
     """The node's tier below device memory (``KVELASTIC_TIER_DIR``)."""
     budget_bytes: int
     bytes: int                   # in use: blocks found, being written, or held by a load
-    blocks: int                  # blocks that can be found
+    blocks: int                  # blocks that can be found, or will be once written
+    writing: int = 0             # of those, blocks being written (or staged: source B)
     namespaces: dict[ShownName, int] = {}   # namespace -> its blocks
     counters: dict[str, int] = {}           # TierStats.counters(): demotions, hits, evictions_*, failures_*
     load_seconds: LoadLatency = msgspec.field(default_factory=LoadLatency)

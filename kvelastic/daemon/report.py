@@ -62,6 +62,7 @@ def status(books: Books) -> StatusReport:
 def tier_status(tier: TierIndex) -> TierStatus:
     namespaces = tier.namespaces()
     return TierStatus(budget_bytes=tier.budget_bytes, bytes=tier.bytes_used, blocks=sum(namespaces.values()),
+                      writing=tier.writing(),
                       namespaces=namespaces, counters=tier.stats.counters(),
                       load_seconds=LoadLatency(buckets=list(LOAD_BUCKETS), counts=list(tier.stats.load_counts),
                                                sum=tier.stats.load_seconds_sum))

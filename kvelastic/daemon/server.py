@@ -66,6 +66,7 @@ class Daemon:
         self.devices = {d.name: d for d in devices}
         self.tier_store = tier_store
         self.tier_io = TierIO(self.devices, tier_store)
+        self._tier_wake = self.tier_io.writer.wake_fd if self.tier_io.writer is not None else -1
         self.keeper = keeper
         self.clock = clock
         self.allocator = Allocator({d.name: d.budget_pages for d in devices}, devices[0].page_size,
@@ -89,6 +90,8 @@ class Daemon:
         self.router.bind(f"ipc://{socket_path}")
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
+        if self._tier_wake >= 0:      # the tier's writer says a write finished
+            self.poller.register(self._tier_wake, zmq.POLLIN)
         self.tenancy = tenancy or Tenancy(daemon_uid=access.uid)
         self.peers = PeerTable(p.fd_socket_path(socket_path), self.poller, access, self.tenancy,
                                _descriptors_per_tenant(sum(d.budget_pages for d in devices)))
@@ -141,7 +144,9 @@ class Daemon:
                     except zmq.Again:
                         break
                     self._dispatch(frames)
-            self._service_peers({fd for fd in ready if isinstance(fd, int)}, now)
+            self._service_peers({fd for fd in ready if isinstance(fd, int) and fd != self._tier_wake}, now)
+            if self._tier_wake in ready:
+                self._tier_writes(now)
             if now - last_journals >= JOURNAL_READ_INTERVAL:
                 last_journals = now
                 for fd in self.peers.lifelines():   # they do not wake the loop (``peers.read_greetings``)
@@ -165,6 +170,12 @@ class Daemon:
                 self.snapshot = self.allocator.status()
                 self.metrics.published()
 
+    def _tier_writes(self, now: float) -> None:
+        """The tier's writer finished writes: the allocator commits or aborts them."""
+        written, failed = self.tier_io.finished()
+        if written or failed:
+            self._perform(self.allocator.tier_written(written, failed, now))
+
     def close(self) -> None:
         """Stop without unmapping anything: engines keep serving from the pages
         they hold and adopt them again from the next daemon (invariant 9)."""
@@ -175,6 +186,7 @@ class Daemon:
             self.keeper.detach()          # the pages stay with the keeper for the next daemon
             self.keeper = None
         self._perform(self.allocator.shutdown())
+        self.tier_io.close()     # what is queued is written: whole blocks, found by the next daemon
         self.peers.close()
         self.router.close(0)
         for publisher in (self.events, self.tier_events):
@@ -387,16 +399,16 @@ class Daemon:
         elif isinstance(effect, fx.Rejected):
             self.metrics.rejected.labels(effect.reason.value).inc()
         elif isinstance(effect, fx.DeleteTierBlocks):
-            if self.tier_store is not None:
-                for slot in effect.slots:
-                    self.tier_store.delete(slot)
+            self.tier_io.delete(effect.slots)
             return self.allocator.tiering.deleted(effect.slots)     # announced ones: published removed
-        elif isinstance(effect, fx.DemoteBlocks):    # before the ReleasePages that follow it
+        elif isinstance(effect, fx.DemoteBlocks):    # read before the ReleasePages that follow it
+            staged, failed = self.tier_io.demote(effect)
             if effect.staged:                        # before the TierCopied that follows it
-                return self.allocator.tier_copied(*self.tier_io.demote(effect), now)
-            return self.allocator.tier_written(*self.tier_io.demote(effect), now)
+                return self.allocator.tier_copied(staged, failed, now)
+            return self.allocator.tier_written([], failed, now) if failed else []   # the writes: ``_tier_writes``
         elif isinstance(effect, fx.WriteStaged):
-            return self.allocator.tier_written(*self.tier_io.write_staged(effect), now)
+            failed = self.tier_io.write_staged(effect)
+            return self.allocator.tier_written([], failed, now) if failed else []
         elif isinstance(effect, fx.ReadTierBlock):
             reply, error, finished = self.tier_io.read(effect)
             follow = self.allocator.tier_read(effect.lease, effect.block, error, now) if finished else []

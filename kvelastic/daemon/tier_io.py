@@ -1,8 +1,12 @@
 """The loop's side of the tier: the bytes the allocator's ``tiering.py`` decided
 to move. Demotion reads a block's runs from memfd pages the daemon holds alone
 and writes them to the ``DiskStore``; a ``TierFetch`` is answered with a chunk
-of a block read (and checked) from it. Synchronous in this slice: a block of
-a small model is tens of KiB; an off-loop writer thread is what remains.
+of a block read (and checked) from it. The loop reads the pages itself (they
+may be reused right after); the disk writes run on the store's writer
+thread (``tier/writer.py``), whose results the loop takes in each pass
+(``finished``) and reports to the allocator, which commits or aborts. Reads
+for fetches stay in the loop (a committed block, most often in the page
+cache).
 
 Blocks of a running engine (source B) are read into ``staged`` first and
 written only once the engine's journal proved they were not rewritten while
@@ -20,7 +24,8 @@ from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.devices import Device
 from kvelastic.tier.disk import DiskStore
-from kvelastic.tier.errors import TierReadError, TierWriteError
+from kvelastic.tier.errors import TierReadError
+from kvelastic.tier.writer import TierWriter, WriteJob
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -46,12 +51,14 @@ class TierIO:
         self.devices = devices
         self.store = store
         self._last: tuple[int, bytes] | None = None    # the block read last (slot, payload): its next chunks
+        self.writer = TierWriter(store) if store is not None else None
         # Source B's copies awaiting the engine's word: slot -> (namespace, block, payload).
         self.staged: dict[int, tuple[str, fx.DemoteBlock, bytes]] = {}
 
     def demote(self, effect: fx.DemoteBlocks) -> tuple[list[int], list[tuple[int, str]]]:
-        """Write each block (or stage it: ``effect.staged``); (slots written or
-        staged, [(failed slot, reason)])."""
+        """Read each block and hand it to the writer (or stage it:
+        ``effect.staged``); (slots staged, [(failed slot, reason)]). The
+        writes' results come later (``finished``)."""
         done: list[int] = []
         failed: list[tuple[int, str]] = []
         for block in effect.blocks:
@@ -64,42 +71,48 @@ class TierIO:
             if effect.staged:
                 self.staged[block.slot] = (effect.namespace, block, payload)
                 done.append(block.slot)
-            elif self._write(effect.namespace, block, payload, failed):
-                done.append(block.slot)
-        if done and not effect.staged:
-            log.info("tier: %d block(s) of namespace %s demoted", len(done), effect.namespace)
+            else:
+                self._write(effect.namespace, block, payload, failed)
         return done, failed
 
-    def write_staged(self, effect: fx.WriteStaged) -> tuple[list[int], list[tuple[int, str]]]:
-        """Write the staged copies found whole, drop the others; (slots
-        written, [(failed slot, reason)])."""
+    def write_staged(self, effect: fx.WriteStaged) -> list[tuple[int, str]]:
+        """Hand the staged copies found whole to the writer, drop the others;
+        [(failed slot, reason)]."""
         for slot in effect.drop:
             self.staged.pop(slot, None)
-        done: list[int] = []
         failed: list[tuple[int, str]] = []
         for slot in effect.write:
             staged = self.staged.pop(slot, None)
             if staged is None:
                 failed.append((slot, "io"))
-            elif self._write(*staged, failed):
-                done.append(slot)
-        return done, failed
+            else:
+                self._write(*staged, failed)
+        return failed
 
-    def _write(self, namespace: str, block: fx.DemoteBlock, payload: bytes, failed: list[tuple[int, str]]) -> bool:
-        if self.store is None:
-            failed.append((block.slot, "io"))
-            return False
-        try:
-            self.store.write(block.slot, namespace, block.key, payload, cost=block.cost, parent=block.parent)
-        except TierWriteError as exc:
-            log.warning("tier: block %d of namespace %s not demoted: %s", block.slot, namespace, exc)
-            failed.append((block.slot, exc.reason))
-        except OSError as exc:
-            log.warning("tier: block %d of namespace %s not demoted: %s", block.slot, namespace, exc)
+    def _write(self, namespace: str, block: fx.DemoteBlock, payload: bytes, failed: list[tuple[int, str]]) -> None:
+        if self.writer is None:
             failed.append((block.slot, "io"))
         else:
-            return True
-        return False
+            self.writer.submit(WriteJob(block.slot, namespace, block.key, block.parent, block.cost, payload))
+
+    def delete(self, slots: tuple[int, ...]) -> None:
+        """Delete these slots' files now (a queued write of one never happens)."""
+        if self.writer is not None:
+            for slot in slots:
+                self.writer.delete(slot)
+
+    def finished(self) -> tuple[list[int], list[tuple[int, str]]]:
+        """The writes done since the last call (``TierWriter.finished``)."""
+        if self.writer is None:
+            return [], []
+        written, failed = self.writer.finished()
+        if written:
+            log.info("tier: %d block(s) demoted", len(written))
+        return written, failed
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
     def read(self, effect: fx.ReadTierBlock) -> tuple[p.TierData, str, bool]:
         """The answer to a fetch, why the block failed ("" if it did not) and

@@ -76,8 +76,12 @@ class TierBooks:
         return len(self._entries)
 
     def namespaces(self) -> dict[str, int]:
-        """Namespace -> its blocks that can be found (committed, live)."""
+        """Namespace -> its blocks that can be found or are being written (live)."""
         return {ns: len(keys) for ns, keys in self._keys.items() if keys}
+
+    def writing(self) -> int:
+        """Entries reserved whose bytes are not written yet (not findable)."""
+        return sum(not e.committed for e in self._entries.values())
 
     def key_of(self, slot: int) -> tuple[str, bytes]:
         """(namespace, key) of a slot's entry: what its bytes must say they are."""

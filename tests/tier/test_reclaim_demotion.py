@@ -82,6 +82,7 @@ def test_a_slab_reclaimed_for_another_namespace_is_demoted_and_loaded_back(tmp_p
         b = node.engine("b", "llama-2")
         assert b.do("ensure", n=4)["ok"]                     # a demand: one slab reclaimed from a
         assert node.reclaims("a") == 1
+        wait_for(lambda: tier(node.daemon)["writing"] == 0, what="the writes done (off the loop)")
         status = tier(node.daemon)
         assert status["blocks"] == 4 and status["namespaces"] == {"llama-1": 4}
         assert status["counters"]["demotions"] == 4 and status["counters"]["demotions_reclaimed"] == 4

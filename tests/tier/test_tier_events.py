@@ -99,7 +99,8 @@ def demoted(tmp_path, on_tier_stream=None):
         a.do("free")
         a.do("flush")
         a.kill()
-        wait_for(lambda: daemon.status()["tier"]["blocks"] == 4, timeout=10, what="a's kept cache demoted")
+        wait_for(lambda: daemon.status()["tier"]["blocks"] == 4 and daemon.status()["tier"]["writing"] == 0,
+                 timeout=10, what="a's kept cache demoted and written")
     finally:
         a.close()
     return daemon

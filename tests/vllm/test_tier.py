@@ -41,9 +41,11 @@ def counters(daemon) -> dict:
 
 
 def settled(daemon) -> dict:
-    """Once no engine is registered and no kept cache is left (expired: demoted), the tier."""
+    """Once no engine is registered, no kept cache is left (expired: demoted)
+    and no block is being written, the tier."""
     return wait_for(lambda: not daemon.status()["engines"] and not daemon.status().get("orphans")
-                    and tier(daemon), timeout=60, what="the engine gone and its kept cache demoted")
+                    and tier(daemon)["writing"] == 0 and tier(daemon), timeout=60,
+                    what="the engine gone and its kept cache demoted")
 
 
 def tier_daemon(daemon_factory, tmp_path):
