@@ -105,6 +105,7 @@ class DemoteBlock:
     parent: bytes | None
     cost: float
     runs: tuple[tuple[str, int, int, int], ...]
+    label: bytes = b""      # the engine's KV event for it, kept on disk for a restarted daemon to publish
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ from kvelastic.daemon.tenancy import Tenancy
 from kvelastic.errors import ConfigError, KvelasticError
 from kvelastic.protocol import fd_socket_path
 from kvelastic.startup import configured, sd_notify
-from kvelastic.tier.disk import DiskStore
+from kvelastic.tier.disk import DiskEntry, DiskStore
 from kvelastic.tier.index import TierIndex
 from kvelastic.tier.restart import rebuild
 from kvelastic.vmm import get_backend
@@ -172,7 +172,7 @@ def raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def open_tier(config: Config, now: float) -> tuple[TierIndex, DiskStore] | None:
+def open_tier(config: Config, now: float) -> tuple[TierIndex, DiskStore, list[DiskEntry]] | None:
     """The node's disk tier (``KVELASTIC_TIER_DIR``), its index rebuilt from
     what the directory holds; None when none is configured. The directory
     must be the daemon's alone: blocks found there are served to engines as
@@ -194,7 +194,7 @@ def open_tier(config: Config, now: float) -> tuple[TierIndex, DiskStore] | None:
     dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(found.dropped.items())) or "none"
     log.info("tier %s: %d block(s) in %d MiB of %d MiB rebuilt from disk; files dropped: %s", config.tier_dir,
              sum(index.namespaces().values()), index.bytes_used >> 20, config.tier_size >> 20, dropped)
-    return index, store
+    return index, store, found.entries
 
 
 def main() -> int:
@@ -213,12 +213,12 @@ def main() -> int:
                         orphan_ttl=config.orphan_cache_ttl)
         group = socket_group(config.socket_group)
         operators = socket_group(config.operator_group, "KVELASTIC_OPERATOR_GROUP") if config.operator_group else None
-        tier, tier_store = open_tier(config, time.monotonic()) or (None, None)
+        tier, tier_store, tier_found = open_tier(config, time.monotonic()) or (None, None, [])
         keeper = PageKeeper.find(config.socket)
         daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing, access=Access(group=group),
                         tenancy=Tenancy(operator_group=operators),
                         max_engines=config.max_engines, hash_secret=load_hash_secret(config.socket),
-                        tier=tier, tier_store=tier_store, keeper=keeper)
+                        tier=tier, tier_store=tier_store, tier_found=tier_found, keeper=keeper)
         if keeper is not None:
             daemon.take_back(boot_id())
     except KvelasticError as exc:

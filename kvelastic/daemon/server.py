@@ -35,7 +35,7 @@ from kvelastic.errors import require
 from kvelastic.kv_events import AllBlocksCleared, tier_topic
 from kvelastic.metrics import DaemonMetrics
 from kvelastic.status_report import StatusReport
-from kvelastic.tier.disk import DiskStore
+from kvelastic.tier.disk import DiskEntry, DiskStore
 from kvelastic.tier.index import TierIndex
 from kvelastic.vmm.errors import FdChannelError, VmmError
 
@@ -60,8 +60,10 @@ class Daemon:
                  kv_events: tuple[str, str, int] | None = None, timing: Timing = Timing(),
                  access: Access | None = None, max_engines: int = 256, hash_secret: bytes | None = None,
                  tenancy: Tenancy | None = None, tier: TierIndex | None = None,
-                 tier_store: DiskStore | None = None, keeper: PageKeeper | None = None) -> None:
-        """``tier``, ``tier_store``: the node's tier (``main.open_tier``), or None.
+                 tier_store: DiskStore | None = None, tier_found: list[DiskEntry] | None = None,
+                 keeper: PageKeeper | None = None) -> None:
+        """``tier``, ``tier_store``: the node's tier (``main.open_tier``), or None;
+        ``tier_found``: what its store held at start (published, where labelled).
         ``keeper``: where pages are deposited so they outlive this process, or None."""
         self.devices = {d.name: d for d in devices}
         self.tier_store = tier_store
@@ -116,6 +118,8 @@ class Daemon:
         self._slow: deque[fx.CreatePages] = deque()
         self._draining = False
         self.succession: Succession | None = None     # with a keeper: what the next daemon takes back
+        if tier_found:      # routers hear of the blocks rebuilt from disk as of those demoted since
+            self._perform(self.allocator.tiering.restored(tier_found))
 
     def take_back(self, boot: str) -> None:
         """At start, with a keeper: adopt the kept cache the last daemon saved

@@ -93,7 +93,8 @@ class TierIO:
         if self.writer is None:
             failed.append((block.slot, "io"))
         else:
-            self.writer.submit(WriteJob(block.slot, namespace, block.key, block.parent, block.cost, payload))
+            self.writer.submit(WriteJob(block.slot, namespace, block.key, block.parent, block.cost, payload,
+                                        block.label))
 
     def delete(self, slots: tuple[int, ...]) -> None:
         """Delete these slots' files now (a queued write of one never happens)."""

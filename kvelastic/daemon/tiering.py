@@ -57,6 +57,7 @@ from kvelastic.daemon.orphans import OrphanSlab
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.state import EngineRecord, SlabRecord, SlabShape, shape_of
 from kvelastic.kv_events import MEDIUM_STORAGE, BlockRemoved, BlockStored, KVEvent, tier_topic
+from kvelastic.tier.disk import DiskEntry
 from kvelastic.tier.index import TierIndex
 
 log = logging.getLogger("kvelastic.daemon")
@@ -220,7 +221,7 @@ class Tiering:
             slot = tier.reserve(namespace, c.key, nbytes, cost, books.now, par)
             parent = None if staged else c.key
             if slot is not None:
-                blocks.append(fx.DemoteBlock(slot, c.key, par, cost, tuple(runs)))
+                blocks.append(fx.DemoteBlock(slot, c.key, par, cost, tuple(runs), c.label))
                 out.append((slot, c))
                 event = tier_stored(c.key, c.label)
                 if event is not None and books.events:
@@ -247,12 +248,34 @@ class Tiering:
             tier.abort(slot, reason)
             self.counted_as.pop(slot, None)
             self._announcing.pop(slot, None)
+        for effect in self._published(stored):
+            self.books.emit(effect)
+        self._delete_released()
+
+    def restored(self, entries: list[DiskEntry]) -> list[fx.Effect]:
+        """A new daemon's tier rebuilt from disk: the blocks restored whose
+        label names them are published stored, as the first daemon did."""
+        tier = self.tier
+        if tier is None or not self.books.events:
+            return []
+        stored: dict[str, list[tuple[bytes, BlockStored]]] = {}
+        for e in entries:
+            event = tier_stored(e.key, e.label) if tier.servable(e.slot) else None
+            if event is not None:
+                self.announced[e.slot] = (e.namespace, e.key, event)
+                stored.setdefault(e.namespace, []).append((e.key, event))
+        return self._published(stored)
+
+    @staticmethod
+    def _published(stored: dict[str, list[tuple[bytes, BlockStored]]]) -> list[fx.Effect]:
+        """``BlockStored`` of each namespace's blocks, parents first, on the node stream and the tier's."""
+        out: list[fx.Effect] = []
         for namespace, blocks in stored.items():
             topic, ordered = tier_topic(namespace), parents_first([e for _, e in blocks])
             keys = {id(e): k for k, e in blocks}
-            self.books.emit(fx.Publish(topic, tuple(node_stored(keys[id(e)], e) for e in ordered)))
-            self.books.emit(fx.Publish(topic, tuple(ordered), tier=True))
-        self._delete_released()
+            out.append(fx.Publish(topic, tuple(node_stored(keys[id(e)], e) for e in ordered)))
+            out.append(fx.Publish(topic, tuple(ordered), tier=True))
+        return out
 
     def deleted(self, slots: tuple[int, ...]) -> list[fx.Effect]:
         """The loop deleted the files of ``slots`` (``fx.DeleteTierBlocks``:

@@ -11,8 +11,13 @@ bytes (hundreds of KiB to MiB).
 A file, ``<slot as 16 hex digits>.kvb``, little-endian::
 
     magic "KVTB" | version u16 | flags u16 (bit 0: has a parent) | namespace length u16
-    | key length u16 | parent length u16 | 2 pad bytes | payload length u64 | cost f64
-    | payload CRC-32 u32 | namespace (UTF-8) | key | parent | header CRC-32 u32 | payload
+    | key length u16 | parent length u16 | label length u16 | payload length u64 | cost f64
+    | payload CRC-32 u32 | namespace (UTF-8) | key | parent | label | header CRC-32 u32 | payload
+
+The label is the engine's own KV event for the block (``tiering.py``), kept
+so that a restarted daemon publishes the blocks it rebuilt as the first
+one did. Version 1 had two pad bytes where the label's length is (zero):
+its files read as blocks without a label.
 
 The header has a checksum of its own, so a flipped bit in a namespace or key
 can never make a block answer for another one (``scan`` trusts headers
@@ -51,9 +56,10 @@ from kvelastic.tier.errors import (
 )
 
 MAGIC = b"KVTB"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)      # versions read (1: no label)
 _HAS_PARENT = 1
-_FIXED = struct.Struct("<4sHHHHH2xQdI")
+_FIXED = struct.Struct("<4sHHHHHHQdI")
 _CRC = struct.Struct("<I")
 _NAME = re.compile(r"^([0-9a-f]{16})\.kvb$")
 _TEMP = re.compile(r"^\.[0-9a-f]{16}\.kvb\.tmp$")
@@ -70,6 +76,7 @@ class DiskEntry:
     parent: bytes | None
     nbytes: int         # the payload's length
     cost: float
+    label: bytes = b""  # the engine's KV event for it (b"": none)
 
 
 @dataclasses.dataclass
@@ -89,12 +96,12 @@ class DiskStore:
 
     # ------------------------------------------------------------ write
     def write(self, slot: int, namespace: str, key: bytes, payload: bytes | bytearray | memoryview, *,
-              cost: float, parent: bytes | None = None) -> None:
+              cost: float, parent: bytes | None = None, label: bytes = b"") -> None:
         """Write a block whole, or raise ``TierDiskFull`` / ``TierWriteError``
         and leave no file for it."""
         if not 0 <= slot < 1 << 64:
             raise ValueError(f"slot out of range: {slot}")
-        header = encode_header(namespace, key, parent, len(payload), cost, zlib.crc32(payload))
+        header = encode_header(namespace, key, parent, len(payload), cost, zlib.crc32(payload), label)
         final = self.path(slot)
         temp = final.with_name(f".{final.name}.tmp")
         try:
@@ -172,14 +179,14 @@ class DiskStore:
 
 
 def encode_header(namespace: str, key: bytes, parent: bytes | None, nbytes: int, cost: float,
-                  payload_crc: int) -> bytes:
+                  payload_crc: int, label: bytes = b"") -> bytes:
     ns = namespace.encode()
     par = b"" if parent is None else parent
-    if max(len(ns), len(key), len(par)) > 0xFFFF:
-        raise ValueError("namespace, key and parent must each be at most 65535 bytes")
+    if max(len(ns), len(key), len(par), len(label)) > 0xFFFF:
+        raise ValueError("namespace, key, parent and label must each be at most 65535 bytes")
     fixed = _FIXED.pack(MAGIC, VERSION, 0 if parent is None else _HAS_PARENT, len(ns), len(key), len(par),
-                        nbytes, cost, payload_crc)
-    head = fixed + ns + key + par
+                        len(label), nbytes, cost, payload_crc)
+    head = fixed + ns + key + par + label
     return head + _CRC.pack(zlib.crc32(head))
 
 
@@ -188,11 +195,11 @@ def _read_header(f: BinaryIO, slot: int) -> tuple[DiskEntry, int]:
     fixed = f.read(_FIXED.size)
     if len(fixed) < _FIXED.size:
         raise TornBlock(f"tier block {slot}: header cut short")
-    magic, version, flags, ns_len, key_len, parent_len, nbytes, cost, payload_crc = _FIXED.unpack(fixed)
-    if magic != MAGIC or version != VERSION:
-        raise ChecksumMismatch(f"tier block {slot}: not a version {VERSION} tier block")
-    var = f.read(ns_len + key_len + parent_len + _CRC.size)
-    if len(var) < ns_len + key_len + parent_len + _CRC.size:
+    magic, version, flags, ns_len, key_len, parent_len, label_len, nbytes, cost, payload_crc = _FIXED.unpack(fixed)
+    if magic != MAGIC or version not in READS:
+        raise ChecksumMismatch(f"tier block {slot}: not a tier block of version {READS}")
+    var = f.read(ns_len + key_len + parent_len + label_len + _CRC.size)
+    if len(var) < ns_len + key_len + parent_len + label_len + _CRC.size:
         raise TornBlock(f"tier block {slot}: header cut short")
     (header_crc,) = _CRC.unpack_from(var, len(var) - _CRC.size)
     if zlib.crc32(var[:-_CRC.size], zlib.crc32(fixed)) != header_crc:
@@ -204,8 +211,9 @@ def _read_header(f: BinaryIO, slot: int) -> tuple[DiskEntry, int]:
     except UnicodeDecodeError as exc:
         raise ChecksumMismatch(f"tier block {slot}: namespace is not UTF-8") from exc
     key = var[ns_len:ns_len + key_len]
-    parent = var[ns_len + key_len:ns_len + key_len + parent_len] if flags & _HAS_PARENT else None
-    return DiskEntry(slot, namespace, key, parent, nbytes, cost), payload_crc
+    at = ns_len + key_len + parent_len
+    parent = var[ns_len + key_len:at] if flags & _HAS_PARENT else None
+    return DiskEntry(slot, namespace, key, parent, nbytes, cost, var[at:at + label_len]), payload_crc
 
 
 def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:

@@ -34,6 +34,7 @@ class WriteJob:
     parent: bytes | None
     cost: float
     payload: bytes
+    label: bytes = b""
 
 
 class TierWriter:
@@ -101,7 +102,7 @@ class TierWriter:
                 else:
                     try:
                         self.store.write(job.slot, job.namespace, job.key, job.payload, cost=job.cost,
-                                         parent=job.parent)
+                                         parent=job.parent, label=job.label)
                     except TierWriteError as exc:
                         log.warning("tier: block %d of namespace %s not demoted: %s", job.slot, job.namespace, exc)
                         reason = exc.reason

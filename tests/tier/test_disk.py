@@ -52,6 +52,20 @@ def test_round_trip_keeps_bytes_and_identity(tmp_path):
     assert stat.S_IMODE(store.directory.stat().st_mode) == 0o700
 
 
+def test_a_label_is_kept_and_a_version_1_file_reads_without_one(tmp_path):
+    import struct
+    import zlib
+
+    store = DiskStore(tmp_path)
+    store.write(3, NS, b"key", payload(), cost=2.0, label=b"the engine's event")
+    assert store.header(3).label == b"the engine's event" and store.scan().entries[0].label == b"the engine's event"
+    # A file of the first version: pad bytes where the label's length is now.
+    head = struct.pack("<4sHHHHH2xQdI", b"KVTB", 1, 0, len(NS), 3, 0, 4096, 2.0, zlib.crc32(payload())) \
+        + NS.encode() + b"key"
+    store.path(4).write_bytes(head + struct.pack("<I", zlib.crc32(head)) + payload())
+    assert store.header(4).label == b"" and store.read(4, NS, b"key") == payload()
+
+
 def test_short_writes_are_continued(tmp_path, monkeypatch):
     # The kernel may write less than asked: a fake os.write that takes 7 bytes at a time.
     store = DiskStore(tmp_path)

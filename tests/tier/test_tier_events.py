@@ -3,7 +3,9 @@ cache demoted into the tier is published as ``BlockStored`` with the medium
 ``STORAGE`` (the engine's own labels: vLLM's hashes, parents, token ids),
 under the tier's pseudo-engine (topic ``kv@@NAMESPACE``) on the tier stream
 (and on the node stream as its engines' blocks are: keys, no token ids);
-``kvelastic invalidate`` publishes their ``BlockRemoved`` on both. Dynamo's
+``kvelastic invalidate`` publishes their ``BlockRemoved`` on both; a restarted
+daemon publishes the blocks it rebuilt from disk (their labels are kept in
+the files). Dynamo's
 indexer, registered for the tier stream as a worker of its own, scores a
 prefix held only in the tier there, on its disk tier; another user cannot
 read the tier stream."""
@@ -135,6 +137,27 @@ def test_tier_blocks_are_published_stored_and_removed(tmp_path):
             wait_for(lambda hashes=hashes: sorted(removed()) == sorted(hashes),
                      what="the tier's blocks published removed")
             assert all(e.medium == "STORAGE" for e in tier_events(endpoint) if isinstance(e, BlockRemoved))
+    finally:
+        daemon.stop()
+
+
+def test_a_restarted_daemon_publishes_the_blocks_it_rebuilt_from_disk(tmp_path):
+    """The labels are kept on disk with the blocks: a new daemon on the same
+    tier publishes what it rebuilt as the first one published it."""
+    daemon = demoted(tmp_path)
+    tier = f"ipc://{daemon.socket}.kv-tier-replay"
+    try:
+        before = [e for e in tier_events(tier) if isinstance(e, BlockStored)]
+        daemon.stop()
+        daemon.start()
+        assert daemon.status()["tier"]["blocks"] == 4
+        after = tier_events(tier)
+        assert isinstance(replay(tier)[0][1].events[0], AllBlocksCleared)     # a new stream
+        assert after == before and len(after) == 4                            # parents first, as before
+        assert [e.block_hashes[0] for e in after] == [published(k) for k in keys("sys", 4)]
+        assert [t for e in after for t in e.token_ids] == tokens("sys", 4)
+        node = [e for e in tier_events(f"ipc://{daemon.socket}.kv-events-replay") if isinstance(e, BlockStored)]
+        assert [e.block_hashes[0] for e in node] == [k[:-4] for k in keys("sys", 4)]
     finally:
         daemon.stop()
 
