@@ -302,6 +302,8 @@ class Journal(Msg):
     # journal: every drop of a block made before it heard is in this journal
     # or an earlier one (docs/tier.md, "Source B").
     tier_ack: int = 0
+    # The last ``ClearIndex.scope`` the engine applied when it took this journal.
+    scope: int = 0
 
 
 class JournalFrame(Msg, tag="Journal"):
@@ -315,6 +317,7 @@ class JournalFrame(Msg, tag="Journal"):
     stats: dict[str, int] = {}
     sync: bool = False
     tier_ack: int = 0
+    scope: int = 0
 
 
 class Heartbeat(Msg):
@@ -463,6 +466,9 @@ class Registered(Msg):
     # (source B): under pressure, demote the next blocks to be evicted ahead
     # (``DEMOTE``) and answer ``TierCopied``, whatever ``orphan_ttl`` is.
     tier: bool = False
+    # To an engine: the last ``ClearIndex.scope`` it is known to have applied
+    # (a re-registration with one still due gets that ``ClearIndex`` again).
+    scope: int = 0
 
 
 class Granted(Msg):
@@ -483,7 +489,11 @@ class Failed(Msg):
 
 
 class ClearIndex(Msg):
-    pass
+    """To an engine: drop every key (its namespace was invalidated). ``scope``
+    counts the engine's clears; its journals carry the last one it applied
+    (``Journal.scope``): until one carries this, the keys they name may be of
+    before the invalidation, and the daemon keeps and copies none of them."""
+    scope: int = 0
 
 
 class MapSlab(Msg):

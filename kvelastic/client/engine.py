@@ -136,6 +136,7 @@ class EngineClient:
         self.tier = False                  # the daemon's tier takes this engine's evictions (source B)
         self._tier_ack = 0                 # the last ``TierCopied`` ticket heard (I/O thread)
         self._tier_ack_sent = 0            # the last one a journal carried back
+        self._scope = 0                    # the last ``ClearIndex.scope`` applied (journals carry it)
         self.refused_until = 0.0           # after a refused grow, no prefetch for a while
         self._grow_in_flight = False       # a reserve grow awaits its answer
         self._grow_answered = threading.Event()
@@ -212,6 +213,10 @@ class EngineClient:
         self.hash_seed = self.hash_seed or reply.hash_seed
         self.orphan_ttl = reply.orphan_ttl
         self.tier = reply.tier
+        # A ticket or a scope is of the daemon that sent it: a restarted one
+        # counts from the start again (and a reconnect's lost tickets are lost).
+        self._tier_ack = self._tier_ack_sent = 0
+        self._scope = reply.scope
         if self.private:   # a reconnect keeps the daemon's record, which a lost Diverge never reached
             expect(conn.call(self._diverge_message("re-registered"), timeout=5.0), p.Ok)
         self._grow_in_flight = False
@@ -236,7 +241,7 @@ class EngineClient:
             # handshake, or whoever frees the lock after it).
             if not self.conn.write_lifeline(p.encode(p.Journal(
                     engine_id=self.engine_id, ops=ops[start:start + JOURNAL_MAX_OPS],
-                    occupancy=occupancy if last else {})), handshake=True):
+                    occupancy=occupancy if last else {}, scope=self._scope)), handshake=True):
                 return     # the lifeline broke: the next registration sends the index again
 
     # ---------------------------------------------------- scheduler thread
@@ -431,7 +436,7 @@ class EngineClient:
         elif isinstance(msg, p.Reclaim):
             self._run_or_defer(lambda: self._reclaim(msg))
         elif isinstance(msg, p.ClearIndex):
-            self._run_or_defer(self._clear_index)
+            self._run_or_defer(lambda: self._clear_index(msg.scope))
         elif isinstance(msg, p.TierCopied):
             # Carried back by the next journal, taken after this was heard
             # (the tick ships one for it even with no ops).
@@ -480,8 +485,9 @@ class EngineClient:
         self.conn.send(p.ReclaimDone(req_id=msg.req_id, engine_id=self.engine_id, given=given, refused=refused,
                                      cached=cached))
 
-    def _clear_index(self) -> None:
+    def _clear_index(self, scope: int = 0) -> None:
         dropped = self.pool.clear_index()
+        self._scope = max(self._scope, scope)     # the next journal says so, with the CLEAR
         log.info("engine %s: prefix cache invalidated by the daemon (%d cached blocks dropped)",
                  self.engine_id, dropped)
 
@@ -566,7 +572,7 @@ class EngineClient:
         before the ticket was heard is in it or an earlier journal)."""
         if demote and (self.tier or self.orphan_ttl and time.monotonic() - self._sealed_at < DEMOTE_FOR):
             self.pool.demote(self.reserve.low_watermark)
-        ack = self._tier_ack
+        ack, scope = self._tier_ack, self._scope
         batch = self.pool.take_journal(occupancy=not seal)
         if batch or ack != self._tier_ack_sent:
             counters = {} if seal else self.pool.stats.counters()
@@ -578,7 +584,8 @@ class EngineClient:
                 chunk = ops if len(ops) <= JOURNAL_MAX_OPS else ops[start:start + JOURNAL_MAX_OPS]
                 last = start + JOURNAL_MAX_OPS >= len(ops)
                 msg = p.JournalFrame(engine_id=self.engine_id, ops=chunk, occupancy=batch.occupancy if last else {},
-                                     stats=counters if last else {}, tier_ack=ack if last else 0)
+                                     stats=counters if last else {}, tier_ack=ack if last else 0,
+                                     scope=scope)
                 if not self.conn.write_lifeline(p.encode(msg)):
                     # Not registered, or the lifeline broke: the next
                     # registration resends the index. The daemon may not have

@@ -90,8 +90,8 @@ class CacheHandoff:
         stored in a step that finished, as the mirror has them now; a key two
         blocks hold is kept once). True when kept."""
         if not slab.orphan or engine.failed or engine.private or not slab.pages \
-                or self.books.timing.orphan_ttl <= 0:
-            return False
+                or self.books.timing.orphan_ttl <= 0 or not engine.keys_current:
+            return False        # (not current: it left before it cleared keys an invalidation dropped)
         kept = []
         first = slab.slab_id * engine.blocks_per_slab
         labels = engine.mirror.label_of

@@ -43,7 +43,8 @@ class CacheScope:
         if not targets and not kept and not departing and not in_tier:
             raise Rejected(p.Reason.UNKNOWN_TARGET, f"no engine, namespace or kept cache called {target!r}")
         for engine in targets:
-            self.books.command(engine.identity, p.ClearIndex())
+            engine.clears_sent += 1
+            self.books.command(engine.identity, p.ClearIndex(scope=engine.clears_sent))
             self._forget_handoffs(engine)
             log.info("engine %s: prefix cache invalidated (%s)", engine.engine_id, target)
         dropped = self._invalidate_kept(target)

@@ -52,6 +52,7 @@ def accept(engine: EngineRecord, m: p.Journal, now: float) -> None:
     if m.stats.get("block_ops", engine.stats["block_ops"]) != engine.stats["block_ops"]:
         engine.active_at = now      # blocks allocated, touched or freed: not slabs coming and going
     engine.apply_journal(JournalBatch(ops, m.occupancy), now)
+    engine.clears_heard = max(engine.clears_heard, min(m.scope, engine.clears_sent))
     engine.stats.update(m.stats)
     engine.last_seen = now
 
@@ -65,3 +66,4 @@ def accept_departed(engine: EngineRecord, m: p.Journal) -> None:
     check_blocks(engine, m)
     keys: list[Op] = [op.core() for op in m.ops if not isinstance(op, (p.AddSlab, p.RemoveSlab))]
     engine.mirror.apply(JournalBatch(keys, {}))
+    engine.clears_heard = max(engine.clears_heard, min(m.scope, engine.clears_sent))

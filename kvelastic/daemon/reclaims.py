@@ -48,7 +48,7 @@ class Reclaims:
         tiering = self.cache.tiering
         for engine_id, slabs in by_engine.items():
             engine = books.engines[engine_id]
-            if tiering is not None and tiering.takes_reclaimed(engine):
+            if tiering is not None and tiering.takes_reclaimed(engine) and engine.keys_current:
                 # What the tier may take of each once given up: its valid
                 # blocks now. An invalidation of the engine's namespace before
                 # the answer clears it (``invalidation.py``: ``slab.handoff``).
@@ -76,7 +76,7 @@ class Reclaims:
         # The engine answers a reclaim before it hears of an invalidation (or
         # divergence) sent after it, so the cached blocks it lists may predate
         # it: such an answer hands its pages on without their keys.
-        current = rec.scopes[0] == engine.scope_changes and \
+        current = rec.scopes[0] == engine.scope_changes and engine.keys_current and \
             (requester is None or rec.scopes[1] == requester.scope_changes)
         for slab_id in m.given:
             slab = engine.slabs.get(slab_id)

@@ -100,10 +100,12 @@ class Registration:
         if old is not None:          # the same engine on a new connection
             old.identity, old.last_seen = identity, books.now
             log.info("engine %s reconnected", m.engine_id)
+            if not old.keys_current:     # a ClearIndex it may never have heard (the old connection's)
+                books.command(identity, p.ClearIndex(scope=old.clears_sent))
             return p.Registered(engine_id=m.engine_id, budget_bytes=budget, page_size=books.page_size,
                                 max_slabs=old.max_slabs, token=old.token, idle_grace=books.rules.idle_grace,
                                 hash_seed=self.hash_seed(old.namespace), orphan_ttl=books.timing.orphan_ttl,
-                                tier=books.takes_evictions)
+                                tier=books.takes_evictions, scope=old.clears_heard)
         if len(books.engines) >= self.max_engines:
             raise Rejected(p.Reason.LIMIT, f"{len(books.engines)} engines registered, the most this daemon takes "
                                            f"(KVELASTIC_MAX_ENGINES)")

@@ -72,6 +72,8 @@ class Staging:
         mine = self._by_engine.get(engine.serial)
         if mine:
             bps = engine.blocks_per_slab
+            if not engine.keys_current:        # told to clear: what it copied may be of before
+                self._race(mine.values())
             for op in m.ops:
                 if isinstance(op, p.ClearKeys):
                     self._race(mine.values())
@@ -108,7 +110,7 @@ class Staging:
     # ------------------------------------------------------------ internals
     def _copy(self, engine: EngineRecord, blocks: list[int]) -> None:
         books = self.books
-        if not books.takes_evictions or engine.private or books.tier is None:
+        if not books.takes_evictions or engine.private or books.tier is None or not engine.keys_current:
             return
         mirror, bps, shape = engine.mirror, engine.blocks_per_slab, shape_of(engine)
         mine = self._by_engine.setdefault(engine.serial, {})

@@ -118,6 +118,11 @@ class EngineRecord:
     kept_keys: set[bytes] = dataclasses.field(default_factory=set)   # keys already kept for its namespace
     private: bool = False          # its weights may differ from its namespace's: no cache given, taken or kept
     scope_changes: int = 0         # invalidations and divergences so far (a reclaim answered before one: stale keys)
+    # ``ClearIndex`` sent to it, and the last of them its journals say it
+    # applied: while ``clears_heard < clears_sent`` its keys may be of before
+    # an invalidation (none is kept, copied to the tier or handed on).
+    clears_sent: int = 0
+    clears_heard: int = 0
     # This registration, among every one the daemon made: an engine id may be
     # registered again while its last registration still departs (unmapping,
     # quarantined); the two records never alias (``Allocator.departing``).
@@ -208,6 +213,12 @@ class EngineRecord:
         region = self.max_slabs * run * self.page_size
         return [r * region + (slab_id * run + j) * self.page_size
                 for r in range(self.pages_per_worker // run) for j in range(run)]
+
+    @property
+    def keys_current(self) -> bool:
+        """Its mirror's keys are of after its last invalidation (it applied
+        every ``ClearIndex`` sent to it)."""
+        return self.clears_heard >= self.clears_sent
 
     def apply_journal(self, batch: JournalBatch, now: float) -> None:
         self.mirror.apply(batch)

@@ -283,3 +283,30 @@ def test_a_key_two_blocks_hold_is_kept_once(daemon_factory, engines):
     a.do("flush")
     a.kill()
     wait_for(lambda: kept_blocks(daemon, "llama-1") == 2, what="each key kept once")
+
+
+def test_an_engine_killed_before_it_applied_an_invalidation_leaves_nothing_kept(daemon_factory, engines):
+    """``kvelastic invalidate`` reaches an engine whose scheduler holds the
+    pool (its ``ClearIndex`` waits; the daemon answered the CLI, so it was
+    sent); killed before it cleared, its keys are of before the
+    invalidation: none is kept (before the journal's ``scope``, its last
+    journal's keys were)."""
+    import subprocess
+    import sys
+
+    daemon = daemon_factory(memory="2MiB")
+    a = engines(daemon, "a", namespace="llama-1", **KEEP)
+    assert a.do("ensure", n=4)["ok"]
+    cache_in_a_step(a, "sys", 4, value=7)
+    a.do("flush")
+    a.do("hold")                                                 # mid-step: the ClearIndex is deferred
+    done = subprocess.run([sys.executable, "-m", "kvelastic", "invalidate", "llama-1"], env=daemon.env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    a.kill()
+    wait_for(lambda: not daemon.status()["engines"], what="a gone")
+    assert kept_blocks(daemon, "llama-1") == 0
+
+    b = engines(daemon, "b", namespace="llama-1", **KEEP)
+    assert b.do("ensure", n=4)["ok"]
+    assert b.do("lookup", prefix="sys", n=4)["hits"] == 0
