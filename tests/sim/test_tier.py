@@ -11,7 +11,8 @@ the simulator catches each: blocks served after their namespace was
 invalidated, leases that outlive their engine or their deadline,
 invalidated kept cache demoted, a live loaded slot's bytes deleted while a
 lease holds it, and a reclaimed slab's cache demoted though its namespace
-was invalidated before it was unmapped.
+was invalidated before it was unmapped (caught as KV of before the
+invalidation demoted, or adopted by a replica: the simulator checks both).
 
 The third and fourth replay the gaps it found, fixed: a block served after
 its namespace was invalidated, by a lease granted before the invalidation
@@ -26,8 +27,11 @@ and discarded when the engine dropped them first (rewritten: the sim's
 per-block KV shows such a copy torn) or never confirmed them. Those tests
 check that it happens, that the copies the daemon writes are whole, and that
 the simulator catches the ack rule, the discard at departure and the copy
-deadline taken away. Three replays are expected failures: gaps the simulator
-found in source B (see each one), to be turned into plain replays once fixed."""
+deadline taken away. Three replays are of gaps it found in source B, fixed
+since (``ClearIndex.scope``, tickets reset at registration): seeds 2053, 1111
+and 1737 as they failed then; the simulator changed with the fix (its engines
+carry ``Journal.scope`` as the client does), so they replay the same seeds,
+not the same runs, and the checks that caught them stay."""
 
 import pytest
 
@@ -124,7 +128,7 @@ def reclaimed_cache_survives_invalidation(monkeypatch):
                                               (leases_never_expire, "outlived its deadline"),
                                               (invalidated_kept_cache_demoted, "demoted"),
                                               (files_of_loaded_blocks_handed_out, "deleted while"),
-                                              (reclaimed_cache_survives_invalidation, "demoted from KV invalidated")])
+                                              (reclaimed_cache_survives_invalidation, "invalidated")])
 def test_the_simulator_catches_a_tier_bug(fault, found, monkeypatch):
     fault(monkeypatch)
     for seed in range(1, 800, 2):
@@ -221,39 +225,35 @@ def test_the_simulator_catches_a_source_b_bug(fault, found, monkeypatch):
     pytest.fail(f"{fault.__name__} was not caught in 400 seeds")
 
 
-@pytest.mark.xfail(strict=True, reason="source B gap: a re-registered engine acks the last TierCopied ticket of "
-                                       "the daemon before, and a new daemon's tickets start at 1")
 def test_an_ack_kept_from_the_daemon_before_confirms_no_copy():
-    """Seed 2053: the engine heard ticket 1 from a daemon that then restarted;
-    re-registered, it kept ``tier_ack`` 1 (as ``EngineClient`` keeps
-    ``_tier_ack``), so the new daemon's copy of ticket 1 was confirmed by a
-    journal taken before the engine evicted and rewrote the block, whose
-    REMOVE came in the next one: a torn copy written to the tier."""
+    """Seed 2053 found it: the engine heard ticket 1 from a daemon that then
+    restarted; re-registered, it kept ``tier_ack`` 1, so the new daemon's copy
+    of ticket 1 was confirmed by a journal taken before the engine evicted
+    and rewrote the block, whose REMOVE came in the next one: a torn copy
+    written to the tier. A registration resets the ticket now."""
     result = run_seed(2053, STEPS)
     assert not result.violations, result.violations
 
 
-@pytest.mark.xfail(strict=True, reason="source B gap: an ack can overtake a ClearIndex the client deferred")
 def test_a_deferred_clear_index_is_not_overtaken_by_an_ack():
-    """Seed 1111: the daemon invalidated ns0, then copied blocks e0 demoted in
+    """Seed 1111 found it: the daemon invalidated ns0, then copied blocks e0 demoted in
     a journal taken before it heard the ClearIndex (ticket 3). e0 deferred
     the ClearIndex (``EngineClient._run_or_defer``: the scheduler held the
     lock) but recorded the ticket at once (``_on_command``), and a flush of
     the scheduler's (``ensure``, ``seal_step``: no ``_run_deferred``) acked
     it before the CLEAR went: KV of before the invalidation written to the
-    tier as live."""
+    tier as live. The daemon copies nothing of an engine now until its
+    journal says it applied the ClearIndex (``Journal.scope``)."""
     result = run_seed(1111, STEPS)
     assert not result.violations, result.violations
 
 
-@pytest.mark.xfail(strict=True, reason="gap: kept cache of an engine that died before it applied a ClearIndex "
-                                       "keeps its keys (adopted, then demoted)")
 def test_kept_cache_of_an_engine_killed_before_its_clear_index_is_not_demoted():
-    """Seed 1737: e1 was told to clear its index (its namespace invalidated)
-    and was killed before it did; the daemon kept its slabs with the keys of
-    before the invalidation, e1's next process adopted them (a warm start)
-    and demoted them: the daemon wrote them to the tier. (Kept cache demoted
-    straight from such an engine is counted, not checked:
-    ``tier_demoted_superseded``.)"""
+    """Seed 1737 found it: e1 was told to clear its index (its namespace
+    invalidated) and was killed before it did; the daemon kept its slabs
+    with the keys of before the invalidation, e1's next process adopted them
+    (a warm start) and demoted them: the daemon wrote them to the tier. Such
+    an engine's cache is kept by no one now, and the simulator checks that
+    none of that KV is adopted or demoted by any path."""
     result = run_seed(1737, STEPS)
     assert not result.violations, result.violations

@@ -4,6 +4,16 @@ reserve, journals, reclaims and returns, numbered model steps sealed as
 ``EngineClient.seal_step`` seals them, and writes into the fake device's
 pages, torn until their step ends. Faults reach them through ``run.py``.
 
+Demotion source B, where the daemon says its tier takes their evictions
+(``Registered.tier``): every journal demotes the next blocks to be evicted,
+carries back the last ``TierCopied`` ticket heard (read before the journal
+is taken; reset at each registration) and goes for a new one even with no
+ops; they apply ``ClearIndex`` (at once, or deferred to their next unit of
+work, when a flush of the scheduler's may go first:
+``EngineClient._run_or_defer``) and their journals carry the last scope
+applied (``Journal.scope``). Their journals are read before their death, or
+a worker's, is heard (the lifeline).
+
 The world makes and drives the engines; they see it through ``EngineWorld``
 (a ``Protocol`` that ``World`` fits), so this module does not import ``world.py``.
 The records it shares with the world and the ghosts are in ``records.py``.
@@ -38,12 +48,9 @@ PROMPTS = 12                       # prompt families per namespace: requests sha
 MAX_REQUEST_BLOCKS = 8
 DIVERGE = 0.002                    # per unit of work: the engine's weights change in memory
 # Demotion source B (``EngineClient._flush_journal``): where the daemon's tier
-# takes running engines' evictions (``Registered.tier``), a journal shipped
-# within DEMOTE_FOR of an eviction under pressure (a seal, or an eviction of a
-# block not demoted) first demotes the next DEMOTE_LEAD blocks to be evicted
-# (the client's ``low_watermark``: a slab's worth). DEMOTE_FOR is compressed
-# as the sim compresses every deadline (the client's is 10 s).
-DEMOTE_FOR = 2.0
+# takes running engines' evictions (``Registered.tier``), every journal first
+# demotes the next DEMOTE_LEAD blocks to be evicted (the client's
+# ``low_watermark``: a slab's worth).
 DEMOTE_LEAD = BLOCKS_PER_SLAB
 # A ``ClearIndex`` heard while the scheduler holds the client's lock waits
 # (``EngineClient._run_or_defer``) for the next poll or tick; meanwhile the
@@ -144,11 +151,12 @@ class SimEngine:
         self.leave_sent = 0.0
         # Source B (``EngineClient``): the daemon's tier takes its evictions; the
         # last ``TierCopied`` ticket heard, and the last a journal carried back;
-        # when it last evicted under pressure; a ``ClearIndex`` not applied yet.
+        # a ``ClearIndex`` not applied yet (its scope), and the last applied
+        # (``Journal.scope``: the daemon trusts its keys again once it has it).
         self.tier = False
         self.tier_ack = self.tier_ack_sent = 0
-        self.pressed_at = -math.inf
-        self.clear_due = False
+        self.clear_due = 0
+        self.scope = 0
 
     @property
     def block_bytes(self) -> int:
@@ -171,6 +179,10 @@ class SimEngine:
             self.fresh = True
             self.namespace, self.private = self.checkpoint, False   # the checkpoint's weights again
             self.namespaces = {self.namespace}
+        # The client's handshake waits for ``Registered`` before any journal, and
+        # takes the ticket and scope from it: a new daemon counts from 0. Here
+        # journals may follow the registration at once: they carry that.
+        self.tier_ack = self.tier_ack_sent = self.scope = 0
         self.world.connect(self.identity)
         self.world.open_peer(self, -1, self.token)
         self.send(p.RegisterEngine(version=p.PROTOCOL_VERSION, engine_id=self.name, pid=1000 + self.incarnation,
@@ -188,7 +200,7 @@ class SimEngine:
             ops += [p.StoreKey(key=wire_key(key), block=block) for key, block in self.pool.cached_keys()]
             self.removal_unacked = False       # every drop so far is in what this sends
             self.world.client_send(self.identity, p.Journal(engine_id=self.name, ops=ops,
-                                                            occupancy=self.pool.occupancies()))
+                                                            occupancy=self.pool.occupancies(), scope=self.scope))
         if not self.fresh:           # workers know the secret already (a reconnect); else they wait for it
             for w in self.workers:
                 self.start_worker(w)
@@ -210,6 +222,8 @@ class SimEngine:
         self.dying = True
         w.mapped.clear()                       # the process is gone, then its sockets close
         w.channel.clear()
+        if self.tier and self.identity in self.world.wires:   # read to its end before a worker's death is heard
+            self.world.drain_lifeline(self.identity)
         if w.identity in self.world.wires:
             self.world.close(w.identity)
             self.world.close_peer(self, w.rank, w.token)
@@ -218,7 +232,8 @@ class SimEngine:
         """Close every connection still open (a dead worker's already is).
         An engine that demotes (source B) counts on its lifeline: the daemon
         reads the journals written there to the end before it hears the
-        engine died (``EngineClient.seal_step``), so a demoted block it
+        engine died, or a worker of it (``EngineClient.seal_step``; here
+        ``World.drain_lifeline``), so a demoted block it
         evicted and rewrote is never kept as valid cache; the rest in flight
         is lost."""
         if self.tier and self.identity in self.world.wires:
@@ -235,6 +250,9 @@ class SimEngine:
         if self.registered and any(g.engine_id == self.name and g.worker.token != self.token
                                    for g in self.world.ghosts.values()):
             self.world.counts["id_reuse_departed"] += 1    # while an earlier registration still departs
+        coming = getattr(self.world.wires.get(self.identity), "to_client", ())
+        if self.clear_due or any(isinstance(e.msg, p.ClearIndex) for e in coming):
+            self.world.counts["clear_index_lost"] += 1    # killed before it cleared its keys (deferred, or on its way)
         self.alive = self.registered = self.dying = False
         for w in self.workers:                 # the processes are gone, then their sockets close
             w.mapped.clear()
@@ -248,7 +266,7 @@ class SimEngine:
         self.step = None
         self.removal_unacked, self.sync_failed_at, self.leaving = False, -1e9, 0
         self.tier, self.tier_ack, self.tier_ack_sent = False, 0, 0     # a new process hears anew
-        self.pressed_at, self.clear_due = -math.inf, False
+        self.clear_due = self.scope = 0
 
     def leave(self) -> None:
         """A graceful exit between steps (as ``EngineClient.close``): the last
@@ -310,20 +328,14 @@ class SimEngine:
             self.world.client_send(self.identity, p.Journal(engine_id=self.name, ops=p.journal_ops(batch.ops),
                                                             occupancy=batch.occupancy,
                                                             stats={"block_ops": self.pool.stats.block_ops},
-                                                            tier_ack=ack))
+                                                            tier_ack=ack, scope=self.scope))
             self.tier_ack_sent = ack
 
     def demote_ahead(self) -> None:
-        """Where the tier takes this engine's evictions and it evicted under
-        pressure within DEMOTE_FOR (a key dropped that was not demoted), the
-        least recently used cached blocks are demoted until free and demoted
-        blocks make DEMOTE_LEAD: the daemon copies them while still cached."""
-        if not self.tier:
-            return
-        now = self.world.now
-        if self.pool.journal.removed:
-            self.pressed_at = now
-        if now - self.pressed_at < DEMOTE_FOR:
+        """Where the tier takes this engine's evictions, the least recently
+        used cached blocks are demoted until free and demoted blocks make
+        DEMOTE_LEAD: the daemon copies them while still cached."""
+        if self.tier:
             self.pool.demote(DEMOTE_LEAD)
 
     def on_message(self, msg: p.Msg) -> None:
@@ -345,8 +357,9 @@ class SimEngine:
             self.registered, self.max_slabs, self.token = True, msg.max_slabs, msg.token
             self.orphan_ttl = msg.orphan_ttl
             self.tier = bool(getattr(msg, "tier", False)) and self.world.evictions   # (an older client: never)
-            if self.tier and self.tier_ack:    # as the client: the last ticket heard is kept (another daemon's?)
-                self.world.counts["tier_ack_kept_registering"] += 1
+            # As the client: a ticket or a scope is of the daemon that sent it.
+            self.tier_ack = self.tier_ack_sent = 0
+            self.scope = getattr(msg, "scope", 0)
             self.sync_failed_at = -1e9         # as the client: this daemon answers seals
             if first:                          # its workers get the secret now (vLLM: with the KV config)
                 for w in self.workers:
@@ -359,11 +372,12 @@ class SimEngine:
             return
         if isinstance(msg, p.ClearIndex):
             if self.world.evictions:       # (without source B the sim's engines ignore it: see ``tier.py``)
+                scope = max(getattr(msg, "scope", 0), 1)
                 if self.world.rng.random() < CLEAR_DEFERRED:
-                    self.clear_due = True              # the scheduler holds the lock: the next poll runs it
+                    self.clear_due = max(self.clear_due, scope)   # the scheduler holds the lock: its next poll
                     self.world.counts["clear_index_deferred"] += 1
                 else:
-                    self.clear_index()
+                    self.clear_index(scope)
             return
         if isinstance(msg, p.Error) and msg.reason == p.Reason.BAD_ADOPTION.value:
             if not self.dying:                   # refused: reconnect and register what it really holds
@@ -464,9 +478,11 @@ class SimEngine:
             self.flush_journal()                  # the I/O thread's tick (for a new ticket, at once)
         self.expire_grows(now)
 
-    def clear_index(self) -> None:
-        """``ClearIndex`` (``EngineClient._clear_index``): every key dropped."""
-        self.clear_due = False
+    def clear_index(self, scope: int = 0) -> None:
+        """``ClearIndex`` (``EngineClient._clear_index``): every key dropped;
+        the next journal carries its scope, with the CLEAR."""
+        self.scope = max(self.scope, scope, self.clear_due)
+        self.clear_due = 0
         self.pool.clear_index()
         self.world.counts["clear_index"] += 1
 
@@ -541,16 +557,14 @@ class SimEngine:
         step = self.step
         if step is None:
             return
-        if self.tier:
-            self.pressed_at = self.world.now       # as ``seal_step``: evictions under pressure
-            self.demote_ahead()
+        self.demote_ahead()
         ack = self.tier_ack
         batch = self.pool.take_journal()
         self.removal_unacked |= batch.removed
         step.sync_req = self.send(p.Journal(engine_id=self.name, ops=p.journal_ops(batch.ops),
                                             occupancy=batch.occupancy,
                                             stats={"block_ops": self.pool.stats.block_ops}, sync=True,
-                                            tier_ack=ack))
+                                            tier_ack=ack, scope=self.scope))
         self.tier_ack_sent = ack
         step.sync_sent = self.world.now
 

@@ -28,15 +28,16 @@ held for demotion when its namespace was invalidated (kept cache, a
 running engine's slab being reclaimed) is never demoted; no lease outlives its engine or its deadline.
 
 Demotion source B (``staging.py``): the sim's engines honour ``Registered.tier``
-(``engine.py``): under pressure their journals demote the next blocks to be
-evicted, they carry the last ``TierCopied`` ticket back (``Journal.tier_ack``)
-and apply ``ClearIndex`` (sometimes after a flush, as a deferred one in the
-client). ``DemoteBlocks(staged=True)`` snapshots each block's content into
+(``engine.py``): their journals demote the next blocks to be evicted, carry
+the last ``TierCopied`` ticket back (``Journal.tier_ack``) and the last
+``ClearIndex`` scope applied (sometimes after a flush, as a deferred one in
+the client). ``DemoteBlocks(staged=True)`` snapshots each block's content into
 ``staged`` with no check (a copy may be torn, or of a block rewritten: the ack
 rule is there to discard those) and answers ``tier_copied``; a copy's read
 fails now and then. ``WriteStaged`` checks each copy it writes as ``demote``
 checks a block (KV of that namespace and key, whole, not invalidated, nor
-from before its namespace's invalidation) and stores it; what it drops is
+from before an invalidation its engine was told of: that holds for kept
+cache demoted and slabs adopted too) and stores it; what it drops is
 discarded. Invariants: staged bytes within ``MAX_STAGED_BYTES`` (compressed
 here, as the copy deadline is: ``small_staging``) and equal to the copies'
 sum; every pending copy staged by the loop; no copy outlives its engine's
@@ -285,11 +286,11 @@ class SimTier:
     def check_content(self, namespace: str, key: bytes, content: tuple[KV | None, ...], staged: bool = False,
                       current: bool = True) -> None:
         """What is written to the tier as ``namespace``'s ``key``: that KV,
-        whole, never invalidated; a ``staged`` copy of a running engine's
-        block, copied while its namespace was ``current`` (not invalidated
-        since), never from before its namespace's invalidation either (its
-        engine cleared its keys). (Kept cache of an engine that left before it
-        cleared them is counted, not checked: ``tier_demoted_superseded``.)"""
+        whole, never invalidated, nor from before an invalidation its engine
+        was told of (the daemon trusts none of its keys until its journal says
+        it applied the ``ClearIndex``: neither kept cache nor copies). A
+        ``staged`` copy made before its namespace was invalidated (not
+        ``current``) is the exception: its slot died with the namespace."""
         w = self.world
         whence = "written from a staged copy" if staged else "demoted from pages"
         for kv in content:
@@ -300,11 +301,12 @@ class SimTier:
             elif id(kv) in self.stale:
                 of = "written from a staged copy of" if staged else "demoted from"
                 w.violation(f"tier: block {key!r} of {namespace} {of} KV invalidated (by {kv.writer} step {kv.step})")
-            elif id(kv) in self.superseded and not (staged and current):
-                w.counts["tier_demoted_superseded" if not staged else "tier_staged_superseded"] += 1
+            elif id(kv) in self.superseded and staged and not current:
+                w.counts["tier_staged_superseded"] += 1
             elif id(kv) in self.superseded:
-                w.violation(f"tier: block {key!r} of {namespace} written from a staged copy of KV written before "
-                            f"its namespace was invalidated (by {kv.writer} step {kv.step})")
+                w.violation(f"tier: block {key!r} of {namespace} {whence if staged else 'demoted from'} "
+                            f"{'of ' if staged else ''}KV written before its namespace was invalidated (by "
+                            f"{kv.writer} step {kv.step})")
 
     def whole(self, namespace: str, key: bytes, content: tuple[KV | None, ...]) -> bool:
         """The content is what ``check_content`` lets a staged copy write."""
@@ -527,9 +529,10 @@ class SimTier:
                 if kv is not None:
                     self.stale[id(kv)] = kv
         if w.evictions:
-            # The engines registered in it clear their keys (``ClearIndex``):
-            # none of their KV reaches the tier from now on. (An engine on its
-            # way to a registration hears none: what it caches is not checked,
+            # The engines registered in it are told to clear their keys
+            # (``ClearIndex``): none of their KV reaches the tier or another
+            # engine from now on. (An engine on its way to a registration
+            # hears none: what it caches is not checked,
             # ``tier_invalidated_unregistered`` counts them.)
             for sim in w.engines:
                 record = alloc.engines.get(sim.name)

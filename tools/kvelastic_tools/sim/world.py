@@ -450,7 +450,7 @@ class World:
                                "namespace")
             for page in pages:
                 self.check_block(f"engine {engine.name} ({engine.namespace}) adopted slab {slab_id}:",
-                                 engine.namespace, page, c)
+                                 engine.namespace, page, c, superseded=not self.clear_coming(engine))
         mine = {id(w) for w in engine.workers}
         for page in pages:
             for w in self.mappers():
@@ -468,7 +468,14 @@ class World:
             for c in slab.cached:
                 self.check_block(f"slab of {slab.engine_id} kept for {slab.namespace}:", slab.namespace, page, c)
 
-    def check_block(self, what: str, namespace: str, page: int, c: p.CachedBlock) -> None:
+    def clear_coming(self, engine: SimEngine) -> bool:
+        """A ``ClearIndex`` is on its way to ``engine`` or deferred there: what
+        it adopts now (granted before the invalidation) goes with it."""
+        wire = self.wires.get(engine.identity)
+        return bool(engine.clear_due) or (wire is not None and any(isinstance(e.msg, p.ClearIndex)
+                                                                   for e in wire.to_client))
+
+    def check_block(self, what: str, namespace: str, page: int, c: p.CachedBlock, superseded: bool = True) -> None:
         kv = self.device.kv.get((page, c.offset))
         if kv is None:
             self.violation(f"{what} block {c.offset} ({c.key!r}) of page {page} holds no KV")
@@ -481,18 +488,27 @@ class World:
         elif not kv.complete:
             self.violation(f"{what} block {c.offset} ({c.key!r}) of page {page} is torn: {kv.writer}'s step "
                            f"{kv.step} writing it never finished")
+        elif superseded and self.tier is not None and id(kv) in self.tier.superseded:
+            self.violation(f"{what} block {c.offset} ({c.key!r}) of page {page} holds KV of before its namespace "
+                           f"was invalidated (by {kv.writer} step {kv.step}), which its engine was told to clear")
 
     def drain_lifeline(self, identity: bytes) -> None:
         """The client's journals in flight on ``identity``'s lifeline reach the
-        daemon before it hears the connection close (the rest is lost with it)."""
+        daemon before it hears the engine or a worker of it die; the rest
+        (its control socket's) stays where it is."""
         wire = self.wires.get(identity)
         if wire is None:
             return
+        rest: deque[Envelope] = deque()
         while wire.to_daemon and not self.stopped and identity in self.wires:
-            msg = wire.to_daemon.popleft().msg
-            if isinstance(msg, p.Journal):
-                self.perform(self.call(self.allocator.handle, identity, msg, self.now))
+            envelope = wire.to_daemon.popleft()
+            if isinstance(envelope.msg, p.Journal):
+                self.perform(self.call(self.allocator.handle, identity, envelope.msg, self.now))
                 self.counts["lifeline_drained"] += 1
+            else:
+                rest.append(envelope)
+        rest.extend(wire.to_daemon)
+        wire.to_daemon = rest
 
     def in_flight_demotions(self, engine: SimEngine) -> set[int]:
         """Blocks ``engine`` demoted in journals on its lifeline, not read yet:
