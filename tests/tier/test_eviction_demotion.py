@@ -66,6 +66,17 @@ def under_pressure(e: EngineProcess) -> None:
     step(e, "old", 20)
 
 
+def copied_not_acknowledged(node: Node) -> EngineProcess:
+    """Engine ``a`` under pressure with its pool held (no tick ships the ack
+    meanwhile): its journal demoted 4 blocks, which the daemon copied, and
+    sent the ticket for."""
+    a = node.engine("a")
+    under_pressure(a)
+    a.do("hold")
+    assert a.do("flush")["state"]["demoted"] == 4
+    return a
+
+
 def test_blocks_a_running_engine_evicts_reach_the_tier_and_another_engine_loads_them(tmp_path):
     node = Node(tmp_path)
     try:
@@ -107,10 +118,7 @@ def test_blocks_a_running_engine_evicts_reach_the_tier_and_another_engine_loads_
 def test_a_block_rewritten_before_the_engine_acknowledged_its_copy_is_discarded(tmp_path):
     node = Node(tmp_path)
     try:
-        a = node.engine("a")
-        under_pressure(a)
-        a.do("hold")             # the pool busy: no tick ships the ack meanwhile
-        assert a.do("flush")["state"]["demoted"] == 4        # the daemon copies them, sends the ticket
+        a = copied_not_acknowledged(node)
         step(a, "new", 30)       # evicts and rewrites the 4 copied blocks before any ack
         a.do("flush")            # their REMOVEs and the ack in one journal
         a.do("release")
@@ -131,11 +139,7 @@ def test_a_block_rewritten_before_the_engine_acknowledged_its_copy_is_discarded(
 def test_copies_of_an_engine_killed_before_it_acknowledged_them_are_discarded(tmp_path):
     node = Node(tmp_path)
     try:
-        a = node.engine("a")
-        under_pressure(a)
-        a.do("hold")
-        assert a.do("flush")["state"]["demoted"] == 4
-        a.kill()
+        copied_not_acknowledged(node).kill()
         wait_for(lambda: tier(node.daemon)["counters"]["failures_unconfirmed"] == 4, what="the copies discarded")
         status = tier(node.daemon)
         assert status["blocks"] == 0 and status["bytes"] == 0
