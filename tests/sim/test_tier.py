@@ -38,6 +38,7 @@ import pytest
 from kvelastic.daemon.handoff import CacheHandoff
 from kvelastic.daemon.invalidation import CacheScope
 from kvelastic.daemon.staging import Staging
+from kvelastic.daemon.state import EngineRecord
 from kvelastic.daemon.tiering import TO_TIER, Tiering
 from kvelastic.tier.index import TierIndex
 from kvelastic_tools.sim import tier as sim_tier
@@ -210,7 +211,14 @@ def copies_never_expire(monkeypatch):
     monkeypatch.setattr(sim_tier, "COPY_TIMEOUT", 0.3)
 
 
+def clears_not_awaited(monkeypatch):
+    """The daemon trusts an engine's keys as soon as it told it to clear them
+    (as before ``ClearIndex.scope``): kept, copied and handed on at once."""
+    monkeypatch.setattr(EngineRecord, "keys_current", property(lambda self: True))
+
+
 @pytest.mark.parametrize(("fault", "found"), [(no_ack_rule, "written from a staged copy"),
+                                              (clears_not_awaited, "before its namespace was invalidated"),
                                               (acks_ignored, "written from a staged copy"),
                                               (copies_outlive_engines, "outlived its engine's registration"),
                                               (copies_never_expire, "outlived its deadline")])
