@@ -489,10 +489,9 @@ class Failed(Msg):
 
 
 class ClearIndex(Msg):
-    """To an engine: drop every key (its namespace was invalidated). ``scope``
-    counts the engine's clears; its journals carry the last one it applied
-    (``Journal.scope``): until one carries this, the keys they name may be of
-    before the invalidation, and the daemon keeps and copies none of them."""
+    """To an engine: drop every key (an invalidation). ``scope`` counts its
+    clears; until a journal carries it back (``Journal.scope``), the keys
+    journals name may be of before, and none is kept, copied or handed on."""
     scope: int = 0
 
 
