@@ -70,6 +70,9 @@ def test_make_gpu_check_in_host_mode_passes_parts_2_3_and_says_no_gpu_for_1_4(tm
     figures = bench["figures"]
     assert figures["zeroing"]["zeroed"] is True and figures["zeroing"]["backend_zero_gbps"] > 0
     assert 0 < figures["grant"]["1_engine"]["grant_p50_us"] <= figures["grant"]["1_engine"]["grant_p99_us"]
+    tier = figures["tier"]     # the tier's copies, on host pages here: the paths, not GPU figures
+    assert tier["whole"] is True and tier["demote_gbps"] > 0 and tier["promote_gbps"] > 0
+    assert "tier, per 2 MiB page to/from host memory" in summary
 
     assert "overall: passed" in summary
     assert (tmp_path / "logs" / "part2.log").exists()

@@ -55,6 +55,8 @@ def part4(backend: str, budget: float, env: dict[str, str], root: Path, work: Pa
     errors = [f"{k}: {v['error']}" for k, v in figures.items() if isinstance(v, dict) and "error" in v]
     if not (figures.get("zeroing") or {}).get("zeroed", False) and "zeroing" not in " ".join(errors):
         errors.append("zeroing: the backend's zero left non-zero bytes")
+    if (figures.get("tier") or {}).get("whole") is False:
+        errors.append("tier: bytes demoted to host memory and promoted back did not come back whole")
     part: dict[str, Any] = {"seconds": done.seconds, "figures": figures,
                             "failures": [{"test": "(bench)", "kind": "error", "text": e} for e in errors]}
     if errors:

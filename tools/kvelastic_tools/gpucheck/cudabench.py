@@ -40,7 +40,7 @@ from kvelastic.vmm import get_backend
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE, Backend
 from kvelastic.vmm.errors import PageMismatch
 from kvelastic_tools.figures import percentile
-from kvelastic_tools.gpucheck import grantphases
+from kvelastic_tools.gpucheck import grantphases, tierbench
 
 # kvcached (ovg-project), CUDA VMM on an A100, microseconds per 2 MiB page.
 ANCHORS_US = {"cuMemCreate": 193.0, "cuMemMap": 1.45, "cuMemSetAccess": 36.0, "cuMemUnmap": 25.6}
@@ -287,6 +287,7 @@ def main(backend_name: str) -> dict[str, Any]:
         _guarded(figures, "grant_phases", lambda: grantphases.grant_phases(backend, 1, 100))
         _guarded(figures, "recycling", lambda: vmm.bench_recycle(backend, 64, 4, (16, 64)))
         _guarded(figures, "handoff", lambda: handoff_latency("cuda", 100, figures))
+        _guarded(figures, "tier", lambda: tierbench.tier_bandwidth(backend))
     else:  # smoke on host pages: the same code paths, quick, no GPU figures
         _guarded(figures, "arena_vs_raw", lambda: vmm.bench_host(backend, 3))
         _guarded(figures, "zeroing", lambda: zeroing(backend, pages=16, rounds=1))
@@ -294,6 +295,7 @@ def main(backend_name: str) -> dict[str, Any]:
         _guarded(figures, "grant_phases", lambda: grantphases.grant_phases(backend, 1, 10))
         _guarded(figures, "recycling", lambda: vmm.bench_recycle(backend, 16, 2, (16,)))
         _guarded(figures, "handoff", lambda: handoff_latency("host", 10, figures))
+        _guarded(figures, "tier", lambda: tierbench.tier_bandwidth(backend, pages=8, rounds=1))
     if "error" not in figures.get("grant_phases", {"error": ""}):
         figures["grant_phases"]["against_grant"] = grantphases.unaccounted(figures["grant_phases"],
                                                                            figures.get("grant", {}))

@@ -139,6 +139,12 @@ def _bench_lines(figures: dict[str, Any]) -> list[str]:
     if "handoff_p50_us" in handoff:
         lines.append(f"  handoff (reclaim + grant): p50 {handoff['handoff_p50_us']} us, "
                      f"p99 {handoff['handoff_p99_us']} us")
+    tier = figures.get("tier") or {}
+    if "demote_gbps" in tier:
+        memory = "pinned" if tier["pinned"] else "host"
+        lines.append(f"  tier, per {tier['page_bytes'] >> 20} MiB page to/from {memory} "
+                     f"memory: demote {tier['demote_gbps']} GB/s ({tier['demote_over_plain']}x a plain copy), "
+                     f"promote {tier['promote_gbps']} GB/s ({tier['promote_over_plain']}x), whole={tier['whole']}")
     devices = figures.get("devices") or {}
     if devices:
         lines.append(f"  two devices: {devices.get('status', 'passed')}"
