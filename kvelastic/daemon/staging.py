@@ -24,8 +24,9 @@ A journal the daemon refused, the engine's departure, a resend of its whole
 index (which begins with ``CLEAR``) and ``COPY_TIMEOUT`` without an ack
 discard what is pending (``unconfirmed``). Torn bytes never reach the disk
 (a restart would find them there). Staging holds at most
-``MAX_STAGED_BYTES``; blocks past it go uncopied, as do those of a private
-engine, of a step not finished, or already in the tier.
+``MAX_STAGED_BYTES`` (an engine at most ``MAX_STAGED_PER_ENGINE``); blocks
+past it go uncopied, as do those of a private engine, of a step not
+finished, or already in the tier.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from kvelastic.daemon.state import EngineRecord, Phase, shape_of
 from kvelastic.daemon.tiering import Tiering
 
 MAX_STAGED_BYTES = 64 << 20    # copies awaiting their engine's word, all engines together
+# And of one engine: one that never acknowledges holds no more than this of
+# the staging (for ``COPY_TIMEOUT`` at a time), never all of it.
+MAX_STAGED_PER_ENGINE = 16 << 20
 COPY_TIMEOUT = 10.0            # seconds a copy waits for its ticket's ack
 
 
@@ -115,7 +119,7 @@ class Staging:
         mirror, bps, shape = engine.mirror, engine.blocks_per_slab, shape_of(engine)
         mine = self._by_engine.setdefault(engine.serial, {})
         by_slab: dict[int, list[p.CachedBlock]] = {}
-        room = MAX_STAGED_BYTES - self.staged_bytes
+        room = min(MAX_STAGED_BYTES - self.staged_bytes, MAX_STAGED_PER_ENGINE - len(mine) * shape.block_bytes)
         for block in blocks:
             # Still demoted (not hit again in the same journal), of a finished step, not pending already.
             if block in mine or block not in mirror.demoted or \

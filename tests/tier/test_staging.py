@@ -147,6 +147,15 @@ def test_staging_never_holds_more_than_its_budget(monkeypatch):
     assert len(slots) == 3 and rig.staging.staged_bytes == 3 * rig.engine.block_bytes
 
 
+def test_an_engine_that_never_acknowledges_holds_no_more_than_its_share(monkeypatch):
+    rig = Rig()
+    monkeypatch.setattr(staging, "MAX_STAGED_PER_ENGINE", 2 * rig.engine.block_bytes)
+    rig.cache(0, 1, 2, 3)
+    assert len(rig.demote(0, 1, 2)[0]) == 2                      # no ack: the third waits
+    assert rig.demote(3) == ([], 0)
+    assert rig.staging.staged_bytes == 2 * rig.engine.block_bytes
+
+
 def test_a_failed_read_aborts_the_copy_and_frees_its_room():
     rig = Rig()
     rig.cache(0)
