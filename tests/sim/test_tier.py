@@ -124,6 +124,17 @@ def reclaimed_cache_survives_invalidation(monkeypatch):
     monkeypatch.setattr(CacheScope, "_forget_handoffs", keep_tier_notes)
 
 
+def caught(name: str, found: str) -> None:
+    """A seed among the first 400 tier seeds reports the re-injected fault ``name``, first, as ``found``."""
+    for seed in range(1, 800, 2):
+        result = run_seed(seed, STEPS)
+        if result.violations:
+            print(f"{name}: caught by seed {seed}: {result.violations[0]}")
+            assert found in result.violations[0], result.violations
+            return
+    pytest.fail(f"{name} was not caught in 400 seeds")
+
+
 @pytest.mark.parametrize(("fault", "found"), [(invalidate_forgets_the_tier, "served after its namespace"),
                                               (leases_outlive_engines, "outlived its engine"),
                                               (leases_never_expire, "outlived its deadline"),
@@ -132,13 +143,7 @@ def reclaimed_cache_survives_invalidation(monkeypatch):
                                               (reclaimed_cache_survives_invalidation, "invalidated")])
 def test_the_simulator_catches_a_tier_bug(fault, found, monkeypatch):
     fault(monkeypatch)
-    for seed in range(1, 800, 2):
-        result = run_seed(seed, STEPS)
-        if result.violations:
-            print(f"{fault.__name__}: caught by seed {seed}: {result.violations[0]}")
-            assert found in result.violations[0], result.violations
-            return
-    pytest.fail(f"{fault.__name__} was not caught in 400 seeds")
+    caught(fault.__name__, found)
 
 
 def test_a_lease_granted_before_an_invalidation_serves_none_of_its_blocks_after_it():
@@ -224,13 +229,7 @@ def clears_not_awaited(monkeypatch):
                                               (copies_never_expire, "outlived its deadline")])
 def test_the_simulator_catches_a_source_b_bug(fault, found, monkeypatch):
     fault(monkeypatch)
-    for seed in range(1, 800, 2):
-        result = run_seed(seed, STEPS)
-        if result.violations:
-            print(f"{fault.__name__}: caught by seed {seed}: {result.violations[0]}")
-            assert found in result.violations[0], result.violations
-            return
-    pytest.fail(f"{fault.__name__} was not caught in 400 seeds")
+    caught(fault.__name__, found)
 
 
 def test_an_ack_kept_from_the_daemon_before_confirms_no_copy():
