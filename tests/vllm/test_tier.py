@@ -11,7 +11,9 @@ nothing; a block whose bytes were flipped on disk is dropped, counted, and
 computed again, with the same tokens. And source B: an engine that keeps
 running evicts the prompt's blocks under pressure; the daemon copied them
 into the tier while they were cached, and another engine loads them back
-while the first still runs, with stock's tokens."""
+while the first still runs, with stock's tokens. And an engine killed with ``kill -9``
+in the middle of a load (``stalling_tier.py``: pinned, never fetched)
+loses nothing but its load: the next engine loads the same blocks."""
 
 import json
 import pathlib
@@ -161,3 +163,41 @@ def test_blocks_a_running_engine_evicts_reach_the_tier_while_it_runs(daemon_fact
           f"{counters(daemon)['promotions']} promoted, {demoted['failures_raced']} raced; tokens equal stock's")
     second.exit()
     first.exit()
+
+
+def test_an_engine_killed_in_the_middle_of_a_load_loses_nothing_but_its_load(daemon_factory, tiny_model, tmp_path):
+    """``kill -9`` of the engine process holding a lease on the tier's blocks,
+    mid-load: its lease ends with it (counted as a failed load), the blocks
+    stay in the tier, and the next engine loads them with stock's tokens."""
+    import os
+    import signal
+
+    stock = run_engine.Stock(tiny_model)
+    expected = stock.do("workload")["tokens"]
+    stock.exit()
+    daemon, _ = tier_daemon(daemon_factory, tmp_path)
+    demoted = served_and_demoted(tiny_model, daemon)["tier"]
+    marker = tmp_path / "stalled"
+    stalled = TierEngine(tiny_model, daemon, "--stall", KVELASTIC_ENGINE_ID="stalled",
+                         KVELASTIC_TEST_STALLED=str(marker))
+    try:
+        stalled.proc.stdin.write("workload\n")
+        stalled.proc.stdin.flush()
+        wait_for(marker.exists, timeout=60, what="the engine pinned its blocks and stalled")
+        pinned = int(marker.read_text().split()[1])
+        assert pinned > 0 and counters(daemon)["hit_blocks"] >= pinned and counters(daemon)["promotions"] == 0
+        (engine,) = daemon.status()["engines"]
+        os.kill(engine["pid"], signal.SIGKILL)              # the process that holds the lease (its scheduler)
+        gone = wait_for(lambda: not daemon.status()["engines"] and counters(daemon), timeout=60,
+                        what="the engine gone and its lease ended")
+        assert gone["failures_load"] >= pinned and gone["promotions"] == 0
+    finally:
+        stalled.proc.kill()
+        stalled.proc.wait(30)
+    after = tier(daemon)
+    assert after["blocks"] == demoted["blocks"] and after["bytes"] == demoted["bytes"]   # nothing lost, nothing pinned
+
+    third = TierEngine(tiny_model, daemon, KVELASTIC_ENGINE_ID="third")
+    assert third.do("workload")["tokens"] == expected
+    assert counters(daemon)["promotions"] > 0
+    third.exit()

@@ -5,6 +5,9 @@ turns it on (docs/tier.md)::
       "kv_connector_module_path":"kvelastic_vllm.tier_connector",
       "kv_role":"kv_both","kv_load_failure_policy":"recompute"}'
 
+``--stall``: ``stalling_tier.py``'s double instead, which pins its blocks
+and never fetches them (an engine killed in the middle of a load).
+
 ``--multi PATH``: the connector as the first child of vLLM's
 ``MultiConnector``, vLLM's ``ExampleConnector`` (saving every request's KV
 under PATH) the second, as a deployment composes connectors.
@@ -35,6 +38,10 @@ def main() -> None:
     import vllm
 
     config = TIER_CONNECTOR
+    if "--stall" in sys.argv:          # stalling_tier.py: pins, never fetches (killed mid-load)
+        sys.argv.remove("--stall")
+        config = {**TIER_CONNECTOR, "kv_connector": "StallingTierConnector",
+                  "kv_connector_module_path": "stalling_tier"}
     if "--multi" in sys.argv:
         at = sys.argv.index("--multi")
         config = multi(sys.argv[at + 1])
