@@ -54,9 +54,16 @@ lint: setup
 # processes (pytest-xdist; most tests wait on real processes, so two share
 # two cores well) and prints its 25 slowest tests, so every CI log shows
 # where the time goes.
+# The type check (about 40 s from a clean checkout) runs beside the suite,
+# whose workers wait on real processes much of the time; either failing
+# fails the target, and the type check's output is shown only then.
 TEST_WORKERS ?= 2
-test: setup lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=25 $(PYTEST_ARGS)
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m mypy > .mypy.log 2>&1 & types=$$!; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=25 $(PYTEST_ARGS); tests=$$?; \
+	if ! wait $$types; then cat .mypy.log; echo "mypy failed"; exit 1; fi; \
+	cat .mypy.log; exit $$tests
 
 clean:
 	rm -rf $(VENV) .venv-vllm-* build *.egg-info
