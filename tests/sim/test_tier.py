@@ -48,16 +48,23 @@ SEEDS = range(1, 400, 2)       # the seeds with a tier
 STEPS = 300
 
 
-def test_the_tier_in_the_simulator_holds_its_invariants():
+def run_seeds(seeds) -> dict[str, int]:
+    """Every seed of ``seeds`` with no violation (else the first five, with
+    their replays); the faults and events they counted, summed."""
     faults: dict[str, int] = {}
     failures = []
-    for seed in SEEDS:
+    for seed in seeds:
         result = run_seed(seed, STEPS)
         for kind, n in result.faults.items():
             faults[kind] = faults.get(kind, 0) + n
         if result.violations:
             failures.append(f"{result.violations[0]}  (replay: {result.replay})")
     assert not failures, f"{len(failures)} seed(s) failed:\n" + "\n".join(failures[:5])
+    return faults
+
+
+def test_the_tier_in_the_simulator_holds_its_invariants():
+    faults = run_seeds(SEEDS)
     for kind in ("tier_demoted", "tier_demoted_reclaimed", "tier_promoted", "tier_disk_full", "tier_torn",
                  "lease_engine_died", "lease_expired", "tier_invalidated", "tier_released", "tier_rebuilt"):
         assert faults.get(kind, 0) > 0, f"no {kind} in {len(SEEDS)} seeds"
@@ -173,15 +180,7 @@ def test_source_b_copies_running_engines_evictions_and_writes_only_whole_ones():
     the copy), some because it never confirmed them (it died, resynced, ran
     out the deadline); a copy's read fails now and then; invalidations reach
     the engines (``ClearIndex``). No violation: every copy written was whole."""
-    faults: dict[str, int] = {}
-    failures = []
-    for seed in B_SEEDS:
-        result = run_seed(seed, STEPS)
-        for kind, n in result.faults.items():
-            faults[kind] = faults.get(kind, 0) + n
-        if result.violations:
-            failures.append(f"{result.violations[0]}  (replay: {result.replay})")
-    assert not failures, f"{len(failures)} seed(s) failed:\n" + "\n".join(failures[:5])
+    faults = run_seeds(B_SEEDS)
     for kind in ("tier_staged", "tier_copied_heard", "tier_staged_written", "tier_staged_committed",
                  "tier_staged_raced", "tier_staged_torn", "tier_staged_torn_dropped", "tier_staged_unconfirmed",
                  "tier_staged_read_failed", "tier_promoted_evicted", "clear_index"):
