@@ -52,9 +52,14 @@ class CacheScope:
             log.info("%s: %d kept cached block(s) invalidated", target, dropped)
         tier_blocks = 0
         if tier is not None and in_tier:
+            # Their files go before the reply (the loop performs effects in
+            # order), writes still queued or running included: a restart
+            # right after it, graceful or not, finds nothing of them.
+            writing = tier.writing(target)
             tier_blocks = tier.invalidate(target)
             self.books.emit(fx.DeleteTierBlocks(tuple(tier.take_released())))
-            log.info("%s: %d block(s) of the tier invalidated", target, tier_blocks)
+            log.info("%s: %d block(s) of the tier invalidated (%d being written: cancelled)", target, tier_blocks,
+                     writing)
         return p.Invalidated(engines=len(targets), kept_blocks=dropped, tier_blocks=tier_blocks)
 
     def _target(self, target: str) -> str:

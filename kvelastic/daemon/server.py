@@ -411,8 +411,8 @@ class Daemon:
                 return self.allocator.tier_copied(staged, failed, now)
             return self.allocator.tier_written([], failed, now) if failed else []   # the writes: ``_tier_writes``
         elif isinstance(effect, fx.WriteStaged):
-            failed = self.tier_io.write_staged(effect)
-            return self.allocator.tier_written([], failed, now) if failed else []
+            cancelled, failed = self.tier_io.write_staged(effect)
+            return self.allocator.tier_written(cancelled, failed, now) if cancelled or failed else []
         elif isinstance(effect, fx.ReadTierBlock):
             reply, error, finished = self.tier_io.read(effect)
             follow = self.allocator.tier_read(effect.lease, effect.block, error, now) if finished else []

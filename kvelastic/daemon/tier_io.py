@@ -77,17 +77,19 @@ class TierIO:
 
     def write_staged(self, effect: fx.WriteStaged) -> list[tuple[int, str]]:
         """Hand the staged copies found whole to the writer, drop the others;
-        [(failed slot, reason)]."""
+        (slots cancelled, [(failed slot, reason)]). A copy no longer staged
+        was deleted (``delete``: its entry died, invalidated): it is never
+        written, and reported done at once so that its entry is freed."""
         for slot in effect.drop:
             self.staged.pop(slot, None)
         failed: list[tuple[int, str]] = []
         for slot in effect.write:
             staged = self.staged.pop(slot, None)
             if staged is None:
-                failed.append((slot, "io"))
+                cancelled.append(slot)
             else:
                 self._write(*staged, failed)
-        return failed
+        return cancelled, failed
 
     def _write(self, namespace: str, block: fx.DemoteBlock, payload: bytes, failed: list[tuple[int, str]]) -> None:
         if self.writer is None:
@@ -97,8 +99,13 @@ class TierIO:
                                         block.label))
 
     def delete(self, slots: tuple[int, ...]) -> None:
-        """Delete these slots' files now (a queued write of one never happens)."""
+        """Delete these slots' files now: a staged copy or a queued write of
+        one never reaches the disk, a write running now is waited for and its
+        file removed (``TierWriter.delete``)."""
+        for slot in slots:
+            self.staged.pop(slot, None)
         if self.writer is not None:
+        cancelled: list[int] = []
             for slot in slots:
                 self.writer.delete(slot)
 

@@ -79,8 +79,11 @@ class TierBooks:
         """Namespace -> its blocks that can be found or are being written (live)."""
         return {ns: len(keys) for ns, keys in self._keys.items() if keys}
 
-    def writing(self) -> int:
-        """Entries reserved whose bytes are not written yet (not findable)."""
+    def writing(self, namespace: str | None = None) -> int:
+        """Entries reserved whose bytes are not written yet (not findable), of
+        ``namespace`` only (live ones) where given."""
+        if namespace is not None:
+            return sum(not self._entries[slot].committed for slot in self._keys.get(namespace, {}).values())
         return sum(not e.committed for e in self._entries.values())
 
     def key_of(self, slot: int) -> tuple[str, bytes]:
@@ -205,9 +208,15 @@ class TierBooks:
         one's bytes go at once, pinned or not: a dead slot is never read (a
         fetch of it is answered "not served"), and a file kept for a load
         would be restored live by a daemon restarted before the load ends.
-        A pending one's bytes are being written: they go at its commit."""
+        A pending one's bytes are being written, or queued to be: they go at
+        once too, which cancels the write (the store's writer never writes a
+        slot deleted before it ran, and a delete after it removes the file),
+        so neither a stop that writes what is queued nor a crash between a
+        write and the loop's next pass leaves a file for a restart to find.
+        Its budget is held until the write's report (``commit``, ``abort``)
+        frees it."""
         e.dead, e.heap_seq = True, -1
-        if e.committed and not e.gone:
+        if not e.gone:
             e.gone = True
             self._released.append(e.slot)
 
@@ -247,8 +256,8 @@ class TierBooks:
         released = set(self._released)
         require(all(self._entries[s].gone for s in released & self._entries.keys()),
                 "a released slot holds an entry whose bytes are still wanted")
-        require(all(e.dead and e.committed for e in self._entries.values() if e.gone),
-                "the bytes of a live or pending entry were handed out")
+        require(all(e.dead for e in self._entries.values() if e.gone), "the bytes of a live entry were handed out")
+        require(all(e.gone for e in self._entries.values() if e.dead), "a dead entry's bytes were kept")
         require(all(0 <= s < self._next_slot for s in [*released, *self._entries]), "a slot was never handed out")
         records = {(seq, slot): prio for prio, seq, slot in self._heap}
         for slot, e in self._entries.items():

@@ -12,8 +12,9 @@ budget, it cannot be found) -> ``commit`` (findable) or ``abort`` (gone);
 ``unpin`` releases them; an entry leaves by eviction, ``invalidate`` of its
 namespace or ``drop`` (its bytes failed their check). An entry that a load
 or a write still holds when it is invalidated or dropped becomes *dead*:
-never found nor served again; a committed one's bytes go at once (a restart
-must not find them), its budget is held until the last holder lets go.
+never found nor served again; its bytes go at once, a write of them queued
+or running is cancelled (a restart must not find them), and its budget is
+held until the last holder lets go.
 
 Slots are never reused: a slot names one block's bytes for life, so a late
 ``unpin`` or ``commit`` can never touch a newer block, and a store deleting a

@@ -43,7 +43,10 @@ class TierWriter:
         self._jobs: queue.SimpleQueue[WriteJob | None] = queue.SimpleQueue()
         self._done: collections.deque[tuple[int, str]] = collections.deque()   # (slot, "" or reason)
         self._lock = threading.Lock()
-        self._cancelled: set[int] = set()       # deleted while queued (under ``_lock``)
+        # Under ``_lock``: slots handed over whose write has not started, and
+        # those of them deleted since (their write never happens).
+        self._waiting: set[int] = set()
+        self._cancelled: set[int] = set()
         self.queued: set[int] = set()           # the loop's: slots handed over, not reported back yet
         self.queued_bytes = 0
         # The loop polls this descriptor: a byte on it says a write finished.
@@ -55,12 +58,14 @@ class TierWriter:
     def submit(self, job: WriteJob) -> None:
         self.queued.add(job.slot)
         self.queued_bytes += len(job.payload)
+        with self._lock:
+            self._waiting.add(job.slot)
         self._jobs.put(job)
 
     def delete(self, slot: int) -> None:
         """Delete a slot's file now; a write of it not yet done never happens."""
         with self._lock:
-            if slot in self.queued:
+            if slot in self._waiting:
                 self._cancelled.add(slot)
             self.store.delete(slot)
 
@@ -84,7 +89,8 @@ class TierWriter:
         return written, failed
 
     def close(self, timeout: float = 30.0) -> None:
-        """Write what is queued, then stop."""
+        """Write what is queued, then stop. A slot deleted while queued (its
+        entry invalidated) is not written: nothing dead reaches the disk."""
         self._jobs.put(None)
         self._thread.join(timeout)
         os.close(self._wake_w)
@@ -95,6 +101,7 @@ class TierWriter:
         while (job := self._jobs.get()) is not None:
             reason = ""
             with self._lock:
+                self._waiting.discard(job.slot)
                 if job.slot in self._cancelled:
                     # Deleted while queued: its entry was invalidated (dead: the
                     # commit the loop makes of it frees it) and its file is gone.

@@ -176,13 +176,14 @@ def test_invalidate_kills_a_pinned_entry_whose_bytes_go_at_once_and_budget_when_
     index.check()
 
 
-def test_invalidate_during_a_write_makes_the_commit_free_it():
+def test_invalidate_during_a_write_cancels_it_at_once_and_the_commit_frees_it():
     index = TierIndex(100, half_life=H)
     slot = index.reserve(NS, b"a", 10, 1.0, 0.0)
     index.invalidate(NS)
-    assert index.take_released() == []    # its bytes are being written
+    assert index.take_released() == [slot]     # at once: the store cancels the write (a stop never writes it)
+    assert index.bytes_used == 10              # its budget is held until the writer reports
     assert index.commit(slot) is False
-    assert index.take_released() == [slot]
+    assert index.take_released() == []         # handed out once
     assert index.lookup(NS, [b"a"], 0.0) == [] and index.bytes_used == 0
 
 

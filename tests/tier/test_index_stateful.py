@@ -55,7 +55,7 @@ class TierMachine(RuleBasedStateMachine):
         return sum(e["nbytes"] for e in self.entries.values()
                    if not e["committed"] or e["pins"] or e["dead"])
 
-    def released(self, expected):
+    def released(self, expected, aborted=None):
         """The slots whose bytes may go now are ``expected``: a freed one
         leaves the model, a dead one a load pins stays until its last unpin."""
         got = self.index.take_released()
@@ -63,9 +63,12 @@ class TierMachine(RuleBasedStateMachine):
         for slot in got:
             e = self.entries[slot]
             assert not e["gone"], f"slot {slot}'s bytes handed out twice"
-            if e["pins"]:
-                assert e["dead"] and e["committed"], f"slot {slot}'s bytes go while a load needs them"
+            if e["pins"] or (e["dead"] and not e["committed"]):   # a load or a write holds it: it stays
+                assert e["dead"], f"slot {slot}'s bytes go while a load needs them"
                 e["gone"] = True
+            elif not e["committed"]:
+                assert slot == aborted, f"slot {slot}'s bytes go while its write needs them"
+                del self.entries[slot]
             else:
                 del self.entries[slot]
 
@@ -132,7 +135,9 @@ class TierMachine(RuleBasedStateMachine):
         dead = self.entries[slot]["dead"]
         assert self.index.commit(slot) is (not dead)
         self.entries[slot]["committed"] = True
-        self.released([slot] if dead else [])
+        if dead:        # its write was cancelled when it died: it leaves without a release
+            del self.entries[slot]
+        self.released([])
 
     @rule(data=st.data(), reason=REASONS)
     def abort(self, data, reason):
@@ -141,7 +146,11 @@ class TierMachine(RuleBasedStateMachine):
             return
         self.index.abort(slot, reason)
         self.failures[reason] += 1
-        self.released([slot])
+        if self.entries[slot]["gone"]:    # dead: its bytes went already
+            del self.entries[slot]
+            self.released([])
+        else:
+            self.released([slot], aborted=slot)
 
     @rule(ns=NAMESPACES, data=st.data())
     def lookup(self, ns, data):
@@ -180,12 +189,12 @@ class TierMachine(RuleBasedStateMachine):
     def invalidate(self, ns):
         mine = [s for s, e in self.entries.items() if e["ns"] == ns and not e["dead"]]
         assert self.index.invalidate(ns) == len(mine)
-        # Committed ones' bytes go at once, pinned or not (a pinned one's
-        # entry stays until its load ends); pending ones' at their commit.
-        gone = [s for s in mine if self.entries[s]["committed"]]
+        # Their bytes go at once, pinned or being written (the write is
+        # cancelled); the entry stays, holding budget, until the load or
+        # the write ends.
         for slot in mine:
             self.entries[slot]["dead"] = True
-        self.released(gone)
+        self.released(mine)
 
     @rule(data=st.data(), reason=REASONS)
     def drop(self, data, reason):

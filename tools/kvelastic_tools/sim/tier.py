@@ -219,6 +219,7 @@ class SimTier:
         self.restored_invalidated: set[int] = set()          # slots of invalidated blocks a new daemon restored
         self.last_tick = 0.0               # when the allocator last ticked (``run.tick``): leases expire then
         self.staged: dict[int, StagedCopy] = {}   # source B: the loop's staging (``TierIO.staged``)
+        self.cancelled: set[int] = set()          # staged copies deleted (their entry died) before written
         # KV on the device when its namespace was invalidated (by id; held): a
         # running engine clears its keys (``ClearIndex``), so none is written to the tier after.
         self.superseded: dict[int, KV] = {}
@@ -230,6 +231,7 @@ class SimTier:
         self.index = TierIndex(BUDGET_BLOCKS * BLOCK_BYTES)
         self.tallied.clear()
         self.staged.clear()                # the loop's staging went with the daemon
+        self.cancelled.clear()
         if self.store:
             rebuild(self.index, SimStore(self.store), self.world.now)   # type: ignore[arg-type]
             self.world.counts["tier_rebuilt"] += 1
@@ -259,6 +261,11 @@ class SimTier:
                 if slot in held and self.index.servable(slot):
                     self.world.violation(f"tier: live slot {slot} deleted while a lease holds it")
                 self.store.pop(slot, None)
+                copy = self.staged.pop(slot, None)
+                if copy is not None:             # as ``TierIO.delete``: never written
+                    self.cancelled.add(slot)
+                    if not copy.whole:
+                        self.world.counts["tier_staged_torn_dropped"] += 1   # kept off the disk by its death
             return self.world.allocator.tiering.deleted(e.slots)    # as the loop: announced ones published removed
         return []
 
@@ -340,13 +347,20 @@ class SimTier:
         w = self.world
         for slot in e.drop:
             copy = self.staged.pop(slot, None)
+            self.cancelled.discard(slot)
             w.counts["tier_staged_dropped"] += 1
             if copy is not None and not copy.whole:
                 w.counts["tier_staged_torn_dropped"] += 1   # the ack rule kept a torn copy off the disk
         done: list[int] = []
+        cancelled: list[int] = []
         failed: list[tuple[int, str]] = []
         for slot in e.write:
             copy = self.staged.pop(slot, None)
+            if copy is None and slot in self.cancelled:
+                self.cancelled.discard(slot)
+                cancelled.append(slot)          # reported done: its dead entry is freed, nothing written
+                w.counts["tier_staged_cancelled"] += 1
+                continue
             if copy is None:
                 w.violation(f"tier: slot {slot} written from staging, where no copy of it is")
                 failed.append((slot, "io"))
@@ -369,7 +383,7 @@ class SimTier:
                                       copy.epoch, torn=self.rng.random() < TORN, evicted=True)
             done.append(slot)
         w.counts["tier_staged_written"] += len(done)
-        return w.call(w.allocator.tier_written, done, failed, w.now)
+        return w.call(w.allocator.tier_written, done + cancelled, failed, w.now)
 
     def tally(self) -> None:
         """The index's source-B counters, into the world's (each index counts from zero)."""
@@ -616,7 +630,7 @@ class SimTier:
             elif self.last_tick > c.deadline:
                 w.violation(f"tier: copy of block {c.block} of {serials[c.serial]} (slot {slot}) outlived its "
                             f"deadline ({c.deadline:.3f}; ticked at {self.last_tick:.3f})")
-            if slot not in self.staged:
+            if slot not in self.staged and slot not in self.cancelled:
                 w.violation(f"tier: copy of block {c.block} (slot {slot}) pending, not in the loop's staging")
 
     def settled(self) -> None:
