@@ -75,7 +75,7 @@ class TierIO:
                 self._write(effect.namespace, block, payload, failed)
         return done, failed
 
-    def write_staged(self, effect: fx.WriteStaged) -> list[tuple[int, str]]:
+    def write_staged(self, effect: fx.WriteStaged) -> tuple[list[int], list[tuple[int, str]]]:
         """Hand the staged copies found whole to the writer, drop the others;
         (slots cancelled, [(failed slot, reason)]). A copy no longer staged
         was deleted (``delete``: its entry died, invalidated): it is never
