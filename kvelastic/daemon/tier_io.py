@@ -82,6 +82,7 @@ class TierIO:
         written, and reported done at once so that its entry is freed."""
         for slot in effect.drop:
             self.staged.pop(slot, None)
+        cancelled: list[int] = []
         failed: list[tuple[int, str]] = []
         for slot in effect.write:
             staged = self.staged.pop(slot, None)
@@ -105,7 +106,6 @@ class TierIO:
         for slot in slots:
             self.staged.pop(slot, None)
         if self.writer is not None:
-        cancelled: list[int] = []
             for slot in slots:
                 self.writer.delete(slot)
 
