@@ -23,7 +23,7 @@ from kvelastic.daemon.tenancy import Tenancy
 from kvelastic.errors import ConfigError, KvelasticError
 from kvelastic.protocol import fd_socket_path
 from kvelastic.startup import configured, sd_notify
-from kvelastic.tier.disk import DiskEntry, DiskStore
+from kvelastic.tier.disk import DiskEntry, DiskStore, UntrustedTierDir
 from kvelastic.tier.index import TierIndex
 from kvelastic.tier.restart import rebuild
 from kvelastic.vmm import get_backend
@@ -172,24 +172,28 @@ def raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def open_tier(config: Config, now: float) -> tuple[TierIndex, DiskStore, list[DiskEntry]] | None:
+def open_tier(config: Config, now: float, key: bytes) -> tuple[TierIndex, DiskStore, list[DiskEntry]] | None:
     """The node's disk tier (``KVELASTIC_TIER_DIR``), its index rebuilt from
     what the directory holds; None when none is configured. The directory
     must be the daemon's alone: blocks found there are served to engines as
-    their KV, so one that another user could write to is refused."""
+    their KV, so one that another user could write to, or a symbolic link
+    (whoever made it could re-point it), is refused. The store keeps the
+    folder it opened here whatever its path names later, and ``key`` (the
+    node's hash secret) proves each file it reads is this daemon's."""
     if not config.tier_dir:
         return None
     where = f"KVELASTIC_TIER_DIR={config.tier_dir!r}"
     try:
-        store = DiskStore(config.tier_dir)
-        st = os.stat(config.tier_dir)
-        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            raise ConfigError(f"{where}: must be owned by the daemon's user (uid {os.geteuid()}) and writable by "
-                              f"no one else (it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}): "
-                              "chmod 700 it")
+        store = DiskStore(config.tier_dir, key=key)
+    except UntrustedTierDir as exc:
+        raise ConfigError(f"{where}: {exc.why}") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot use it ({exc.strerror or exc})") from None
+    try:
         index = TierIndex(config.tier_size)
         found = rebuild(index, store, now)
     except OSError as exc:
+        store.close()
         raise ConfigError(f"{where}: cannot use it ({exc.strerror or exc})") from None
     dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(found.dropped.items())) or "none"
     log.info("tier %s: %d block(s) in %d MiB of %d MiB rebuilt from disk; files dropped: %s", config.tier_dir,
@@ -213,11 +217,12 @@ def main() -> int:
                         orphan_ttl=config.orphan_cache_ttl)
         group = socket_group(config.socket_group)
         operators = socket_group(config.operator_group, "KVELASTIC_OPERATOR_GROUP") if config.operator_group else None
-        tier, tier_store, tier_found = open_tier(config, time.monotonic()) or (None, None, [])
+        hash_secret = load_hash_secret(config.socket)     # before the tier: it keys the tier's files too
+        tier, tier_store, tier_found = open_tier(config, time.monotonic(), hash_secret) or (None, None, [])
         keeper = PageKeeper.find(config.socket)
         daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing, access=Access(group=group),
                         tenancy=Tenancy(operator_group=operators),
-                        max_engines=config.max_engines, hash_secret=load_hash_secret(config.socket),
+                        max_engines=config.max_engines, hash_secret=hash_secret,
                         tier=tier, tier_store=tier_store, tier_found=tier_found, keeper=keeper)
         if keeper is not None:
             daemon.take_back(boot_id())
@@ -255,4 +260,6 @@ def main() -> int:
         sd_notify("STOPPING=1")
         log.info("kvelastic daemon stopping")
         daemon.close()
+        if tier_store is not None:
+            tier_store.close()      # after the writer stopped (daemon.close)
     return 0

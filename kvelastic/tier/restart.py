@@ -16,7 +16,12 @@ def rebuild(index: TierIndex, store: DiskStore, now: float, *, verify_payloads: 
     (``budget`` evictions): the order the files were written in (a prefix's
     tail is often demoted before its head) never decides what stays.
     Values start again from each block's cost: hit counts are not persisted,
-    and the monotonic clock they were measured on is gone with the process."""
+    and the monotonic clock they were measured on is gone with the process.
+    Files no key proves this daemon's (``unkeyed``: every file of before
+    version 3 at the upgrade) and names holding no regular file
+    (``not_a_file``) are deleted and in ``dropped``, but not counted as
+    blocks lost: they were never this daemon's blocks, and the alerts on
+    lost blocks speak of a failing disk."""
     result = store.scan(verify_payloads=verify_payloads)
     if result.entries:
         index.skip_slots(result.entries[-1].slot + 1)   # a slot names one block for life, across restarts too
@@ -29,7 +34,7 @@ def rebuild(index: TierIndex, store: DiskStore, now: float, *, verify_payloads: 
     index.set_budget(budget)
     for slot in index.take_released():
         store.delete(slot)
-    for reason, n in result.dropped.items():      # files that failed their check: blocks lost
+    for reason, n in result.dropped.items():      # files of ours that failed their check: blocks lost
         if reason in index.stats.failures:
             index.stats.failures[reason] += n
     return result

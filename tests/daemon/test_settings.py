@@ -373,12 +373,15 @@ def _log_level(node: Node, request: pytest.FixtureRequest) -> None:
 
 @probe("KVELASTIC_TIER_DIR")
 def _tier_dir(node: Node, request: pytest.FixtureRequest) -> None:
+    from kvelastic.daemon.main import load_hash_secret
     from kvelastic.tier.disk import DiskStore
 
     assert node.daemon().request(p.Status()).status.tier is None        # no tier by default
     folder = short_dir(node.tmp) / "tier"
-    DiskStore(folder).write(0, "ns", b"key", b"kv" * 100, cost=1.0)      # a block a former daemon left
-    tier = node.daemon(KVELASTIC_TIER_DIR=str(folder)).request(p.Status()).status.tier
+    former = node.daemon(KVELASTIC_TIER_DIR=str(folder))                 # its key, beside its socket, keys its blocks
+    former.stop()
+    DiskStore(folder, key=load_hash_secret(former.socket)).write(0, "ns", b"key", b"kv" * 100, cost=1.0)
+    tier = former.start().request(p.Status()).status.tier
     assert tier is not None and tier.namespaces == {"ns": 1} and tier.bytes == 200
 
 

@@ -572,13 +572,16 @@ def test_only_the_operator_or_the_namespaces_owner_may_invalidate_its_kept_cache
 def test_only_the_operator_or_the_namespaces_owner_may_invalidate_its_tier_blocks(shared):
     """Step 19: ``invalidate`` reaches the node's tier; a tenant of another
     uid can drop neither another tenant's blocks nor the operator's."""
+    from kvelastic.daemon.main import load_hash_secret
     from kvelastic.tier.disk import DiskStore
 
     folder = pathlib.Path(tempfile.mkdtemp(prefix="kvelastic-tier-"))
-    store = DiskStore(folder)
+    daemon = shared(KVELASTIC_TIER_DIR=str(folder))
+    daemon.stop()                                                           # its key made: blocks a former one left
+    store = DiskStore(folder, key=load_hash_secret(daemon.socket))
     store.write(0, "llama@uid6001", b"alice's", b"a" * 4096, cost=1.0)     # alice's namespace
     store.write(1, "model", b"operator's", b"o" * 4096, cost=1.0)           # the operator's engines'
-    daemon = shared(KVELASTIC_TIER_DIR=str(folder))
+    daemon.start()
 
     def invalidate_as(user, target: str) -> str:
         return as_tenant(user, f"e = RawEngine({daemon.socket!r}, 'probe')\n"

@@ -67,14 +67,16 @@ def run(tmp_path_factory):
     """Daemon, two engines and Prometheus; the workload; everything the tests need."""
     tmp = tmp_path_factory.mktemp("observability")
     # The node's tier: two blocks a former daemon left, and one file cut short (a torn block).
+    from kvelastic.daemon.main import load_hash_secret
     from kvelastic.tier.disk import DiskStore
 
-    store = DiskStore(tmp / "tier")
+    daemon = DaemonProcess(tmp, memory="16MiB", KVELASTIC_TIER_DIR=str(tmp / "tier"),
+                           KVELASTIC_TIER_SIZE=str(TIER_BUDGET))
+    store = DiskStore(tmp / "tier", key=load_hash_secret(daemon.socket))   # the key it finds beside its socket
     for slot in range(3):
         store.write(slot, "llama", b"key-%d" % slot, b"kv" * TIER_BLOCK, cost=1.0)
     store.path(2).write_bytes(store.path(2).read_bytes()[:-1])
-    daemon = DaemonProcess(tmp, memory="16MiB", KVELASTIC_TIER_DIR=str(tmp / "tier"),
-                           KVELASTIC_TIER_SIZE=str(TIER_BUDGET)).start()
+    daemon.start()
     engines: list[EngineProcess] = []
     prom = None
     try:

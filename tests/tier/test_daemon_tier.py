@@ -12,17 +12,18 @@ import sys
 import pytest
 
 from kvelastic import protocol as p
+from kvelastic.daemon.main import load_hash_secret
 from kvelastic.tier.disk import DiskStore
 from tests.daemon_proc import DaemonProcess, short_dir
 
 BLOCK = 64 << 10
 
 
-def seeded(folder) -> tuple[DiskStore, dict[str, list[int]]]:
+def seeded(folder, key: bytes) -> tuple[DiskStore, dict[str, list[int]]]:
     """A tier directory as a daemon left it: namespace a's prefix of five
     blocks and b's of three, then b's second block cut short, its third's
-    header flipped, and an unfinished write."""
-    store = DiskStore(folder)
+    header flipped, and an unfinished write; under the daemon's ``key``."""
+    store = DiskStore(folder, key=key)
     slots: dict[str, list[int]] = {"model-a": [], "model-b": []}
     slot = 0
     for ns, n in (("model-a", 5), ("model-b", 3)):
@@ -52,8 +53,9 @@ def metric(text: str, series: str) -> float:
 
 def test_the_tier_is_rebuilt_shown_invalidated_and_kept_across_a_restart(tmp_path):
     folder = short_dir(tmp_path) / "tier"
-    store, slots = seeded(folder)
-    daemon = DaemonProcess(tmp_path, KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="1MiB").start()
+    daemon = DaemonProcess(tmp_path, KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="1MiB")
+    store, slots = seeded(folder, load_hash_secret(daemon.socket))     # the key it finds beside its socket
+    daemon.start()
     try:
         tier = daemon.status()["tier"]
         assert tier["namespaces"] == {"model-a": 5, "model-b": 1}
@@ -95,8 +97,9 @@ def test_the_tier_is_rebuilt_shown_invalidated_and_kept_across_a_restart(tmp_pat
 
 def test_a_smaller_budget_after_a_restart_drops_the_least_valuable_blocks(tmp_path):
     folder = short_dir(tmp_path) / "tier"
-    store, slots = seeded(folder)
-    daemon = DaemonProcess(tmp_path, KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE=str(3 * BLOCK)).start()
+    daemon = DaemonProcess(tmp_path, KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE=str(3 * BLOCK))
+    store, slots = seeded(folder, load_hash_secret(daemon.socket))
+    daemon.start()
     try:
         tier = daemon.status()["tier"]
         assert tier["blocks"] == 3 and tier["counters"]["evictions_budget"] == 3
