@@ -113,6 +113,27 @@ def parse_directory(text: str) -> str:
     return path
 
 
+def parse_file(text: str) -> str:
+    """An absolute file path, or empty for none."""
+    path = text.strip()
+    if path and not os.path.isabs(path):
+        raise ValueError(f"expected an absolute file path (or nothing), got {text!r}")
+    return path
+
+
+# ZMQ's Z85 alphabet: a CURVE key is 32 bytes, 40 characters of it.
+_Z85_KEY = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
+
+
+def parse_curve_keys(text: str) -> tuple[str, ...]:
+    """``KEY1,KEY2`` (Z85 CURVE public keys) -> ("KEY1", "KEY2"); empty: none."""
+    keys = tuple(k.strip() for k in text.split(",")) if text.strip() else ()
+    bad = [k for k in keys if not _Z85_KEY.match(k)]
+    if bad:
+        raise ValueError(f"expected comma-separated CURVE public keys (40 Z85 characters each), got {text!r}")
+    return keys
+
+
 def parse_power_of_two_size(text: str) -> int:
     size = parse_size(text)
     if size < 4096 or size & (size - 1):
@@ -222,6 +243,26 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVELASTIC_TIER_SIZE", "tier_size", "8GiB", parse_size,
              "Daemon: the disk tier's budget; when it is full the blocks of least value (hits, decayed, times "
              "cost per byte) go first."),
+    Variable("KVELASTIC_TIER_EVENTS_ENDPOINT", "tier_events_endpoint", "", str,
+             "Daemon, with a tier: ZMQ PUB endpoint of the tier stream (docs/kv-events.md), whose events carry "
+             "every tenant's token ids. Default: beside an ipc:// node stream (`ipc://<socket>.kv-tier`, only the "
+             "daemon's user and root may connect), off beside a tcp:// one; `off` disables it. An endpoint that "
+             "is not ipc:// needs CURVE (`KVELASTIC_TIER_EVENTS_CURVE_CERT`) or "
+             "`KVELASTIC_TIER_EVENTS_TOKEN_IDS=0`, else the daemon refuses to start."),
+    Variable("KVELASTIC_TIER_EVENTS_REPLAY_ENDPOINT", "tier_events_replay_endpoint", "", str,
+             "Daemon: ZMQ ROUTER endpoint for replays of the tier stream, under the same rules; default: its "
+             "PUB endpoint with `-replay` appended (ipc) or the next port (tcp)."),
+    Variable("KVELASTIC_TIER_EVENTS_TOKEN_IDS", "tier_events_token_ids", "1", parse_bool,
+             "Daemon: `0` strips the tier stream's stored blocks to their hashes, parents, block size and group "
+             "(no token ids, LoRA, extra keys), on both its sockets; such a stream may go on TCP without CURVE."),
+    Variable("KVELASTIC_TIER_EVENTS_CURVE_CERT", "tier_events_curve_cert", "", parse_file,
+             "Daemon: absolute path of the tier stream's CURVE server certificate (ZMQ's format with its "
+             "`secret-key`, as `zmq.auth.create_certificates` writes it), owned by the daemon's user and "
+             "readable by no one else. With it both tier sockets speak CURVE and take only the subscribers of "
+             "`KVELASTIC_TIER_EVENTS_CURVE_CLIENTS`."),
+    Variable("KVELASTIC_TIER_EVENTS_CURVE_CLIENTS", "tier_events_curve_clients", "", parse_curve_keys,
+             "Daemon: the CURVE public keys (Z85, 40 characters, comma-separated) of the subscribers the tier "
+             "stream takes under CURVE (the router's, the indexer's); any other key is refused."),
     Variable("KVELASTIC_LOG_LEVEL", "log_level", "info", parse_choice("debug", "info", "warning", "error"),
              "Log level of the daemon and the client."),
 )
@@ -258,6 +299,11 @@ class Config:
     orphan_cache_ttl: float
     tier_dir: str
     tier_size: int
+    tier_events_endpoint: str
+    tier_events_replay_endpoint: str
+    tier_events_token_ids: bool
+    tier_events_curve_cert: str
+    tier_events_curve_clients: tuple[str, ...]
     log_level: str
 
     @classmethod
@@ -279,6 +325,8 @@ class Config:
             values["kv_events_endpoint"] = ""
         if values["kv_events_endpoint"] and not values["kv_events_replay_endpoint"]:
             values["kv_events_replay_endpoint"] = replay_endpoint_for(values["kv_events_endpoint"])
+        values["tier_events_endpoint"], values["tier_events_replay_endpoint"] = tier_endpoints(
+            values["tier_events_endpoint"], values["tier_events_replay_endpoint"], values["kv_events_endpoint"])
         return cls(**values)
 
 
@@ -288,6 +336,28 @@ def replay_endpoint_for(endpoint: str) -> str:
         host, port = endpoint.rsplit(":", 1)
         return f"{host}:{int(port) + 1}"
     return endpoint + "-replay"
+
+
+def tier_endpoint_for(endpoint: str) -> str:
+    """The tier stream's endpoint beside a node stream's ipc endpoint:
+    ``ipc://<socket>.kv-events`` -> ``ipc://<socket>.kv-tier`` (no longer
+    than the node's, within a socket path's bound), another ``ipc://PATH``
+    -> ``ipc://PATH.tier``."""
+    if ".kv-events" in endpoint:
+        head, _, tail = endpoint.rpartition(".kv-events")
+        return f"{head}.kv-tier{tail}"
+    return endpoint + ".tier"
+
+
+def tier_endpoints(endpoint: str, replay: str, node: str) -> tuple[str, str]:
+    """The tier stream's (PUB, ROUTER) endpoints, ("", "") when it is off.
+    Unset, it sits beside an ipc node stream, whose socket files only the
+    daemon's user may connect to; beside a TCP node stream it stays off: its
+    events carry every tenant's token ids, and TCP checks no one."""
+    if endpoint == "off" or (not endpoint and not node.startswith("ipc://")):
+        return "", ""
+    endpoint = endpoint or tier_endpoint_for(node)
+    return endpoint, replay or replay_endpoint_for(endpoint)
 
 
 def markdown_table() -> str:

@@ -16,6 +16,10 @@ again replaces it), at most ``MAX_REPLAYS`` requesters are served at once (the
 next one gets the end marker alone), each may ask ``REPLAY_RATE`` times a
 second (extra requests are dropped), and one that does not read its answers is
 skipped until its queue has room, and dropped after ``REPLAY_STALL_TIMEOUT``.
+
+The tier stream (``TierStream``) is a publisher of its own whose events carry
+every tenant's token ids: off TCP unless its sockets speak CURVE
+(``curve.py``) or its events are stripped of them (``without_token_ids``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,18 @@ import msgspec
 import zmq
 
 from kvelastic import protocol as p
-from kvelastic.kv_events import MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from kvelastic.config import Config
+from kvelastic.daemon.curve import CurveGuard, CurveServer, load_server
+from kvelastic.errors import ConfigError
+from kvelastic.kv_events import (
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    tier_topic,
+)
 
 log = logging.getLogger("kvelastic.daemon")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -66,15 +81,22 @@ class _Requester:
 
 class KVEventPublisher:
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, replay_endpoint: str, buffer: int,
-                 clock: Callable[[], float] = time.monotonic, uids: Sequence[int] = ()) -> None:
-        """``uids``: on ``ipc://``, only peers of these users may connect (none: anyone who can open the socket)."""
+                 clock: Callable[[], float] = time.monotonic, uids: Sequence[int] = (),
+                 curve: CurveServer | None = None, token_ids: bool = True) -> None:
+        """``uids``: on ``ipc://``, only peers of these users may connect (none: anyone who can open the socket);
+        ``curve``: both sockets are CURVE servers taking only its clients' keys; ``token_ids``: False strips
+        stored blocks to their hashes (``without_token_ids``), in what is sent and what is kept for replay."""
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.replay = ctx.socket(zmq.ROUTER)
         self.replay.setsockopt(zmq.LINGER, 0)
+        self.guard = CurveGuard(ctx, curve) if curve is not None else None
+        self.token_ids = token_ids
         for sock in (self.pub, self.replay):
             for uid in uids:
                 sock.setsockopt(zmq.IPC_FILTER_UID, uid)
+            if self.guard is not None:      # before bind: no connection is ever taken without CURVE
+                self.guard.secure(sock)
         self.pub.bind(endpoint)
         # A full queue to a requester (or one that is gone) is an error we see,
         # not a batch silently dropped: its replay waits, or ends.
@@ -99,6 +121,8 @@ class KVEventPublisher:
     def publish(self, topic: bytes, events: list[KVEvent]) -> None:
         if not events:
             return
+        if not self.token_ids:
+            events = [without_token_ids(e) for e in events]
         payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events))
         seq = self._seq
         self._seq += 1
@@ -237,6 +261,8 @@ class KVEventPublisher:
     def close(self) -> None:
         self.pub.close(0)
         self.replay.close(0)
+        if self.guard is not None:
+            self.guard.stop()
         for path in self.ipc_paths():  # ZMQ leaves ipc socket files behind
             try:
                 os.unlink(path)
@@ -319,17 +345,72 @@ def parents_first(events: list[BlockStored]) -> list[BlockStored]:
     return out
 
 
-def tier_endpoint(endpoint: str) -> str:
-    """The tier stream's endpoint beside a node stream's endpoint (its replay's
-    likewise): ``ipc://<socket>.kv-events`` -> ``ipc://<socket>.kv-tier``
-    (``-replay`` kept; no longer than the node's, within a socket path's
-    bound), another ``ipc://PATH`` -> ``ipc://PATH.tier``,
-    ``tcp://HOST:PORT`` -> ``tcp://HOST:PORT+2`` (the node's replay takes
-    the next port)."""
-    if endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1].isdigit():
-        host, port = endpoint.rsplit(":", 1)
-        return f"{host}:{int(port) + 2}"
-    if ".kv-events" in endpoint:
-        head, _, tail = endpoint.rpartition(".kv-events")
-        return f"{head}.kv-tier{tail}"
-    return endpoint + ".tier"
+def without_token_ids(event: KVEvent) -> KVEvent:
+    """A stored block as its hashes alone: hash, parent, block size, group,
+    medium. Left out: what it holds (token ids) and whose it is (LoRA, extra
+    keys: cache salt, multimodal hashes; session, locality, ownership)."""
+    if not isinstance(event, BlockStored):
+        return event
+    return BlockStored(block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash, token_ids=[],
+                       block_size=event.block_size, lora_id=None, medium=event.medium, lora_name=None,
+                       group_idx=event.group_idx, kv_cache_spec_kind=event.kv_cache_spec_kind,
+                       kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window)
+
+
+@dataclass(frozen=True)
+class TierStream:
+    """Where and how the tier stream is published (``tier_stream``); ``endpoint`` empty: off, for ``off_reason``."""
+    endpoint: str
+    replay_endpoint: str
+    buffer: int
+    token_ids: bool = True
+    curve: CurveServer | None = None
+    off_reason: str = ""
+
+    def open(self, ctx: zmq.Context[zmq.Socket[bytes]], uids: Sequence[int]) -> KVEventPublisher | None:
+        """The stream's publisher, its life started with ``AllBlocksCleared``
+        (none announced yet); None when it is off (said once, with why)."""
+        if not self.endpoint:
+            log.info("tier KV events off: %s", self.off_reason)
+            return None
+        stream = KVEventPublisher(ctx, self.endpoint, self.replay_endpoint, self.buffer, uids=uids,
+                                  curve=self.curve, token_ids=self.token_ids)
+        stream.publish(tier_topic(""), [AllBlocksCleared()])
+        how = ([f"CURVE, {len(self.curve.clients)} client key(s)"] if self.curve else []) + \
+            ([] if self.token_ids else ["without token ids"])
+        log.info("tier KV events on %s (replay %s)%s", *stream.endpoints, f": {', '.join(how)}" if how else "")
+        return stream
+
+
+def tier_stream(config: Config) -> TierStream:
+    """The tier stream the configuration asks for, checked at start: on an
+    endpoint that is not ``ipc://`` (whose socket files only the daemon's user
+    may connect to), its events, which carry every tenant's token ids, go
+    only under CURVE or stripped of them; either way is the operator's choice."""
+    curve = (load_server(config.tier_events_curve_cert, config.tier_events_curve_clients)
+             if config.tier_events_curve_cert else None)
+    if config.tier_events_curve_clients and curve is None:
+        raise ConfigError("KVELASTIC_TIER_EVENTS_CURVE_CLIENTS needs KVELASTIC_TIER_EVENTS_CURVE_CERT, the "
+                          "server's certificate: without it the tier stream does not speak CURVE")
+    endpoints = (config.tier_events_endpoint, config.tier_events_replay_endpoint)
+    exposed = [e for e in endpoints if e and not e.startswith("ipc://")]
+    if exposed and curve is None and config.tier_events_token_ids:
+        raise ConfigError(
+            f"the tier stream's endpoint {exposed[0]!r} is not ipc:// and its events carry every tenant's "
+            "token ids: anyone who reaches it would read them. Either set KVELASTIC_TIER_EVENTS_CURVE_CERT "
+            "(the server's CURVE certificate) and KVELASTIC_TIER_EVENTS_CURVE_CLIENTS (the subscribers' public "
+            "keys), or KVELASTIC_TIER_EVENTS_TOKEN_IDS=0 (hashes and parents only); docs/kv-events.md")
+    return TierStream(*endpoints, config.kv_events_buffer, config.tier_events_token_ids, curve,
+                      "" if config.tier_events_endpoint else _off_reason(config.kv_events_endpoint))
+
+
+def _off_reason(node: str) -> str:
+    """Why the tier stream is off, for the operator's log (``config.tier_endpoints``)."""
+    if node.startswith("ipc://"):
+        return "KVELASTIC_TIER_EVENTS_ENDPOINT=off"
+    if not node:
+        return "the node stream is off and KVELASTIC_TIER_EVENTS_ENDPOINT is unset"
+    return (f"the node stream is on {node}, and the tier stream's events carry every tenant's token ids, so it "
+            "does not follow it there; to publish it off ipc set KVELASTIC_TIER_EVENTS_ENDPOINT with CURVE "
+            "(KVELASTIC_TIER_EVENTS_CURVE_CERT and KVELASTIC_TIER_EVENTS_CURVE_CLIENTS) or "
+            "KVELASTIC_TIER_EVENTS_TOKEN_IDS=0 (docs/kv-events.md)")

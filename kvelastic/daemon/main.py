@@ -14,6 +14,7 @@ import time
 from kvelastic import protocol as p
 from kvelastic.config import Config
 from kvelastic.daemon.devices import Device
+from kvelastic.daemon.events import tier_stream
 from kvelastic.daemon.keeping import PageKeeper
 from kvelastic.daemon.peers import Access
 from kvelastic.daemon.requests import Timing
@@ -223,7 +224,8 @@ def main() -> int:
         daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing, access=Access(group=group),
                         tenancy=Tenancy(operator_group=operators),
                         max_engines=config.max_engines, hash_secret=hash_secret,
-                        tier=tier, tier_store=tier_store, tier_found=tier_found, keeper=keeper)
+                        tier=tier, tier_store=tier_store, tier_found=tier_found, keeper=keeper,
+                        tier_events=tier_stream(config))
         if keeper is not None:
             daemon.take_back(boot_id())
     except KvelasticError as exc:

@@ -24,7 +24,7 @@ from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.allocator import Allocator
 from kvelastic.daemon.devices import Device
-from kvelastic.daemon.events import KVEventPublisher, tier_endpoint
+from kvelastic.daemon.events import KVEventPublisher, TierStream
 from kvelastic.daemon.keeping import PageKeeper
 from kvelastic.daemon.peers import Access, Peer, PeerTable
 from kvelastic.daemon.requests import Timing
@@ -32,7 +32,6 @@ from kvelastic.daemon.succession import Succession, state_path, take_back
 from kvelastic.daemon.tenancy import Credential, Tenancy
 from kvelastic.daemon.tier_io import TierIO
 from kvelastic.errors import require
-from kvelastic.kv_events import AllBlocksCleared, tier_topic
 from kvelastic.metrics import DaemonMetrics
 from kvelastic.status_report import StatusReport
 from kvelastic.tier.disk import DiskEntry, DiskStore
@@ -61,9 +60,10 @@ class Daemon:
                  access: Access | None = None, max_engines: int = 256, hash_secret: bytes | None = None,
                  tenancy: Tenancy | None = None, tier: TierIndex | None = None,
                  tier_store: DiskStore | None = None, tier_found: list[DiskEntry] | None = None,
-                 keeper: PageKeeper | None = None) -> None:
+                 keeper: PageKeeper | None = None, tier_events: TierStream | None = None) -> None:
         """``tier``, ``tier_store``: the node's tier (``main.open_tier``), or None;
-        ``tier_found``: what its store held at start (published, where labelled).
+        ``tier_found``: what its store held at start (published, where labelled);
+        ``tier_events``: where the tier's blocks are published (``events.tier_stream``), None: nowhere.
         ``keeper``: where pages are deposited so they outlive this process, or None."""
         self.devices = {d.name: d for d in devices}
         self.tier_store = tier_store
@@ -72,7 +72,8 @@ class Daemon:
         self.keeper = keeper
         self.clock = clock
         self.allocator = Allocator({d.name: d.budget_pages for d in devices}, devices[0].page_size,
-                                   backend=devices[0].backend.name, timing=timing, events=kv_events is not None,
+                                   backend=devices[0].backend.name, timing=timing,
+                                   events=kv_events is not None or bool(tier_events and tier_events.endpoint),
                                    max_engines=max_engines, hash_secret=hash_secret,
                                    aliases={a: d.name for d in devices for a in d.aliases}, tier=tier)
         self.snapshot = self.allocator.status()
@@ -102,16 +103,13 @@ class Daemon:
         # The tier's blocks alone, numbered on their own (docs/kv-events.md): a
         # stream a router's indexer can take as one worker's, beside the node's.
         # Its events carry the tenants' token ids: on ipc, only the daemon's
-        # user (and root) may connect, not the socket's group.
-        self.tier_events = KVEventPublisher(self.ctx, tier_endpoint(kv_events[0]), tier_endpoint(kv_events[1]),
-                                            kv_events[2], uids=sorted({0, access.uid})) \
-            if kv_events and tier is not None else None
+        # user (and root) may connect, not the socket's group; off ipc, only
+        # under CURVE or without token ids (``events.tier_stream``).
+        self.tier_events = tier_events.open(self.ctx, sorted({0, access.uid})) \
+            if tier_events is not None and tier is not None else None
         for publisher in (self.events, self.tier_events):
             if publisher is not None:
                 self.poller.register(publisher.replay, zmq.POLLIN)
-        if self.tier_events is not None:     # a daemon's life starts with none announced
-            self.tier_events.publish(tier_topic(""), [AllBlocksCleared()])
-            log.info("tier KV events on %s (replay %s)", *self.tier_events.endpoints)
         self._effects: deque[fx.Effect] = deque()
         # Page creation, one batch per pass of the loop: a large grow never
         # holds it (each batch is at most ``growth.CREATE_BATCH`` pages).

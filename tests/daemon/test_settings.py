@@ -392,6 +392,27 @@ def _tier_size(node: Node, request: pytest.FixtureRequest) -> None:
     assert tier is not None and tier.budget_bytes == 3 << 20
 
 
+# The tier stream's settings: the probes live beside its tests (tests/tier/test_tier_stream_tcp.py).
+@probe("KVELASTIC_TIER_EVENTS_ENDPOINT")
+@probe("KVELASTIC_TIER_EVENTS_REPLAY_ENDPOINT")
+def _tier_events_endpoints(node: Node, request: pytest.FixtureRequest) -> None:
+    from tests.tier.test_tier_stream_tcp import probe_endpoints
+    probe_endpoints(node.daemon, node.tmp)
+
+
+@probe("KVELASTIC_TIER_EVENTS_TOKEN_IDS")
+def _tier_events_token_ids(node: Node, request: pytest.FixtureRequest) -> None:
+    from tests.tier.test_tier_stream_tcp import probe_token_ids
+    probe_token_ids(node.tmp)
+
+
+@probe("KVELASTIC_TIER_EVENTS_CURVE_CERT")
+@probe("KVELASTIC_TIER_EVENTS_CURVE_CLIENTS")
+def _tier_events_curve(node: Node, request: pytest.FixtureRequest) -> None:
+    from tests.tier.test_tier_stream_tcp import probe_curve
+    probe_curve(node.daemon, node.tmp)
+
+
 # ------------------------------------------------------ the vLLM plugin
 # Two real vLLM runs through the plugin: ``plugin_runs`` in tests/conftest.py.
 @probe("KVELASTIC_ENABLE")

@@ -81,13 +81,14 @@ def run(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=30)
 
 
-def demoted(tmp_path, on_tier_stream=None):
+def demoted(tmp_path, on_tier_stream=None, **env):
     """A daemon whose tier holds engine ``a``'s four blocks of prefix ``sys``
-    (its kept cache, expired); ``on_tier_stream(endpoint)`` is called first."""
+    (its kept cache, expired); ``on_tier_stream(endpoint)`` is called first
+    (the default ipc endpoint); ``env``: more of the daemon's settings."""
     folder = short_dir(tmp_path) / "tier"
     folder.mkdir(mode=0o700)
     daemon = DaemonProcess(tmp_path, memory="8MiB", KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="64MiB",
-                           KVELASTIC_ORPHAN_CACHE_TTL="1s").start()
+                           KVELASTIC_ORPHAN_CACHE_TTL="1s", **env).start()
     if on_tier_stream is not None:
         on_tier_stream(f"ipc://{daemon.socket}.kv-tier")
     a = LabelledEngine(daemon.socket, "a", namespace="llama-1", ppw=2, bps=4, **KEEP)
