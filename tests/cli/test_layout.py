@@ -1,5 +1,8 @@
 """The layout keeps its promises: no import circles among product modules
 (type-only imports count: a type is a dependency all the same); the
+layers that docs/architecture.md states ("Source layout, as layers": its
+table is read here), so no module imports from a layer it may not, and the
+layers marked "I/O: none" import no I/O, thread or device library; the
 runtime (``kvelastic``, ``kvelastic_vllm``) apart from the tools
 (``kvelastic_tools``): no runtime module imports them, and the runtime's
 wheel carries none of them; every link of the README and of docs/ leads to
@@ -19,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RUNTIME = {"kvelastic": ROOT / "kvelastic", "kvelastic_vllm": ROOT / "patches" / "vllm" / "kvelastic_vllm"}
@@ -172,3 +176,137 @@ def test_readme_and_docs_links_resolve() -> None:
     readme_links = LINK.findall((ROOT / "README.md").read_text())
     assert not [t for t in readme_links if re.match(r"https?:", t)], "the README never points outside the repository"
     assert "docs/architecture.md" in readme_links
+
+
+# ------------------------------------------------------------------ the layers
+# The rules are docs/architecture.md's, "Source layout, as layers": a module
+# imports only from its own row, the first row, and the paths its "May import"
+# cell names; a row marked "I/O: none" imports none of IO_LIBRARIES. A module
+# belongs to the row with the longest path that holds it.
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+IO_LIBRARIES = {
+    "os", "io", "pathlib", "shutil", "tempfile", "socket", "select", "selectors", "signal", "fcntl", "resource",
+    "mmap", "ctypes", "threading", "multiprocessing", "concurrent", "subprocess", "asyncio", "http", "urllib",
+    "zmq", "prometheus_client", "torch", "cuda", "vllm",
+}
+TICKED = re.compile(r"`([^`]+)`")
+
+
+@dataclass(frozen=True)
+class Layer:
+    paths: tuple[str, ...]          # files, or folders ending in "/", relative to the repository
+    may_import: tuple[str, ...]     # the same
+    no_io: bool
+
+
+def _paths(cell: str) -> tuple[str, ...]:
+    """The backticked paths of a cell; a name without a folder is in the folder before it."""
+    out: list[str] = []
+    for token in TICKED.findall(cell):
+        if "/" not in token and out:
+            token = out[-1].rpartition("/")[0] + "/" + token
+        out.append(token)
+    return tuple(out)
+
+
+def layer_table(text: str) -> list[Layer]:
+    """The table under a header with "Layer", "May import" and "I/O" columns."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines)
+                 if line.startswith("| Layer |") and "| May import |" in line and line.rstrip().endswith("| I/O |"))
+    header = [c.strip() for c in lines[start].strip().strip("|").split("|")]
+    at = {name: header.index(name) for name in ("Layer", "May import", "I/O")}
+    layers = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        assert len(cells) == len(header), line
+        assert cells[at["I/O"]] in {"none", "yes"}, line
+        layers.append(Layer(_paths(cells[at["Layer"]]), _paths(cells[at["May import"]]), cells[at["I/O"]] == "none"))
+    return layers
+
+
+def _holds(path: str, spec: str) -> bool:
+    return path.startswith(spec) if spec.endswith("/") else path == spec
+
+
+def row_of(layers: list[Layer], path: str) -> int | None:
+    """The row whose longest path holds ``path``."""
+    best = max(((len(spec), i) for i, layer in enumerate(layers) for spec in layer.paths if _holds(path, spec)),
+               default=None)
+    return best[1] if best else None
+
+
+def layer_violations(layers: list[Layer], imports: dict[str, set[str]], libraries: dict[str, set[str]]) -> list[str]:
+    """What breaks the table: ``imports`` maps a module's path to the product
+    modules' paths it imports, ``libraries`` to the top-level names of the
+    others it imports."""
+    found = []
+    for path in sorted(imports):
+        row = row_of(layers, path)
+        if row is None:
+            found.append(f"{path}: in no row of the table")
+            continue
+        layer = layers[row]
+        for target in sorted(imports[path]):
+            face = target.endswith("/__init__.py") and path.startswith(target[:-len("__init__.py")])
+            if face or row_of(layers, target) in (row, 0) or any(_holds(target, s) for s in layer.may_import):
+                continue
+            found.append(f"{path} ({layer.paths[0]}) imports {target}")
+        if layer.no_io:
+            found += [f"{path} ({layer.paths[0]}, I/O: none) imports {lib}"
+                      for lib in sorted(libraries.get(path, set()) & IO_LIBRARIES)]
+    return found
+
+
+def libraries_of(path: pathlib.Path) -> set[str]:
+    """Top-level names of the absolute imports in a file, product or not."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_the_layer_check_finds_what_a_layer_may_not_import() -> None:
+    table = layer_table("""
+| Layer | What it is | May import | I/O |
+|---|---|---|---|
+| `pkg/__init__.py` `errors.py` | the bottom | nothing | none |
+| `pkg/core/` | pure | nothing | none |
+| `pkg/core/journal.py` | a row of its own | `pkg/core/` | none |
+| `pkg/daemon/` | the loop | `pkg/core/journal.py` | yes |
+""")
+    assert table[0].paths == ("pkg/__init__.py", "pkg/errors.py")
+    imports = {
+        "pkg/core/pool.py": {"pkg/errors.py", "pkg/core/__init__.py", "pkg/daemon/server.py"},
+        "pkg/core/journal.py": {"pkg/core/pool.py"},
+        "pkg/daemon/server.py": {"pkg/core/journal.py", "pkg/core/pool.py", "pkg/__init__.py"},
+        "pkg/tools.py": set(),
+    }
+    libraries = {"pkg/core/pool.py": {"time", "socket"}, "pkg/daemon/server.py": {"zmq"}}
+    assert layer_violations(table, imports, libraries) == [
+        "pkg/core/pool.py (pkg/core/) imports pkg/daemon/server.py",
+        "pkg/core/pool.py (pkg/core/, I/O: none) imports socket",
+        "pkg/daemon/server.py (pkg/daemon/) imports pkg/core/pool.py",
+        "pkg/tools.py: in no row of the table",
+    ]
+
+
+def test_every_module_keeps_to_the_layers_architecture_md_states() -> None:
+    layers = layer_table(ARCHITECTURE.read_text())
+    assert len(layers) > 15
+    missing = [spec for layer in layers for spec in (*layer.paths, *layer.may_import) if not (ROOT / spec).exists()]
+    assert missing == [], f"docs/architecture.md's layer table names what is not there: {missing}"
+    found = modules()
+    rel = {name: path.relative_to(ROOT).as_posix() for name, path in found.items()}
+    imports = {rel[name]: {rel[t] for t in imports_of(name, path, set(found))} for name, path in found.items()}
+    libraries = {rel[name]: libraries_of(path) for name, path in found.items()}
+    assert "kvelastic/core/journal.py" in imports["kvelastic/protocol.py"]     # the graph reads real files
+    broken = layer_violations(layers, imports, libraries)
+    assert not broken, ("imports docs/architecture.md's layers do not allow (its table under 'Source layout, as "
+                        "layers'): move the code, or change the table and say why there:\n" + "\n".join(broken))
