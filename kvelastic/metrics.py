@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from kvelastic.core.stats import EVICTION_REASONS
 from kvelastic.protocol import Reason
 from kvelastic.status_report import LoadLatency, RestartStatus, StatusReport, TierStatus
+from kvelastic.tier.reader import REFUSALS as TIER_READ_REFUSALS
 from kvelastic.tier.stats import EVICTION_REASONS as TIER_EVICTION_REASONS
 from kvelastic.tier.stats import FAILURE_REASONS as TIER_FAILURE_REASONS
 
@@ -288,7 +289,13 @@ def tier_families(tier: TierStatus) -> Iterator[Metric]:
                                    labels=["reason"])
     for reason in TIER_FAILURE_REASONS:
         failures.add_metric([reason], tier.counters.get(f"failures_{reason}", 0))
-    yield from (evictions, failures)
+    refused = CounterMetricFamily(f"{PREFIX}_tier_fetches_refused",
+                                  "Tier fetches refused (answered busy, nothing changed): tenant_bytes (the "
+                                  "tenant's share of the tier's reader is taken by its fetches in flight).",
+                                  labels=["reason"])
+    for reason in TIER_READ_REFUSALS:
+        refused.add_metric([reason], tier.reads.refused.get(reason, 0))
+    yield from (evictions, failures, refused)
     yield tier_load_family(tier.load_seconds)
 
 

@@ -80,6 +80,14 @@ class LoadLatency(msgspec.Struct, kw_only=True):
     sum: float = 0.0
 
 
+class TierReads(msgspec.Struct, kw_only=True):
+    """The tier's reader (``tier/reader.py``): fetches read off the loop,
+    round-robin between tenants, within a share of bytes each."""
+    queued: int = 0              # fetches queued or being read
+    bytes: int = 0               # held for them: chunks and blocks to read, blocks served, answers not sent
+    refused: dict[str, int] = {} # fetches refused (answered ``busy``) by reason: tenant_bytes (its share taken)
+
+
 class TierStatus(msgspec.Struct, kw_only=True):
     """The node's tier below device memory (``KVELASTIC_TIER_DIR``)."""
     budget_bytes: int
@@ -89,6 +97,7 @@ class TierStatus(msgspec.Struct, kw_only=True):
     namespaces: dict[ShownName, int] = {}   # namespace -> its blocks
     counters: dict[str, int] = {}           # TierStats.counters(): demotions, hits, evictions_*, failures_*
     load_seconds: LoadLatency = msgspec.field(default_factory=LoadLatency)
+    reads: TierReads = msgspec.field(default_factory=TierReads)   # the loop's, not the books'
 
 
 class RestartStatus(msgspec.Struct, kw_only=True):

@@ -69,6 +69,7 @@ class Daemon:
         self.tier_store = tier_store
         self.tier_io = TierIO(self.devices, tier_store)
         self._tier_wake = self.tier_io.writer.wake_fd if self.tier_io.writer is not None else -1
+        self._tier_read_wake = self.tier_io.reader.wake_fd if self.tier_io.reader is not None else -1
         self.keeper = keeper
         self.clock = clock
         self.allocator = Allocator({d.name: d.budget_pages for d in devices}, devices[0].page_size,
@@ -95,6 +96,8 @@ class Daemon:
         self.poller.register(self.router, zmq.POLLIN)
         if self._tier_wake >= 0:      # the tier's writer says a write finished
             self.poller.register(self._tier_wake, zmq.POLLIN)
+        if self._tier_read_wake >= 0:     # the tier's reader says a fetch is read
+            self.poller.register(self._tier_read_wake, zmq.POLLIN)
         self.tenancy = tenancy or Tenancy(daemon_uid=access.uid)
         self.peers = PeerTable(p.fd_socket_path(socket_path), self.poller, access, self.tenancy,
                                _descriptors_per_tenant(sum(d.budget_pages for d in devices)))
@@ -146,9 +149,12 @@ class Daemon:
                     except zmq.Again:
                         break
                     self._dispatch(frames)
-            self._service_peers({fd for fd in ready if isinstance(fd, int) and fd != self._tier_wake}, now)
+            self._service_peers({fd for fd in ready if isinstance(fd, int)
+                                 and fd not in (self._tier_wake, self._tier_read_wake)}, now)
             if self._tier_wake in ready:
                 self._tier_writes(now)
+            if self._tier_read_wake in ready:
+                self._tier_reads(now)
             if now - last_journals >= JOURNAL_READ_INTERVAL:
                 last_journals = now
                 for fd in self.peers.lifelines():   # they do not wake the loop (``peers.read_greetings``)
@@ -169,7 +175,7 @@ class Daemon:
                     log.exception("internal error in the periodic pass")
                 # /metrics reads this from its own thread: a fresh immutable copy
                 # each tick (Status requests are answered from the books directly).
-                self.snapshot = self.allocator.status()
+                self.snapshot = self._with_reads(self.allocator.status())
                 self.metrics.published()
 
     def _tier_writes(self, now: float) -> None:
@@ -177,6 +183,40 @@ class Daemon:
         written, failed = self.tier_io.finished()
         if written or failed:
             self._perform(self.allocator.tier_written(written, failed, now))
+
+    def _tier_reads(self, now: float) -> None:
+        """The tier's reader read fetches: each answered, and a block done with
+        (its last chunk, or failed) reported to the allocator. A block no longer
+        servable was invalidated or dropped while read: answered "not served"
+        (``TierIO.reads``) and left pinned for the engine's next word on it
+        (a fetch of it ends the pin, as does a release, the lease's end)."""
+        tier = self.allocator.tiering.tier
+        for fetch, reply, error, finished in self.tier_io.reads(tier.servable if tier is not None else _never):
+            follow = self.allocator.tier_read(fetch.lease, fetch.block, error, now) \
+                if finished and error != "gone" else []
+            self._perform([fx.Send(fetch.to, reply), *follow])
+
+    def _tier_fetch(self, effect: fx.ReadTierBlock) -> list[fx.Effect]:
+        """Hand a fetch to the tier's reader, with its tenant and engine (the
+        lease's), or refuse it ``busy`` (the tenant's share of the reader is
+        taken): nothing changes, the engine may fetch again."""
+        lease = self.allocator.tiering.leases.get(effect.lease)
+        engine = self.allocator.engines.get(lease.engine_id) if lease is not None else None
+        tier = self.allocator.tiering.tier
+        refused = self.tier_io.read(effect, engine.uid if engine is not None else -1,
+                                    lease.engine_id if lease is not None else "",
+                                    tier.nbytes(effect.slot) if tier is not None else 0)
+        if not refused:
+            return []
+        message = f"tier fetch refused ({refused}): this tenant's fetches in flight fill its share of the reader"
+        return [fx.Rejected(p.Reason.BUSY),
+                fx.Send(effect.to, p.Error(req_id=effect.req_id, reason=p.Reason.BUSY.value, message=message))]
+
+    def _with_reads(self, report: StatusReport) -> StatusReport:
+        """The status report with the tier's reader's figures (the loop's, not the books')."""
+        if report.tier is not None:
+            report.tier.reads = self.tier_io.report()
+        return report
 
     def close(self) -> None:
         """Stop without unmapping anything: engines keep serving from the pages
@@ -377,6 +417,8 @@ class Daemon:
         if isinstance(effect, fx.Send):
             if effect.channel is not None and self._send_on_channel(effect.channel, effect.msg):
                 return []
+            if isinstance(effect.msg, p.StatusReply):
+                self._with_reads(effect.msg.status)
             try:
                 self.router.send_multipart([effect.to, p.encode(effect.msg)], zmq.NOBLOCK)
             except zmq.ZMQError as exc:
@@ -402,6 +444,7 @@ class Daemon:
             self.metrics.rejected.labels(effect.reason.value).inc()
         elif isinstance(effect, fx.DeleteTierBlocks):
             self.tier_io.delete(effect.slots)
+            self.tier_io.forget(effect.slots)       # the reader lets go of them
             return self.allocator.tiering.deleted(effect.slots)     # announced ones: published removed
         elif isinstance(effect, fx.DemoteBlocks):    # read before the ReleasePages that follow it
             staged, failed = self.tier_io.demote(effect)
@@ -411,10 +454,8 @@ class Daemon:
         elif isinstance(effect, fx.WriteStaged):
             cancelled, failed = self.tier_io.write_staged(effect)
             return self.allocator.tier_written(cancelled, failed, now) if cancelled or failed else []
-        elif isinstance(effect, fx.ReadTierBlock):
-            reply, error, finished = self.tier_io.read(effect)
-            follow = self.allocator.tier_read(effect.lease, effect.block, error, now) if finished else []
-            return [fx.Send(effect.to, reply), *follow]
+        elif isinstance(effect, fx.ReadTierBlock):   # read off the loop, answered by ``_tier_reads``
+            return self._tier_fetch(effect)
         elif isinstance(effect, fx.GrantLatency):
             self.metrics.grant_latency.labels(effect.device).observe(effect.seconds)
             if effect.demand:
@@ -474,6 +515,10 @@ class Daemon:
             held = {pg for e in (*self.allocator.engines.values(), *self.allocator.departing.values())
                     for s in e.slabs.values() for pg, d in zip(s.pages, s.page_devices) if d == name}
             require(set(device.pages) == held | set(self.allocator.pools[name].free), f"device {name}: handles differ")
+
+
+def _never(slot: int) -> bool:
+    return False
 
 
 def _descriptors_per_tenant(budget_pages: int) -> int:

@@ -4,9 +4,17 @@ and writes them to the ``DiskStore``; a ``TierFetch`` is answered with a chunk
 of a block read (and checked) from it. The loop reads the pages itself (they
 may be reused right after); the disk writes run on the store's writer
 thread (``tier/writer.py``), whose results the loop takes in each pass
-(``finished``) and reports to the allocator, which commits or aborts. Reads
-for fetches stay in the loop (a committed block, most often in the page
-cache).
+(``finished``) and reports to the allocator, which commits or aborts.
+
+Reads for fetches run on the store's reader threads (``tier/reader.py``),
+never in the loop: a block's size is the engine's choice (up to
+``MAX_BLOCK_BYTES``), and a tenant fetching large blocks from many
+connections would otherwise hold the loop that seals every other tenant's
+steps. The loop hands each fetch over with its tenant (the engine's uid) and
+engine (``read``: refused, ``busy``, past the tenant's share of the reader),
+takes the answers in each pass (``reads``: at most ``READS_PER_PASS``) and
+sends them, a block invalidated or dropped while it was read answered as
+not served.
 
 Blocks of a running engine (source B) are read into ``staged`` first and
 written only once the engine's journal proved they were not rewritten while
@@ -19,15 +27,24 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterable
 
 from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.devices import Device
+from kvelastic.status_report import TierReads
 from kvelastic.tier.disk import DiskStore
-from kvelastic.tier.errors import TierReadError
+from kvelastic.tier.reader import REFUSALS, ReadJob, TierReader
 from kvelastic.tier.writer import TierWriter, WriteJob
 
 log = logging.getLogger("kvelastic.daemon")
+
+# Answers the loop sends in one pass; more wait for the next pass (the
+# reader's descriptor stays readable), so a burst of answers never holds a
+# pass much longer than reading its frames does.
+READS_PER_PASS = 64
+# (the fetch, its answer, why its block failed or "", whether the block is done with)
+Answer = tuple[fx.ReadTierBlock, p.TierData, str, bool]
 
 
 def read_runs(devices: dict[str, Device], runs: tuple[tuple[str, int, int, int], ...]) -> bytes:
@@ -50,8 +67,10 @@ class TierIO:
     def __init__(self, devices: dict[str, Device], store: DiskStore | None) -> None:
         self.devices = devices
         self.store = store
-        self._last: tuple[int, bytes] | None = None    # the block read last (slot, payload): its next chunks
         self.writer = TierWriter(store) if store is not None else None
+        self.reader: TierReader[fx.ReadTierBlock] | None = TierReader(store) if store is not None else None
+        self.refused = dict.fromkeys(REFUSALS, 0)      # fetches refused, by reason
+        self._refused_tenants: set[int] = set()        # logged once each
         # Source B's copies awaiting the engine's word: slot -> (namespace, block, payload).
         self.staged: dict[int, tuple[str, fx.DemoteBlock, bytes]] = {}
 
@@ -119,27 +138,50 @@ class TierIO:
         return written, failed
 
     def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
         if self.writer is not None:
             self.writer.close()
 
-    def read(self, effect: fx.ReadTierBlock) -> tuple[p.TierData, str, bool]:
-        """The answer to a fetch, why the block failed ("" if it did not) and
-        whether the block is finished with (its last chunk, or failed)."""
-        try:
-            if self._last is not None and self._last[0] == effect.slot:
-                payload = self._last[1]
-            else:
-                if self.store is None:
-                    raise OSError("no tier store")
-                payload = self.store.read(effect.slot, effect.namespace, effect.key)
-                self._last = (effect.slot, payload)
-        except (TierReadError, OSError) as exc:
-            reason = exc.reason if isinstance(exc, TierReadError) else "io"
-            log.warning("tier: block %d of namespace %s dropped: %s", effect.slot, effect.namespace, exc)
-            return p.TierData(req_id=effect.req_id, lease=effect.lease, block=effect.block, offset=effect.offset,
-                              size=-1, data=b""), reason, True
-        end = min(len(payload), effect.offset + effect.chunk)
-        if end >= len(payload):
-            self._last = None
-        return p.TierData(req_id=effect.req_id, lease=effect.lease, block=effect.block, offset=effect.offset,
-                          size=len(payload), data=payload[effect.offset:end]), "", end >= len(payload)
+    # ------------------------------------------------------------ fetches
+    def read(self, effect: fx.ReadTierBlock, tenant: int, engine: str, nbytes: int) -> str:
+        """Hand a fetch of ``engine`` (of uid ``tenant``) of a block of
+        ``nbytes`` to the reader: "" when queued (its answer comes from
+        ``reads``), else why it is refused (counted; nothing queued)."""
+        if self.reader is None:
+            return "no_store"
+        refused = self.reader.submit(ReadJob(effect.slot, effect.namespace, effect.key, nbytes, effect.offset,
+                                             effect.chunk, tenant, engine, effect))
+        if refused:
+            self.refused[refused] = self.refused.get(refused, 0) + 1
+            if tenant not in self._refused_tenants:
+                if len(self._refused_tenants) > 4096:
+                    self._refused_tenants.clear()
+                self._refused_tenants.add(tenant)
+                log.warning("tier: fetches of uid %d refused: its share of the reader is taken (%s)", tenant, refused)
+        return refused
+
+    def reads(self, servable: Callable[[int], bool]) -> list[Answer]:
+        """The fetches read since the last call (at most ``READS_PER_PASS``).
+        A block not ``servable`` any more (invalidated or dropped while it was
+        read) is answered as not served, its bytes never sent."""
+        if self.reader is None:
+            return []
+        out: list[Answer] = []
+        for done in self.reader.finished(READS_PER_PASS):
+            fetch = done.ticket
+            size, data, error, finished = done.size, done.data, done.error, done.finished
+            if not servable(fetch.slot):
+                size, data, error, finished = -1, b"", "gone", True
+            out.append((fetch, p.TierData(req_id=fetch.req_id, lease=fetch.lease, block=fetch.block,
+                                          offset=fetch.offset, size=size, data=data), error, finished))
+        return out
+
+    def forget(self, slots: Iterable[int]) -> None:
+        """These slots' files were deleted: the reader lets go of them."""
+        if self.reader is not None:
+            self.reader.forget(slots)
+
+    def report(self) -> TierReads:
+        queued, held = self.reader.report() if self.reader is not None else (0, 0)
+        return TierReads(queued=queued, bytes=held, refused={k: n for k, n in self.refused.items() if n})

@@ -44,6 +44,12 @@ from collections.abc import Sequence
 from kvelastic.tier.books import TierBooks, TierEntry
 from kvelastic.tier.errors import TierSlotState
 
+# The largest block the tier takes (64 messages' worth): a fetch's block is
+# read and verified whole before its first chunk is served, and held for its
+# engine's next chunks, so its size bounds what one fetch costs the reader.
+# A larger block is never reserved (not demoted) nor restored (its file goes).
+MAX_BLOCK_BYTES = 64 << 20
+
 
 class TierIndex(TierBooks):
     """The tier's index and eviction (module docstring)."""
@@ -52,10 +58,13 @@ class TierIndex(TierBooks):
     def reserve(self, namespace: str, key: bytes, nbytes: int, cost: float, now: float,
                 parent: bytes | None = None) -> int | None:
         """Room for a demoted block's bytes: its slot (pending until ``commit``),
-        or None when the key is in the tier already or nothing can be evicted
-        to make room. May evict entries (``take_released``)."""
+        or None when the block is over ``MAX_BLOCK_BYTES``, the key is in the
+        tier already or nothing can be evicted to make room. May evict
+        entries (``take_released``)."""
         if nbytes <= 0 or not cost > 0 or parent == key:
             raise ValueError(f"nbytes and cost must be > 0 and a block is not its own parent, got {nbytes}, {cost}")
+        if nbytes > MAX_BLOCK_BYTES:
+            return None
         if key in self._keys.get(namespace, {}):
             self.stats.already_held += 1
             return None
@@ -102,13 +111,14 @@ class TierIndex(TierBooks):
     def restore(self, namespace: str, key: bytes, nbytes: int, slot: int, cost: float, now: float,
                 parent: bytes | None = None) -> bool:
         """A committed entry found by a store after a restart, at its own slot.
-        False (nothing added: the caller deletes the bytes) when the key is
-        held already or the budget has no room for it after evicting by value."""
+        False (nothing added: the caller deletes the bytes) when the block is
+        over ``MAX_BLOCK_BYTES``, the key is held already or the budget has no
+        room for it after evicting by value."""
         if nbytes <= 0 or not cost > 0 or slot < 0 or parent == key:
             raise ValueError(f"bad entry: nbytes {nbytes}, cost {cost}, slot {slot}, its own parent {parent == key}")
         if slot in self._entries or slot in self._released:
             raise TierSlotState(f"slot {slot} is in use")
-        if key in self._keys.get(namespace, {}) or not self._make_room(nbytes, "budget"):
+        if nbytes > MAX_BLOCK_BYTES or key in self._keys.get(namespace, {}) or not self._make_room(nbytes, "budget"):
             return False
         self._next_slot = max(self._next_slot, slot + 1)
         e = TierEntry(slot, namespace, key, parent, nbytes, cost, now)
