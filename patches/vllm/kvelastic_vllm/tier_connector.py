@@ -142,10 +142,12 @@ class KvelasticTierConnector(KVConnectorBase_V1):
         from kvelastic.client.connection import DaemonError, DaemonUnavailable
 
         engine_id = client.engine_id
+        lease = 0           # pinned and not ended yet: released on every way out
         try:
             pinned = client.conn.call(p.TierLookup(engine_id=engine_id, keys=keys), CALL_TIMEOUT)
             if not isinstance(pinned, p.TierPinned) or not pinned.lease:
                 return []
+            lease = pinned.lease
             wanted = 0
             while wanted < len(pinned.nbytes) and pinned.nbytes[wanted] == block_bytes:
                 wanted += 1
@@ -156,22 +158,31 @@ class KvelasticTierConnector(KVConnectorBase_V1):
                         or not reply.data:
                     break
                 data = bytearray(reply.data)
-                while len(data) < block_bytes:
-                    more = client.conn.call(p.TierFetch(engine_id=engine_id, lease=pinned.lease, block=block,
-                                                        offset=len(data)), CALL_TIMEOUT)
-                    if not isinstance(more, p.TierData) or more.size != block_bytes or more.offset != len(data) \
-                            or not more.data:
-                        break
-                    data += more.data
+                try:
+                    while len(data) < block_bytes:
+                        more = client.conn.call(p.TierFetch(engine_id=engine_id, lease=pinned.lease, block=block,
+                                                            offset=len(data)), CALL_TIMEOUT)
+                        if not isinstance(more, p.TierData) or more.size != block_bytes \
+                                or more.offset != len(data) or not more.data:
+                            break
+                        data += more.data
+                except DaemonError as exc:     # refused (the tenant's share of the reads is full): what is whole stays
+                    log.info("kvelastic: tier block %d of lease %d not loaded: %s", block, pinned.lease, exc)
                 if len(data) != block_bytes:
                     break
                 payloads.append(bytes(data))
-            if len(payloads) < len(pinned.nbytes):
-                client.conn.call(p.TierRelease(engine_id=engine_id, lease=pinned.lease), CALL_TIMEOUT)
+            if len(payloads) == len(pinned.nbytes):
+                lease = 0       # each block's last chunk unpinned it: the lease is over
             return payloads
         except (DaemonError, DaemonUnavailable) as exc:
             log.warning("kvelastic: tier lookup failed, computing instead: %s", exc)
             return []
+        finally:
+            if lease:           # the rest of its pins go now, not at its deadline
+                try:
+                    client.conn.call(p.TierRelease(engine_id=engine_id, lease=lease), CALL_TIMEOUT)
+                except (DaemonError, DaemonUnavailable) as exc:
+                    log.warning("kvelastic: tier lease %d not released (its deadline ends it): %s", lease, exc)
 
     @staticmethod
     def _first_chunks(conn: Any, engine_id: str, lease: int, blocks: int) -> list[p.Msg | None]:
