@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("daemon", help="run the per-node daemon in the foreground")
     p.set_defaults(func=_cmd_daemon)
 
-    p = sub.add_parser("keeper", help="hold the daemon's page descriptors so its pages outlive it (Step 20)")
+    p = sub.add_parser("keeper", help="hold the daemon's page descriptors so its pages outlive it (a warm restart)")
     p.set_defaults(func=_cmd_keeper)
 
     p = sub.add_parser("config", help="print the configuration read from KVELASTIC_* variables")

@@ -1,4 +1,4 @@
-"""The daemon's side of the keeper (``kvelastic keeper``, Step 20): every page
+"""The daemon's side of the keeper (``kvelastic keeper``): every page
 the daemon creates is deposited there, every page it lets go is forgotten, so
 the keeper always holds the daemon's pages and they outlive its process.
 

@@ -193,7 +193,7 @@ class Registration:
                 raise Rejected(p.Reason.BAD_ADOPTION, f"slab {slab_id}: occupancy {occ} does not add up")
         return sorted(held)
 
-    # ------------------------------------------------ lent records (issue 44)
+    # ----------------------------------------- lent records (warm restarts)
     def hold_lent(self, records: list[SavedLent], dropped: dict[tuple[str, int], str], until: float) -> None:
         """A predecessor's lent records to hold for claims until ``until``
         (``saved.adopt`` checked them; the loop holds their pages now, and

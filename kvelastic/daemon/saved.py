@@ -1,4 +1,4 @@
-"""The daemon's books as a new daemon takes them back (Step 20): what is
+"""The daemon's books as a new daemon takes them back (warm restarts): what is
 saved in the state file (``statefile.py``) and what, of it, a successor may
 adopt. No I/O: the loop writes and reads the file, the keeper holds pages.
 
@@ -6,7 +6,7 @@ Two kinds of record are saved:
 
 - the **kept cache** (``orphans.py``): departed engines' slabs with their
   pages, namespaces and cached keys, which only the daemon holds;
-- the **lent slabs** (issue 44): which pages back which slab of which
+- the **lent slabs**: which pages back which slab of which
   running engine's registration (its engine id, namespace, uid and a digest
   of its secret). A running engine re-registers with the slab ids it maps
   (``registration.py``); a lent record lets the successor adopt such a slab

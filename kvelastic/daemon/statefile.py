@@ -1,4 +1,4 @@
-"""The daemon's state file (Step 20): its books written so that a new daemon
+"""The daemon's state file (warm restarts): its books written so that a new daemon
 can take back what the old one held, and never trust what it cannot prove.
 
 What it holds is the caller's (a msgspec payload); this module makes its

@@ -1,4 +1,4 @@
-"""What a daemon hands to the next one (Step 20, issue 44): its kept cache
+"""What a daemon hands to the next one (warm restarts): its kept cache
 and its lent slabs, saved as they change, and taken back at start with the
 pages its keeper held.
 

@@ -1,2 +1,2 @@
 """The keeper: a process that only holds page descriptors, so that pages
-outlive the daemon that made them (Step 20; docs/warm-restarts.md)."""
+outlive the daemon that made them (docs/warm-restarts.md)."""

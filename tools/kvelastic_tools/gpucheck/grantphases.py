@@ -1,4 +1,4 @@
-"""Where a grant's time goes (issue 45: 2.2 ms at p50 on an H200 against
+"""Where a grant's time goes (2.2 ms at p50 on an H200 against
 33 us of driver calls per page). A grant makes these calls, in this order,
 across two processes; here each is timed alone, per slab, on the backend's
 own pages, so the sum can be set beside the grant end to end through a real

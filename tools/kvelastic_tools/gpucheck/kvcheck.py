@@ -170,7 +170,7 @@ def run_flow(sock: str, backend: str, c: Checks) -> dict[str, Any]:
             c.pending.append({"name": "a page that moves to another engine is a fresh physical page "
                                       "(DESIGN invariant 6)",
                               "detail": f"a descriptor kept by A of a reclaimed page shows {stale}: the daemon "
-                                        "zeroes and reuses pages across engines today (Step 7)"})
+                                        "zeroes and reuses pages across engines today"})
         c.add("a kept descriptor never shows anything but A's own bytes or B's zeroed-then-written page",
               all(s in ("own", "B's data", "zeros") for s in stale), stale)
         b_again = b.call("attend")

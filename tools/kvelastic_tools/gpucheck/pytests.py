@@ -27,7 +27,7 @@ FLOW_TESTS = [
     "tests/daemon/test_failures.py::test_daemon_kill_9_and_restart",   # restart with adoption
     "tests/daemon/test_workers.py",                 # two workers of one engine on one device
     "tests/daemon/test_safe_point.py",              # no unmap while a step runs (device sync first)
-    # Step 20: the kept cache across the daemon's kill -9 and SIGTERM, its pages held by the keeper
+    # Warm restarts: the kept cache across the daemon's kill -9 and SIGTERM, its pages held by the keeper
     # (on CUDA: exported handles, imported again by the next daemon and mapped by the next engine).
     "tests/daemon/test_keeper_daemon.py::test_the_kept_cache_survives_the_daemon",
 ]

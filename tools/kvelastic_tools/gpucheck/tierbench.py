@@ -1,4 +1,4 @@
-"""The GPU kit's tier figures (part 4, issue 43 item 8): demote and promote
+"""The GPU kit's tier figures (part 4): demote and promote
 bandwidth per 2 MiB page between the backend's pages, mapped in an arena as
 an engine's KV is, and pinned host memory (what a GPU node's host tier
 holds), against a plain ``cudaMemcpyAsync`` of the same bytes between a

@@ -24,7 +24,7 @@ prefill tokens (prompt tokens not served from cache), TTFT p50/p90/p99
 offline from the trace), so a router's hit rate over the oracle's is at most
 1. Per seed: the kv mode's hit rate against the oracle, and its TTFT over
 round-robin's at p50, p90 and p99; over the seeds: min, median and max.
-Targets (issue 45, judged on the median over the seeds): hit rate at least
+Targets (judged on the median over the seeds): hit rate at least
 0.9 of the oracle's, TTFT p90 at most 0.6x round-robin's.
 """
 

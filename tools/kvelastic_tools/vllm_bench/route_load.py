@@ -54,7 +54,7 @@ class Shape:
         return min(self.slots, self.users)
 
 
-# Per mode and seed: 16 warm-up requests, 404 measured (issue 45: at least 400, so that a p99 is
+# Per mode and seed: 16 warm-up requests, 404 measured (at least 400, so that a p99 is
 # not one request). The longest prompt, 256 + 4 x (48 + 16) + 48 = 560 tokens, fits --max-model-len.
 FULL = Shape(tenants=4, users=84, turns=5, system_len=256, message_len=48, max_tokens=16, concurrency=16)
 QUICK = Shape(tenants=2, users=8, turns=3, system_len=96, message_len=40, max_tokens=8, concurrency=4)

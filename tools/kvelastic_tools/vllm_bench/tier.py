@@ -1,4 +1,4 @@
-"""``kvelastic bench tier``: the node tier (docs/tier.md, issue 43) against
+"""``kvelastic bench tier``: the node tier (docs/tier.md) against
 stock vLLM, kvelastic without the tier and vLLM's own KV offloading.
 
 Three engines (real vLLM, CPU build, one process per engine life:
@@ -91,7 +91,7 @@ QUICK_MODES = ("stock", "tier")
 SWEEP = (32, 128, 256, 512, 1024, 2016)   # L + 1 tokens within the tiny model's 2,048 positions
 REPEATS = 3                               # prompts per L (the median is reported)
 QUICK_SWEEP = (32, 256)
-# Issue 43's targets for the tier mode.
+# The targets for the tier mode.
 TARGETS = {"hit_rate_over_oracle_min": 0.9, "ttft_p50_over_kvelastic_max": 0.5, "throughput_over_kvelastic_min": 1.0}
 
 
