@@ -23,6 +23,7 @@ from kvelastic.status_report import LoadLatency, RestartStatus, StatusReport, Ti
 from kvelastic.tier.reader import REFUSALS as TIER_READ_REFUSALS
 from kvelastic.tier.stats import EVICTION_REASONS as TIER_EVICTION_REASONS
 from kvelastic.tier.stats import FAILURE_REASONS as TIER_FAILURE_REASONS
+from kvelastic.tier.stats import REFUSAL_REASONS as TIER_REFUSAL_REASONS
 
 PREFIX = "kvelastic"
 # Every reason the daemon rejects a message for, so each counter exists from
@@ -258,6 +259,8 @@ TIER_COUNTERS = (
     ("tier_hit_blocks", "hit_blocks", "Blocks the tier held when asked (pinned for a load)."),
     ("tier_rejected_full", "rejected_full", "Demotions refused: the room left is held by loads and writes."),
     ("tier_restored", "restored", "Blocks found whole on disk when the daemon started."),
+    ("tier_staging_retried", "staging_retried",
+     "Blocks of running engines copied on a later journal, once refused for room in the staging."),
 )
 
 
@@ -285,7 +288,8 @@ def tier_families(tier: TierStatus) -> Iterator[Metric]:
         evictions.add_metric([reason], tier.counters.get(f"evictions_{reason}", 0))
     failures = CounterMetricFamily(f"{PREFIX}_tier_failures",
                                    "Blocks lost to a failure: disk_full, io, torn, checksum, identity (bytes that "
-                                   "failed their check, never served), load (a load not finished).",
+                                   "failed their check, never served), load (a load not finished), evicted_share "
+                                   "(a copy discarded unconfirmed for another tenant's share of the staging).",
                                    labels=["reason"])
     for reason in TIER_FAILURE_REASONS:
         failures.add_metric([reason], tier.counters.get(f"failures_{reason}", 0))
@@ -296,7 +300,30 @@ def tier_families(tier: TierStatus) -> Iterator[Metric]:
     for reason in TIER_READ_REFUSALS:
         refused.add_metric([reason], tier.reads.refused.get(reason, 0))
     yield from (evictions, failures, refused)
+    yield from tier_share_families(tier)
     yield tier_load_family(tier.load_seconds)
+
+
+def tier_share_families(tier: TierStatus) -> Iterator[Metric]:
+    """What each tenant holds of what the tier shares, and what was refused for it (docs/tier.md, "Shares")."""
+    refused = CounterMetricFamily(f"{PREFIX}_tier_share_refusals",
+                                  "Refusals for a tenant's share of the tier, each counted once: pin_share (a "
+                                  "lookup cut short or refused: its tenant pins its share), pin_held (the same: "
+                                  "the block was pinned too long and rests), leases (a lookup refused: its "
+                                  "tenant holds its leases), staging (a block not copied for room: retried).",
+                                  labels=["reason"])
+    for reason in TIER_REFUSAL_REASONS:
+        refused.add_metric([reason], tier.counters.get(f"refused_{reason}", 0))
+    pinned = GaugeMetricFamily(f"{PREFIX}_tier_tenant_pinned_bytes",
+                               "Bytes of the tier a tenant's leases pin, by uid (a block pinned twice counts twice).",
+                               labels=["uid"])
+    staged = GaugeMetricFamily(f"{PREFIX}_tier_tenant_staged_bytes",
+                               "Bytes of the staging a tenant's copies hold until their engines confirm them, by uid.",
+                               labels=["uid"])
+    for uid, share in tier.shares.tenants.items():
+        pinned.add_metric([uid], share.pinned_bytes)
+        staged.add_metric([uid], share.staged_bytes)
+    yield from (refused, pinned, staged)
 
 
 def tier_load_family(load: LoadLatency) -> HistogramMetricFamily:

@@ -88,6 +88,24 @@ class TierReads(msgspec.Struct, kw_only=True):
     refused: dict[str, int] = {} # fetches refused (answered ``busy``) by reason: tenant_bytes (its share taken)
 
 
+class TenantTierShare(msgspec.Struct, kw_only=True):
+    """What one tenant (uid) holds of what the node's tier shares."""
+    pins: int = 0                # pins its engines' leases hold (a block pinned twice counts twice)
+    pinned_bytes: int = 0        # the bytes they hold, counted likewise
+    leases: int = 0              # its engines' leases
+    staged_bytes: int = 0        # its running engines' copies awaiting their ack (source B)
+
+
+class TierShares(msgspec.Struct, kw_only=True):
+    """Each tenant's part of the tier's pins, leases and staging, and the
+    bounds on it (docs/tier.md, "Shares"); refusals are ``refused_*`` counters."""
+    pin_share_bytes: int = 0     # the bytes one tenant's pins may hold
+    max_pins: int = 0            # the pins one tenant may hold
+    max_leases: int = 0          # the leases one tenant's engines may hold
+    staging_share_bytes: int = 0  # the staging one tenant's copies may hold
+    tenants: dict[str, TenantTierShare] = {}   # uid (as text, as JSON has it) -> what it holds now
+
+
 class TierStatus(msgspec.Struct, kw_only=True):
     """The node's tier below device memory (``KVELASTIC_TIER_DIR``)."""
     budget_bytes: int
@@ -97,6 +115,7 @@ class TierStatus(msgspec.Struct, kw_only=True):
     namespaces: dict[ShownName, int] = {}   # namespace -> its blocks
     counters: dict[str, int] = {}           # TierStats.counters(): demotions, hits, evictions_*, failures_*
     load_seconds: LoadLatency = msgspec.field(default_factory=LoadLatency)
+    shares: TierShares = msgspec.field(default_factory=TierShares)
     reads: TierReads = msgspec.field(default_factory=TierReads)   # the loop's, not the books'
 
 

@@ -171,7 +171,7 @@ class Allocator:
         return self.growth.more_work
 
     def status(self) -> StatusReport:
-        return report.status(self.books)
+        return report.status(self.books, report.tier_shares(self.tiering, self.staging))
 
     def check(self) -> None:
         report.check(self.books)

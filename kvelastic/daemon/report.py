@@ -6,14 +6,26 @@ from __future__ import annotations
 
 from kvelastic.daemon.arbiter import is_idle
 from kvelastic.daemon.books import Books
+from kvelastic.daemon.staging import MAX_STAGED_PER_TENANT, Staging
 from kvelastic.daemon.state import Phase
+from kvelastic.daemon.tiering import MAX_TENANT_LEASES, Tiering
 from kvelastic.errors import require
-from kvelastic.status_report import EngineStatus, LoadLatency, MemoryStatus, PageCounts, StatusReport, TierStatus
+from kvelastic.status_report import (
+    EngineStatus,
+    LoadLatency,
+    MemoryStatus,
+    PageCounts,
+    StatusReport,
+    TenantTierShare,
+    TierShares,
+    TierStatus,
+)
 from kvelastic.tier.index import TierIndex
 from kvelastic.tier.stats import LOAD_BUCKETS
 
 
-def status(books: Books) -> StatusReport:
+def status(books: Books, shares: TierShares | None = None) -> StatusReport:
+    """``shares``: each tenant's part of the tier (``tier_shares``), where the caller has the parts that hold it."""
     held = dict.fromkeys(books.pools, 0)
     cached = dict.fromkeys(books.pools, 0)
     quarantined = dict.fromkeys(books.pools, 0)
@@ -56,16 +68,36 @@ def status(books: Books) -> StatusReport:
         pages=PageCounts(**{k: sum(getattr(d.pages, k) for d in devices)
                               for k in ("created", "free", "adopted", "quarantined")}),
         devices=devices, engines=engines, orphans=books.orphans.status(books.now, books.page_size),
-        tier=None if books.tier is None else tier_status(books.tier), restart=books.restart)
+        tier=None if books.tier is None else tier_status(books.tier, shares), restart=books.restart)
 
 
-def tier_status(tier: TierIndex) -> TierStatus:
+def tier_status(tier: TierIndex, shares: TierShares | None = None) -> TierStatus:
     namespaces = tier.namespaces()
     return TierStatus(budget_bytes=tier.budget_bytes, bytes=tier.bytes_used, blocks=sum(namespaces.values()),
                       writing=tier.writing(),
                       namespaces=namespaces, counters=tier.stats.counters(),
                       load_seconds=LoadLatency(buckets=list(LOAD_BUCKETS), counts=list(tier.stats.load_counts),
-                                               sum=tier.stats.load_seconds_sum))
+                                               sum=tier.stats.load_seconds_sum),
+                      shares=TierShares() if shares is None else shares)
+
+
+def tier_shares(tiering: Tiering, staging: Staging) -> TierShares | None:
+    """What each tenant holds of the tier's pins (the index's), leases and
+    staging now, and the bounds on them; None without a tier."""
+    tier = tiering.tier
+    if tier is None:
+        return None
+    tenants: dict[str, TenantTierShare] = {}
+    for uid, held in tier.pins.tenants.items():
+        tenants.setdefault(str(uid), TenantTierShare()).pins = held.pins
+        tenants[str(uid)].pinned_bytes = held.nbytes
+    for uid, n in tiering.tenant_leases.items():
+        tenants.setdefault(str(uid), TenantTierShare()).leases = n
+    for uid, n in staging.tenant_bytes.items():
+        tenants.setdefault(str(uid), TenantTierShare()).staged_bytes = n
+    return TierShares(pin_share_bytes=int(tier.budget_bytes * tier.pins.share), max_pins=tier.pins.max_pins,
+                      max_leases=MAX_TENANT_LEASES, staging_share_bytes=MAX_STAGED_PER_TENANT,
+                      tenants=dict(sorted(tenants.items())))
 
 
 def check(books: Books) -> None:

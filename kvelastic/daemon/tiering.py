@@ -32,6 +32,18 @@ a lease; ``TierFetch`` reads one block of it (in chunks under
 that fails its check is dropped; ``TierRelease``, the lease's deadline and
 the engine's departure unpin what is left. No pin outlives its engine.
 
+**Shared fairly.** A lease keeps its slots only (a slot names one block for
+life; the key a read checks comes from the index, ``key_of``), and what
+leases hold is bounded per tenant (the engine's uid), not only per engine:
+``MAX_LEASES`` an engine, ``MAX_TENANT_LEASES`` a tenant, and the pins of a
+tenant's leases within its share of the tier (``tier/pins.py``: a quarter of
+the budget's bytes, ``MAX_TENANT_PINS`` pins, and no block pinned on and on
+without loads). A lookup past its tenant's share pins what fits, or is
+refused ``BUSY`` when nothing does; each refusal is counted
+(``TierStats.refused``). So a tenant's lease state is at most
+``MAX_TENANT_LEASES`` records and ``MAX_TENANT_PINS`` slots, whatever its
+engines send.
+
 **Routers see it.** A committed block is published as ``BlockStored`` with the
 medium ``STORAGE`` under the pseudo-engine of the tier (topic ``kv@@NAMESPACE``,
 ``kv_events.tier_topic``): on the tier stream, its label, the engine's own
@@ -56,6 +68,7 @@ from kvelastic.daemon.events import node_stored, parents_first, tier_stored
 from kvelastic.daemon.orphans import OrphanSlab
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.state import EngineRecord, SlabRecord, SlabShape, shape_of
+from kvelastic.errors import require
 from kvelastic.kv_events import MEDIUM_STORAGE, BlockRemoved, BlockStored, KVEvent, tier_topic
 from kvelastic.tier.disk import DiskEntry
 from kvelastic.tier.index import TierIndex
@@ -63,6 +76,10 @@ from kvelastic.tier.index import TierIndex
 log = logging.getLogger("kvelastic.daemon")
 
 MAX_LEASES = 64              # leases one engine may hold at once
+# And one tenant (uid), all its engines together: with the index's bound on
+# its pins (``tier/pins.py``), its lease state is bounded whatever its number
+# of engines (a reader engine holds no slab, so nothing else bounds them).
+MAX_TENANT_LEASES = 256
 LEASE_TIMEOUT = 30.0         # a lease not released by then is ended (its blocks unpinned, counted as failed loads)
 CHUNK = p.MAX_MESSAGE_BYTES - (64 << 10)   # bytes of a block per TierData (room for the envelope)
 # ``SlabRecord.handoff_to`` of a slab reclaimed from a running engine whose
@@ -103,12 +120,15 @@ def block_runs(shape: SlabShape, page_size: int, pages: list[int], page_devices:
 
 @dataclasses.dataclass
 class Lease:
+    """Pins of one lookup. Its slots only, never the keys asked for: a slot
+    names one block for life, and the key its read checks is the index's
+    (``TierIndex.key_of``, there while pinned)."""
     lease: int
     engine_id: str
     serial: int                       # the registration that holds it
+    uid: int                          # its tenant: the index counts its pins against that tenant's share
     namespace: str
     slots: list[int]
-    keys: list[bytes]
     done: list[bool]                  # unpinned already (loaded, or dropped)
     deadline: float
     started: float                    # when its TierLookup came: each block's load latency runs from here
@@ -121,6 +141,8 @@ class Tiering:
         self.books = books
         self.leases: dict[int, Lease] = {}
         self._next_lease = 1
+        self._engine_leases: dict[int, int] = {}   # registration serial -> its leases
+        self.tenant_leases: dict[int, int] = {}    # uid -> its engines' leases
         # The tier's blocks as routers hear of them, by slot: (namespace, event).
         self._announcing: dict[int, tuple[str, bytes, BlockStored]] = {}   # reserved, written not yet
         self.announced: dict[int, tuple[str, bytes, BlockStored]] = {}     # published stored
@@ -307,36 +329,50 @@ class Tiering:
         tier = self.tier
         if tier is None or not m.keys:
             return p.TierPinned(lease=0, nbytes=[])
-        if sum(1 for lease in self.leases.values() if lease.serial == engine.serial) >= MAX_LEASES:
+        if self._engine_leases.get(engine.serial, 0) >= MAX_LEASES:
             raise Rejected(p.Reason.BUSY, f"engine {engine.engine_id} holds {MAX_LEASES} tier leases already")
-        slots = tier.lookup(engine.namespace, m.keys, self.books.now)
+        if self.tenant_leases.get(engine.uid, 0) >= MAX_TENANT_LEASES:
+            tier.stats.refused["leases"] += 1
+            raise Rejected(p.Reason.BUSY, f"uid {engine.uid}'s engines hold {MAX_TENANT_LEASES} tier leases already")
+        slots, cut = tier.pin(engine.namespace, m.keys, self.books.now, tenant=engine.uid)
         if not slots:
+            if cut:
+                raise Rejected(p.Reason.BUSY, self._refusal(engine.uid, cut))
             return p.TierPinned(lease=0, nbytes=[])
-        lease = Lease(self._next_lease, engine.engine_id, engine.serial, engine.namespace, slots,
-                      list(m.keys[:len(slots)]), [False] * len(slots), self.books.now + LEASE_TIMEOUT,
-                      self.books.now)
+        lease = Lease(self._next_lease, engine.engine_id, engine.serial, engine.uid, engine.namespace, slots,
+                      [False] * len(slots), self.books.now + LEASE_TIMEOUT, self.books.now)
         self._next_lease += 1
         self.leases[lease.lease] = lease
+        self._engine_leases[engine.serial] = self._engine_leases.get(engine.serial, 0) + 1
+        self.tenant_leases[engine.uid] = self.tenant_leases.get(engine.uid, 0) + 1
         return p.TierPinned(lease=lease.lease, nbytes=[tier.nbytes(s) for s in slots])
+
+    def _refusal(self, uid: int, cut: str) -> str:
+        """Why a lookup pinned nothing of what the tier holds."""
+        tier = self.tier
+        assert tier is not None
+        if cut == "pin_held":
+            return "the tier's first block asked for was pinned too long: it rests (not pinned again yet)"
+        share = int(tier.budget_bytes * tier.pins.share)
+        return f"uid {uid} pins its share of the tier ({share} bytes, {tier.pins.max_pins} pins) already"
 
     def on_fetch(self, identity: bytes, m: p.TierFetch) -> p.Msg | None:
         lease = self._own_lease(identity, m.engine_id, m.lease)
         if not 0 <= m.block < len(lease.slots) or lease.done[m.block]:
             raise Rejected(p.Reason.BAD_REQUEST, f"block {m.block} of tier lease {m.lease} is not pinned")
-        assert self.tier is not None
-        if not 0 <= m.offset < self.tier.nbytes(lease.slots[m.block]):
+        tier = self.tier
+        assert tier is not None
+        slot = lease.slots[m.block]
+        if not 0 <= m.offset < tier.nbytes(slot):
             raise Rejected(p.Reason.BAD_REQUEST, f"offset {m.offset} is outside block {m.block}")
-        if not self.tier.servable(lease.slots[m.block]):
+        if not tier.servable(slot):
             # Invalidated (or dropped) since the lookup pinned it: its KV may
             # be stale, so the lease's pin ends here and nothing is read.
-            lease.done[m.block] = True
-            self.tier.unpin([lease.slots[m.block]], loaded=None)
-            if all(lease.done):
-                del self.leases[lease.lease]
-            self._delete_released()
+            self._unpin(lease, [m.block], loaded=None)
             return p.TierData(lease=lease.lease, block=m.block, offset=m.offset, size=-1, data=b"")
-        self.books.emit(fx.ReadTierBlock(identity, m.req_id, lease.lease, m.block, lease.slots[m.block],
-                                         lease.namespace, lease.keys[m.block], m.offset, CHUNK))
+        namespace, key = tier.key_of(slot)     # pinned: its entry is there
+        self.books.emit(fx.ReadTierBlock(identity, m.req_id, lease.lease, m.block, slot, namespace, key, m.offset,
+                                         CHUNK))
         return None
 
     def read(self, lease_id: int, block: int, error: str) -> None:
@@ -345,17 +381,12 @@ class Tiering:
         lease, tier = self.leases.get(lease_id), self.tier
         if lease is None or tier is None or lease.done[block]:
             return
-        lease.done[block] = True
-        slot = lease.slots[block]
         if error:
-            tier.drop(slot, error)
-            tier.unpin([slot], loaded=None)
+            tier.drop(lease.slots[block], error)
+            self._unpin(lease, [block], loaded=None)
         else:
-            tier.unpin([slot], loaded=True)
+            self._unpin(lease, [block], loaded=True)
             tier.stats.observe_load(self.books.now - lease.started)
-        if all(lease.done):
-            del self.leases[lease_id]
-        self._delete_released()
 
     def on_release(self, identity: bytes, m: p.TierRelease) -> p.Msg:
         lease = self._own_lease(identity, m.engine_id, m.lease)
@@ -377,12 +408,35 @@ class Tiering:
     def pinned(self) -> int:
         return sum(d is False for lease in self.leases.values() for d in lease.done)
 
+    def check(self) -> None:
+        """The lease counts are the leases' (the index checks the pins)."""
+        engines: dict[int, int] = {}
+        tenants: dict[int, int] = {}
+        for lease in self.leases.values():
+            require(not all(lease.done), f"tier lease {lease.lease} pins nothing and was kept")
+            engines[lease.serial] = engines.get(lease.serial, 0) + 1
+            tenants[lease.uid] = tenants.get(lease.uid, 0) + 1
+        require(engines == self._engine_leases and tenants == self.tenant_leases, "tier lease counts are off")
+        require(all(n <= MAX_TENANT_LEASES for n in tenants.values()), "a tenant holds too many tier leases")
+
     def _end(self, lease: Lease, loaded: bool | None) -> None:
-        self.leases.pop(lease.lease, None)
-        left = [s for s, d in zip(lease.slots, lease.done) if not d]
-        if left and self.tier is not None:
-            self.tier.unpin(left, loaded=loaded)
-            self._delete_released()
+        self._unpin(lease, [i for i, d in enumerate(lease.done) if not d], loaded)
+
+    def _unpin(self, lease: Lease, blocks: list[int], loaded: bool | None) -> None:
+        """These blocks of ``lease`` are done with (``loaded``: ``TierIndex.unpin``);
+        the lease ends with its last pin."""
+        tier = self.tier
+        assert tier is not None
+        for block in blocks:
+            lease.done[block] = True
+        if blocks:
+            tier.unpin([lease.slots[b] for b in blocks], loaded=loaded, tenant=lease.uid, now=self.books.now)
+        if all(lease.done) and self.leases.pop(lease.lease, None) is not None:
+            for counts, holder in ((self._engine_leases, lease.serial), (self.tenant_leases, lease.uid)):
+                counts[holder] -= 1
+                if not counts[holder]:
+                    del counts[holder]
+        self._delete_released()
 
     def _own_lease(self, identity: bytes, engine_id: str, lease_id: int) -> Lease:
         engine = self.books.own_engine(identity, engine_id)

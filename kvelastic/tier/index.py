@@ -43,6 +43,7 @@ from collections.abc import Sequence
 
 from kvelastic.tier.books import TierBooks, TierEntry
 from kvelastic.tier.errors import TierSlotState
+from kvelastic.tier.pins import PinBooks, Tenant
 
 # The largest block the tier takes (64 messages' worth): a fetch's block is
 # read and verified whole before its first chunk is served, and held for its
@@ -53,6 +54,16 @@ MAX_BLOCK_BYTES = 64 << 20
 
 class TierIndex(TierBooks):
     """The tier's index and eviction (module docstring)."""
+
+    def __init__(self, budget_bytes: int, *, half_life: float = 300.0, pins: PinBooks | None = None) -> None:
+        super().__init__(budget_bytes, half_life=half_life)
+        self.pins = PinBooks() if pins is None else pins    # each tenant's share, each block's stretch
+
+    def check(self) -> None:
+        """The books' invariants (``books.py``), and the pins': each tenant's
+        add up to the entries', a stretch for each pinned entry."""
+        super().check()
+        self.pins.check({slot: (e.pins, e.nbytes) for slot, e in self._entries.items()})
 
     # --------------------------------------------------------- demotion
     def reserve(self, namespace: str, key: bytes, nbytes: int, cost: float, now: float,
@@ -139,19 +150,38 @@ class TierIndex(TierBooks):
         return self._make_room(0, "budget")
 
     # -------------------------------------------------------- promotion
-    def lookup(self, namespace: str, keys: Sequence[bytes], now: float) -> list[int]:
+    def lookup(self, namespace: str, keys: Sequence[bytes], now: float, *, tenant: Tenant = None) -> list[int]:
         """The slots of the longest run of committed entries for ``keys[0]``,
-        ``keys[1]``, ...: each one hit at ``now`` and pinned until ``unpin``."""
+        ``keys[1]``, ...: each one hit at ``now`` and pinned until ``unpin``
+        (``pin``: within ``tenant``'s share, none of them resting)."""
+        return self.pin(namespace, keys, now, tenant=tenant)[0]
+
+    def pin(self, namespace: str, keys: Sequence[bytes], now: float, *,
+            tenant: Tenant = None) -> tuple[list[int], str]:
+        """``lookup``, and why the run was cut short of what the tier holds: ""
+        (it was not), "pin_share" (``tenant`` pins its share: of the budget's
+        bytes, or of pins), "pin_held" (the next block was pinned too long, or
+        rests: ``pins.py``); the cut is counted (``stats.refused``)."""
         found: list[TierEntry] = []
-        table = self._keys.get(namespace)
-        if table:
-            for key in keys:
-                slot = table.get(key)
-                if slot is None or not self._entries[slot].committed:
-                    break
-                found.append(self._entries[slot])
+        cut, taking = "", 0
+        table = self._keys.get(namespace, {})
+        for key in keys:
+            slot = table.get(key)
+            if slot is None or not self._entries[slot].committed:
+                break
+            e = self._entries[slot]
+            if not self.pins.pinnable(slot, e.pins > 0, now):
+                cut = "pin_held"
+            elif not self.pins.fits(tenant, self.budget_bytes, len(found), taking, e.nbytes):
+                cut = "pin_share"
+            if cut:
+                self.stats.refused[cut] += 1
+                break
+            found.append(e)
+            taking += e.nbytes
         for e in found:
             self._hit(e, now)
+            self.pins.pinned(tenant, e.slot, e.nbytes, e.pins == 0, now)
             if e.pins == 0:
                 self.held_bytes += e.nbytes
             e.pins += 1
@@ -160,28 +190,35 @@ class TierIndex(TierBooks):
         self.stats.lookup_blocks += len(keys)
         self.stats.hit_blocks += len(found)
         self.stats.miss_blocks += len(keys) - len(found)
-        return [e.slot for e in found]
+        return [e.slot for e in found], cut
 
-    def unpin(self, slots: Sequence[int], *, loaded: bool | None = True) -> None:
-        """The load of ``slots`` ended: well (``loaded``), or not (counted as a
-        ``load`` failure), or they were not loaded and that is no failure
-        (``None``: released unused, or dropped and counted as such). A dead
-        entry is freed with its last pin."""
+    def unpin(self, slots: Sequence[int], *, loaded: bool | None = True, tenant: Tenant = None,
+              now: float | None = None) -> None:
+        """The load of ``slots`` by ``tenant`` (whose ``lookup`` pinned them)
+        ended at ``now``: well (``loaded``), or not (counted as a ``load``
+        failure), or they were not loaded and that is no failure (``None``:
+        released unused, or dropped and counted as such). A dead entry is
+        freed with its last pin. A block whose last pin ends may rest
+        (``pins.py``; never without ``now``)."""
         wanted: dict[int, int] = {}
         for slot in slots:
             wanted[slot] = wanted.get(slot, 0) + 1
         for slot, n in wanted.items():
             if self._entry(slot).pins < n:
                 raise TierSlotState(f"slot {slot} is unpinned {n} time(s) with {self._entries[slot].pins} pin(s)")
+        self.pins.check_unpin(tenant, len(slots), sum(self._entries[s].nbytes for s in slots))
         for slot in slots:
             e = self._entries[slot]
             e.pins -= 1
+            self.pins.unpinned(tenant, slot, e.nbytes, e.pins == 0, loaded, None if e.dead else now)
             if e.pins == 0:
                 if e.dead:
                     self._free(e)
                 else:
                     self.held_bytes -= e.nbytes
                     self._refresh(e)
+        if len(self.pins.rest) > 2 * len(self._entries) + 64:     # rests of freed slots: drop them
+            self.pins.forget(self._entries)
         if loaded:
             self.stats.promotions += len(slots)
         elif loaded is not None:

@@ -16,8 +16,18 @@ EVICTION_REASONS = ("value", "invalidate", "budget")
 # or a running engine's block copied while still cached (source B) that the
 # engine dropped before it confirmed the copy ("raced": its bytes may have
 # been rewritten while read) or never confirmed (it left, resent its index or
-# ran past the deadline: "unconfirmed").
-FAILURE_REASONS = ("disk_full", "io", "torn", "checksum", "identity", "load", "raced", "unconfirmed")
+# ran past the deadline: "unconfirmed"), or discarded unconfirmed to give
+# another tenant its share of the staging ("evicted_share").
+FAILURE_REASONS = ("disk_full", "io", "torn", "checksum", "identity", "load", "raced", "unconfirmed",
+                   "evicted_share")
+# What a tenant (uid) was refused of what the node's tier shares, each
+# counted once per refusal: a lookup cut short or refused because its
+# tenant pins its share of the tier's budget or of its pins ("pin_share"),
+# or because the blocks were pinned too long ("pin_held": they rest);
+# a lookup refused because its tenant holds its leases ("leases"); a block
+# of a running engine not copied for lack of room in the staging, its
+# engine's or its tenant's share of it ("staging": retried later).
+REFUSAL_REASONS = ("pin_share", "pin_held", "leases", "staging")
 
 
 # Upper bounds (seconds) of the load latency histogram: from a block of a
@@ -46,6 +56,9 @@ class TierStats:
         default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
     failures: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
+    refused: dict[str, int] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(REFUSAL_REASONS, 0))
+    staging_retried: int = 0  # blocks of running engines copied on a later journal, once refused for room
     # Seconds from a lease's lookup to each of its blocks loaded (its last
     # chunk read): a count per ``LOAD_BUCKETS`` bound, not cumulative, and one
     # more for above the last; and their sum.
@@ -61,9 +74,10 @@ class TierStats:
     def counters(self) -> dict[str, int]:
         """Every counter under one flat name (``evictions_value``, ``failures_torn``, ...)."""
         flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("evictions", "failures", *HISTOGRAM_FIELDS)}
+                if f.name not in ("evictions", "failures", "refused", *HISTOGRAM_FIELDS)}
         flat.update({f"evictions_{reason}": n for reason, n in self.evictions.items()})
         flat.update({f"failures_{reason}": n for reason, n in self.failures.items()})
+        flat.update({f"refused_{reason}": n for reason, n in self.refused.items()})
         return flat
 
     def hit_rate(self) -> float:

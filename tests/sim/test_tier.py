@@ -103,13 +103,13 @@ def invalidated_kept_cache_demoted(monkeypatch):
 
 def files_of_loaded_blocks_handed_out(monkeypatch):
     """The index hands out the files of the blocks a lookup pins (live ones)."""
-    lookup = TierIndex.lookup
+    pin = TierIndex.pin      # what ``lookup`` and the daemon's leases call
 
-    def hand_out(self, namespace, keys, now):
-        slots = lookup(self, namespace, keys, now)
+    def hand_out(self, namespace, keys, now, **kw):
+        slots, cut = pin(self, namespace, keys, now, **kw)
         self._released.extend(slots)
-        return slots
-    monkeypatch.setattr(TierIndex, "lookup", hand_out)
+        return slots, cut
+    monkeypatch.setattr(TierIndex, "pin", hand_out)
     monkeypatch.setattr(TierIndex, "check", lambda self: None)    # the index's own check would see it first
 
 

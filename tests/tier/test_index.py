@@ -1,11 +1,14 @@
 """Unit tests of TierIndex: the entry's life, eviction by value, leaves
-first, loads that hold entries, invalidation, failures and restore."""
+first, loads that hold entries, invalidation, failures and restore; and
+pins shared fairly (``tier/pins.py``): a tenant's share of bytes and pins,
+a block pinned on and on by new lookups cut off and rested."""
 
 import pytest
 
 from kvelastic.errors import InvariantViolation
 from kvelastic.tier.errors import TierSlotState, UnknownTierSlot
 from kvelastic.tier.index import TierIndex
+from kvelastic.tier.pins import PinBooks
 
 NS = "llama-3f2a"
 H = 100.0   # half-life in the tests
@@ -263,3 +266,102 @@ def test_counters_are_flat_and_named_by_reason():
     assert counters["demotions"] == 1 and counters["promotions"] == 1
     assert counters["evictions_value"] == 0 and counters["failures_torn"] == 0
     assert index.stats.hit_rate() == 0.5
+
+
+# ------------------------------------------------- pins shared fairly (pins.py)
+def tenants_index(n_blocks=8, nbytes=10, budget=100, **pins):
+    """An index of ``n_blocks`` committed blocks ``b0``, ``b1``, ... with
+    its pin bounds (``PinBooks``) set by ``pins``."""
+    index = TierIndex(budget, half_life=H, pins=PinBooks(**pins))
+    for i in range(n_blocks):
+        demote(index, f"b{i}".encode(), nbytes=nbytes)
+    return index
+
+
+KEYS8 = [f"b{i}".encode() for i in range(8)]
+
+
+def test_a_tenant_pins_no_more_than_its_share_of_the_budget_and_another_tenant_its_own():
+    index = tenants_index()                      # 100 bytes: a tenant's share is 25, two 10-byte blocks
+    first, cut = index.pin(NS, KEYS8, 0.0, tenant=1)
+    assert len(first) == 2 and cut == "pin_share"               # what fits, the rest cut
+    assert index.pin(NS, KEYS8, 0.0, tenant=1) == ([], "pin_share")     # nothing more: its share is taken
+    assert len(index.pin(NS, KEYS8, 0.0, tenant=2)[0]) == 2             # another tenant's share is its own
+    assert len(index.lookup(NS, KEYS8, 0.0)) == 8                       # an in-process caller: unbounded
+    assert index.stats.refused["pin_share"] == 3
+    assert index.held_bytes == 80                                      # every block pinned by someone
+    index.check()
+    index.unpin(first, tenant=1, now=0.0)
+    assert len(index.pin(NS, KEYS8, 0.0, tenant=1)[0]) == 2             # its pins ended: room again
+    index.check()
+
+
+def test_what_one_tenant_pins_leaves_the_rest_of_the_tier_to_others_demotions():
+    index = tenants_index()                      # 80 of 100 bytes used, nothing pinned
+    for _ in range(10):                          # as much as it can, lookup after lookup
+        index.pin(NS, KEYS8, 0.0, tenant=1)
+    assert index.held_bytes == 20
+    # Another tenant's 70-byte demotion evicts what tenant 1 does not pin.
+    assert index.reserve("other", b"big", 70, 1.0, 1.0) is not None
+    assert index.stats.rejected_full == 0
+    index.check()
+
+
+def test_a_tenants_pins_are_bounded_in_number_whatever_their_size():
+    index = tenants_index(n_blocks=1, nbytes=1, max_pins=3)
+    assert [len(index.pin(NS, [b"b0"], 0.0, tenant=1)[0]) for _ in range(4)] == [1, 1, 1, 0]
+    assert index.pins.tenants[1].pins == 3 and index.stats.refused["pin_share"] == 1
+    index.check()
+
+
+def test_a_tenants_first_pin_fits_whatever_its_size():
+    index = tenants_index(n_blocks=2, nbytes=40)           # a share (25 bytes) holds no block
+    assert len(index.pin(NS, KEYS8[:2], 0.0, tenant=1)[0]) == 1
+    assert index.pin(NS, KEYS8[:2], 0.0, tenant=1) == ([], "pin_share")
+    index.check()
+
+
+def test_new_lookups_keep_a_block_pinned_no_longer_than_max_pin_and_then_it_rests():
+    index = tenants_index(n_blocks=1, max_pin=30.0)
+    a = index.pin(NS, [b"b0"], 0.0, tenant=1)[0]
+    b = index.pin(NS, [b"b0"], 29.0, tenant=1)[0]           # a new lease within the stretch: pinned
+    assert a == b and index.pin(NS, [b"b0"], 30.0, tenant=1) == ([], "pin_held")   # not past it
+    index.unpin(a, loaded=False, tenant=1, now=30.0)        # the first lease expired unloaded
+    index.unpin(b, loaded=False, tenant=1, now=59.0)        # the second too: the stretch lasted 59 s
+    assert index.pin(NS, [b"b0"], 59.0 + 58.9, tenant=1) == ([], "pin_held")        # rests as long
+    assert index.pin(NS, [b"b0"], 59.0 + 59.0, tenant=2) == (a, "")
+    assert index.stats.refused["pin_held"] == 2
+    index.check()
+
+
+def test_a_pin_that_ends_without_a_load_makes_the_block_rest_as_long_as_it_was_held():
+    index = tenants_index(n_blocks=1)
+    slots = index.pin(NS, [b"b0"], 0.0, tenant=1)[0]
+    index.unpin(slots, loaded=None, tenant=1, now=10.0)     # released unused after 10 s
+    assert index.pin(NS, [b"b0"], 19.0, tenant=1) == ([], "pin_held")
+    assert index.pin(NS, [b"b0"], 20.0, tenant=1)[0] == slots
+    # Its rest was the block's: evictable meanwhile, like any unpinned block.
+    index.check()
+
+
+def test_short_loads_never_rest_and_a_long_stretch_rests_even_when_loaded():
+    index = tenants_index(n_blocks=1, max_pin=30.0)
+    slots = index.pin(NS, [b"b0"], 0.0, tenant=1)[0]
+    index.unpin(slots, loaded=True, tenant=1, now=0.5)      # a load that went well
+    assert index.pin(NS, [b"b0"], 0.5, tenant=2)[0] == slots              # pinned again at once
+    again = index.pin(NS, [b"b0"], 20.0, tenant=2)[0]
+    index.unpin(slots, loaded=True, tenant=2, now=21.0)
+    index.unpin(again, loaded=True, tenant=2, now=40.0)     # loaded, but pinned 39.5 s on end
+    assert index.pin(NS, [b"b0"], 79.0, tenant=1) == ([], "pin_held")
+    assert index.pin(NS, [b"b0"], 79.5, tenant=1)[0] == slots
+    index.check()
+
+
+def test_an_unpin_by_a_tenant_that_holds_no_such_pins_changes_nothing():
+    index = tenants_index(n_blocks=1)
+    slots = index.pin(NS, [b"b0"], 0.0, tenant=1)[0]
+    before = snapshot(index)
+    with pytest.raises(TierSlotState):
+        index.unpin(slots, tenant=2, now=1.0)
+    assert snapshot(index) == before and index.pins.tenants[1].pins == 1
+    index.check()

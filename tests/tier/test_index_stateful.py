@@ -7,7 +7,10 @@ order the index made it: each victim an evictable leaf (committed, live,
 unpinned, no live child) of least value among those left at that point, and
 then applies it to the model. After every step: ``check()``, and the model's
 bytes, held bytes, slots and failure counts equal the index's. What a lookup
-finds is exactly the model's leading run of committed live keys.
+finds is exactly the model's leading run of committed live keys, cut where
+the next would take its tenant past its share (bytes or pins) or is pinned
+too long or resting (``tier/pins.py``): the model keeps each tenant's pins
+and each entry's stretch and rest, and every lookup, unpin and cut agrees.
 """
 
 import hypothesis.strategies as st
@@ -16,7 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvelastic.tier.errors import TierSlotState, UnknownTierSlot
 from kvelastic.tier.index import TierIndex
-from kvelastic.tier.stats import FAILURE_REASONS
+from kvelastic.tier.pins import PinBooks
+from kvelastic.tier.stats import FAILURE_REASONS, REFUSAL_REASONS
 
 BUDGET = 100
 NAMESPACES = st.sampled_from(["ns-a", "ns-b"])
@@ -25,18 +29,24 @@ SIZES = st.sampled_from([10, 20, 30, 40])
 COSTS = st.sampled_from([1.0, 2.0, 5.0, 100.0])
 STEPS = st.sampled_from([0.0, 1.0, 50.0, 500.0])
 REASONS = st.sampled_from([r for r in FAILURE_REASONS if r != "load"])
+TENANTS = st.sampled_from([None, 1, 2])       # None: an in-process caller, unbounded
+SHARE, MAX_PINS, MAX_PIN = 0.5, 4, 30.0       # a tenant pins 50 bytes, 4 pins; a stretch of 30 s
 
 
 class TierMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.index = TierIndex(BUDGET, half_life=100.0)
+        self.index = TierIndex(BUDGET, half_life=100.0, pins=PinBooks(SHARE, MAX_PINS, MAX_PIN))
         self.budget = BUDGET
         self.now = 0.0
         self.entries: dict[int, dict] = {}      # slot -> entry
         self.seen: set[int] = set()             # every slot ever handed out
-        self.loads: list[list[int]] = []        # lookups not unpinned yet
+        self.loads: list[tuple[list[int], int | None]] = []   # lookups not unpinned yet, and their tenant
         self.failures = dict.fromkeys(FAILURE_REASONS, 0)
+        self.refused = dict.fromkeys(REFUSAL_REASONS, 0)
+        self.since: dict[int, float] = {}       # pinned slot -> its stretch's first pin
+        self.unloaded: set[int] = set()         # pinned slots a pin of which ended without a load
+        self.rest: dict[int, float] = {}        # slot -> not pinned before then
 
     # ----------------------------------------------------------- helpers
     def live(self, ns, key):
@@ -152,33 +162,75 @@ class TierMachine(RuleBasedStateMachine):
         else:
             self.released([slot], aborted=slot)
 
-    @rule(ns=NAMESPACES, data=st.data())
-    def lookup(self, ns, data):
+    def tenant_pins(self, tenant):
+        """(pins, bytes) of ``tenant``'s loads not unpinned yet."""
+        loads = [load for load, t in self.loads if t == tenant]
+        return sum(map(len, loads)), sum(self.entries[s]["nbytes"] for load in loads for s in load)
+
+    def cut(self, tenant, slot, pins, nbytes):
+        """Why ``slot`` is not pinned after ``pins`` pins of ``nbytes`` this lookup, or ""."""
+        e = self.entries[slot]
+        if e["pins"] and self.now - self.since[slot] >= MAX_PIN or not e["pins"] and self.now < self.rest.get(slot, 0):
+            return "pin_held"
+        held_pins, held_bytes = self.tenant_pins(tenant)
+        over = held_bytes + nbytes + e["nbytes"] > int(self.budget * SHARE) and held_pins + pins > 0   # first: any size
+        if tenant is not None and (held_pins + pins >= MAX_PINS or over):
+            return "pin_share"
+        return ""
+
+    @rule(ns=NAMESPACES, data=st.data(), tenant=TENANTS)
+    def lookup(self, ns, data, tenant):
         """Keys drawn mostly from those the namespace holds, so that runs are found."""
         held = sorted({e["key"] for e in self.entries.values() if e["ns"] == ns and not e["dead"]})
         keys = data.draw(st.lists(st.sampled_from(held) if held else KEYS, max_size=4) | st.lists(KEYS, max_size=4))
-        expected = []
+        self.pin(ns, keys, tenant)
+
+    @precondition(lambda self: self.loads)
+    @rule(data=st.data(), dt=STEPS)
+    def renew(self, data, dt):
+        """A tenant looks up again, ``dt`` later, what one of its loads pins:
+        the new leases that must not keep a block pinned on and on."""
+        load, tenant = data.draw(st.sampled_from(self.loads))
+        self.now += dt
+        self.pin(self.entries[load[0]]["ns"], [self.entries[s]["key"] for s in load], tenant)
+
+    def pin(self, ns, keys, tenant):
+        expected, why = [], ""
         for key in keys:
             slot = self.live(ns, key)
             if slot is None or not self.entries[slot]["committed"]:
                 break
+            why = self.cut(tenant, slot, len(expected), sum(self.entries[s]["nbytes"] for s in expected))
+            if why:
+                self.refused[why] += 1
+                break
             expected.append(slot)
-        got = self.index.lookup(ns, keys, self.now)
-        assert got == expected
+        got, cut = self.index.pin(ns, keys, self.now, tenant=tenant)
+        assert (got, cut) == (expected, why)
         for slot in got:
+            if not self.entries[slot]["pins"]:
+                self.since[slot] = self.now
+                self.rest.pop(slot, None)
             self.entries[slot]["pins"] += 1
         if got:
-            self.loads.append(got)
+            self.loads.append((got, tenant))
 
     @precondition(lambda self: self.loads)
-    @rule(data=st.data(), loaded=st.booleans())
+    @rule(data=st.data(), loaded=st.sampled_from([True, False, None]))
     def unpin(self, data, loaded):
-        load = self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))
-        self.index.unpin(load, loaded=loaded)
-        if not loaded:
+        load, tenant = self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))
+        self.index.unpin(load, loaded=loaded, tenant=tenant, now=self.now)
+        if loaded is False:
             self.failures["load"] += len(load)
         for slot in load:
             self.entries[slot]["pins"] -= 1
+            if not loaded:
+                self.unloaded.add(slot)
+            if not self.entries[slot]["pins"]:
+                span = self.now - self.since.pop(slot)
+                if not self.entries[slot]["dead"] and span > 0 and (slot in self.unloaded or span >= MAX_PIN):
+                    self.rest[slot] = self.now + span
+                self.unloaded.discard(slot)
         ended = [s for s in set(load) if self.entries[s]["dead"] and not self.entries[s]["pins"]]
         for slot in ended:
             if self.entries[slot]["gone"]:      # its bytes went when it died: it leaves without a release
@@ -241,6 +293,16 @@ class TierMachine(RuleBasedStateMachine):
             assert self.index.key_of(slot) == (e["ns"], e["key"])
             assert self.index._entries[slot].pins == e["pins"]
         assert self.index.stats.failures == self.failures
+        assert self.index.stats.refused == self.refused
+        pins = self.index.pins
+        for tenant in (None, 1, 2):
+            held = pins.tenants.get(tenant)
+            assert ((held.pins, held.nbytes) if held else (0, 0)) == self.tenant_pins(tenant)
+            # (Its bytes may exceed its share of a budget cut since: a pin is never taken back.)
+            assert tenant is None or self.tenant_pins(tenant)[0] <= MAX_PINS
+        assert {s: st.since for s, st in pins.stretches.items()} == self.since
+        live_rests = {s: t for s, t in pins.rest.items() if s in self.entries and t > self.now}
+        assert live_rests == {s: t for s, t in self.rest.items() if s in self.entries and t > self.now}
         for slot, e in self.entries.items():
             assert self.index._entries[slot].gone == e["gone"]
 

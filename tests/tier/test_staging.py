@@ -164,3 +164,140 @@ def test_a_failed_read_aborts_the_copy_and_frees_its_room():
     rig.staging.copied([], [(slot, "io")])
     assert not rig.staging.copies and rig.staging.staged_bytes == 0
     assert rig.books.tier.stats.failures["io"] == 1
+
+
+# ------------------------------------------------- shared fairly, and retried
+class Node:
+    """Engines of several tenants (uids), each holding slab 0 (4 blocks) of
+    its own pages, on one daemon's books with a tier: ``journal`` as ``Rig``'s."""
+
+    def __init__(self, *uids: int) -> None:
+        self.engines = []
+        for i, uid in enumerate(uids):
+            engine = record(2, 1, BPS, engine_id=f"e{i}", namespace=f"ns{uid}")
+            engine.uid, engine.stats = uid, dict.fromkeys(COUNTER_NAMES, 0)
+            self.engines.append(engine)
+        self.books = books_with(*self.engines)
+        self.tiering = Tiering(self.books)
+        self.staging = Staging(self.books, self.tiering)
+        for i, engine in enumerate(self.engines):
+            engine.slabs[0] = SlabRecord(0, [10 + 2 * i, 11 + 2 * i], ["cpu", "cpu"], Phase.HELD, set())
+        self.step = 0
+
+    def journal(self, i: int, *ops: p.JournalOp, ack: int = 0) -> list[fx.Effect]:
+        engine = self.engines[i]
+        m = p.Journal(engine_id=engine.engine_id, ops=list(ops), occupancy={}, tier_ack=ack)
+        journal_intake.accept(engine, m, self.books.now)
+        self.staging.journal(engine, m)
+        self.staging.check()
+        return self.books.take()
+
+    def cached_and_demoted(self, i: int, blocks: range = range(BPS), done: bool = True) -> list[fx.Effect]:
+        """Engine ``i`` caches ``blocks`` in a model step (finished, with ``done``), then demotes them."""
+        self.step += 1
+        self.journal(i, p.StepBegun(self.step), *(p.StoreKey(f"e{i}k{b}".encode(), b) for b in blocks),
+                     *([p.StepDone(self.step)] if done else []))
+        return self.journal(i, *(p.DemoteBlock(b) for b in blocks))
+
+    def staged(self, uid: int) -> int:
+        return self.staging.tenant_bytes.get(uid, 0) // self.engines[0].block_bytes
+
+
+def copied(effects: list[fx.Effect]) -> list[int]:
+    return [b.slot for e in effects if isinstance(e, fx.DemoteBlocks) for b in e.blocks]
+
+
+def ticket(effects: list[fx.Effect]) -> int:
+    return next(e.msg.ticket for e in effects if isinstance(e, fx.Send) and isinstance(e.msg, p.TierCopied))
+
+
+def dropped(effects: list[fx.Effect]) -> list[int]:
+    return [s for e in effects if isinstance(e, fx.WriteStaged) for s in e.drop]
+
+
+def test_one_tenants_engines_together_hold_no_more_than_its_share(monkeypatch):
+    """Finding 7: four engines of one uid that never acknowledge held all of
+    the staging, so another tenant's blocks were never copied."""
+    node = Node(1, 1, 1, 1, 2)
+    bb = node.engines[0].block_bytes
+    monkeypatch.setattr(staging, "MAX_STAGED_BYTES", 16 * bb)
+    monkeypatch.setattr(staging, "MAX_STAGED_PER_ENGINE", 4 * bb)
+    monkeypatch.setattr(staging, "MAX_STAGED_PER_TENANT", 8 * bb)
+    assert [len(copied(node.cached_and_demoted(i))) for i in range(4)] == [4, 4, 0, 0]   # never acknowledged
+    assert node.staged(1) == 8 and node.books.tier.stats.refused["staging"] == 8
+    assert len(copied(node.cached_and_demoted(4))) == 4 and node.staged(2) == 4          # the other tenant's
+
+
+def test_staging_full_the_largest_holders_oldest_copies_go_first(monkeypatch):
+    node = Node(1, 1, 2, 3)
+    bb = node.engines[0].block_bytes
+    monkeypatch.setattr(staging, "MAX_STAGED_BYTES", 8 * bb)
+    first = copied(node.cached_and_demoted(0))
+    second = copied(node.cached_and_demoted(1))
+    assert node.staged(1) == 8                                   # the whole staging, alone
+    effects = node.cached_and_demoted(2)                         # tenant 2 needs room: 1's oldest copies go
+    assert dropped(effects) == first and len(copied(effects)) == 4
+    third = copied(effects)
+    assert node.staged(1) == node.staged(2) == 4
+    # Tenant 3: the largest holder gives up its oldest copy, one at a time,
+    # while it keeps at least what tenant 3 will hold: 2 and 1 a copy each.
+    effects = node.cached_and_demoted(3)
+    assert dropped(effects) == [third[0], second[0]] and len(copied(effects)) == 2
+    assert (node.staged(1), node.staged(2), node.staged(3)) == (3, 3, 2)
+    tier = node.books.tier
+    assert tier.stats.failures["evicted_share"] == 6 and tier.stats.refused["staging"] == 2
+    # Tenant 1 asks again (block 0 hit and demoted anew): no holder keeps as
+    # much as it would, so nothing is taken: no copy goes back and forth.
+    effects = node.journal(0, p.PromoteBlock(0), p.DemoteBlock(0))
+    assert copied(effects) == [] and dropped(effects) == [] and tier.stats.refused["staging"] == 3
+
+
+def test_an_evicted_copy_is_never_written_and_its_engines_ack_changes_nothing(monkeypatch):
+    node = Node(1, 2)
+    bb = node.engines[0].block_bytes
+    monkeypatch.setattr(staging, "MAX_STAGED_BYTES", 4 * bb)
+    effects = node.cached_and_demoted(0)
+    old, old_ticket = copied(effects), ticket(effects)
+    effects = node.cached_and_demoted(1)
+    assert dropped(effects) == old[:2] and len(copied(effects)) == 2
+    writes = [e for e in node.journal(0, ack=old_ticket) if isinstance(e, fx.WriteStaged)]
+    assert [s for e in writes for s in e.write] == old[2:]          # the copies still held are written
+    tier = node.books.tier
+    assert all(s not in tier._entries for s in old[:2]) and tier.stats.failures["evicted_share"] == 2
+
+
+def test_a_block_refused_for_room_is_copied_on_a_later_journal(monkeypatch):
+    """A block is marked DEMOTE once: refused for room, it was never copied."""
+    node = Node(1)
+    bb = node.engines[0].block_bytes
+    monkeypatch.setattr(staging, "MAX_STAGED_BYTES", 2 * bb)
+    effects = node.cached_and_demoted(0)
+    assert len(copied(effects)) == 2 and node.books.tier.stats.refused["staging"] == 2
+    later = node.journal(0, ack=ticket(effects))                     # the ack writes them: room again
+    node.tiering.written([s for e in later if isinstance(e, fx.WriteStaged) for s in e.write], [])
+    assert len(copied(later)) == 2 and node.books.tier.stats.staging_retried == 2
+    assert node.books.tier.stats.refused["staging"] == 2             # counted once, when refused
+    assert sorted(c.block for c in node.staging.copies.values()) == [2, 3]
+
+
+def test_a_block_demoted_while_its_step_ran_is_copied_once_it_finished():
+    node = Node(1)
+    assert copied(node.cached_and_demoted(0, done=False)) == []
+    assert len(copied(node.journal(0, p.StepDone(node.step)))) == 4
+
+
+@pytest.mark.parametrize("then", ["hit", "clear", "refused", "left"])
+def test_a_waiting_block_is_not_copied_once_its_key_may_have_changed(then, monkeypatch):
+    node = Node(1)
+    monkeypatch.setattr(staging, "MAX_STAGED_BYTES", 0)               # no room: all four wait
+    node.cached_and_demoted(0)
+    monkeypatch.setattr(staging, "MAX_STAGED_BYTES", 64 << 20)
+    engine = node.engines[0]
+    if then == "hit":
+        effects = node.journal(0, *(p.PromoteBlock(b) for b in range(BPS)))
+    elif then == "clear":
+        effects = node.journal(0, p.ClearKeys())
+    else:
+        (node.staging.refused if then == "refused" else node.staging.end_for)(engine)
+        effects = node.journal(0)
+    assert copied(effects) == [] and not node.staging._retry
