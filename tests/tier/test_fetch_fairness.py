@@ -163,6 +163,10 @@ print(json.dumps(counts), flush=True)
 """
 
 
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
@@ -203,8 +207,12 @@ def test_a_tenants_fetches_never_stall_anothers_journal_or_status(tiered):
                             f"Mallory's answers: {counts}"])
         print(report)
 
-        assert p99(journals_loaded) < 0.05, report
-        assert p99(status_loaded) < 0.05, report
+        # On a quiet machine the loaded p99s are 13-17 ms (docs/tier.md); with
+        # the reads in the loop every round trip took seconds (3.5 s). The
+        # bounds sit between, far from both, so that other load on the
+        # machine (which moves the tail, not the median) never fails them.
+        assert median(journals_loaded) < 0.05 and p99(journals_loaded) < 1.0, report
+        assert median(status_loaded) < 0.05 and p99(status_loaded) < 1.0, report
         assert counts["data"] > 0 and counts["other"] == 0, report      # it was served, within its share
         # Its fetches past its share: refused ``busy``, counted and shown; nothing else changed.
         reads = daemon.status()["tier"]["reads"]
