@@ -228,17 +228,24 @@ def warm_up(bases: list[str], seed: int = 99) -> None:
 
 
 def run_closed(base: str, shape: Shape, concurrency: int, rounds: int, seed: int, stagger: float,
-               timeout: float = 300.0) -> list[Result]:
+               timeout: float = 300.0, trickle: list[str] | None = None, trickle_rate: float = 0.0) -> list[Result]:
     """A closed loop: ``concurrency`` clients, client ``i`` starting ``i *
     stagger`` seconds in, each sending ``rounds`` requests of ``shape`` one
     after the other (fresh suffixes, the system prompts of ``seed``) to
-    ``base``. Results in completion order; ``sent`` is seconds after the start."""
+    ``base``. Results in completion order; ``sent`` is seconds after the start.
+    ``trickle``: other servers, each sent requests of ``shape`` open loop at
+    ``trickle_rate`` a second while the clients run (the cold engines of a
+    scenario, whose steps take the CPU from the measured one); their
+    results are not returned, and those still running at the end are dropped."""
     import aiohttp
 
     rng = random.Random(seed)
     systems = [[rng.randrange(*VOCAB) for _ in range(shape.system_len)] for _ in range(shape.system_prompts)]
-    prompts = [[rng.choice(systems) + [rng.randrange(*VOCAB) for _ in range(shape.suffix_len)]
-                for _ in range(rounds)] for _ in range(concurrency)]
+
+    def prompt() -> list[int]:
+        return rng.choice(systems) + [rng.randrange(*VOCAB) for _ in range(shape.suffix_len)]
+
+    prompts = [[prompt() for _ in range(rounds)] for _ in range(concurrency)]
     done: list[Result] = []
 
     async def client(session, i: int, t0: float) -> None:
@@ -248,11 +255,29 @@ def run_closed(base: str, shape: Shape, concurrency: int, rounds: int, seed: int
             req = Request(i * rounds + k, 0, 0, True, at, prompts[i][k], shape.max_tokens)
             done.append(await _one(session, base, req, t0, timeout))
 
+    async def cold(session, other: str, t0: float, pending: set) -> None:
+        k = 0
+        while True:
+            await asyncio.sleep(rng.uniform(0.5, 1.5) / trickle_rate)
+            req = Request(-1 - k, 1, 0, False, time.monotonic() - t0, prompt(), shape.max_tokens)
+            task = asyncio.ensure_future(_one(session, other, req, t0, timeout))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            k += 1
+
     async def main() -> None:
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(connector=connector) as session:
             t0 = time.monotonic()
-            await asyncio.gather(*[client(session, i, t0) for i in range(concurrency)])
+            pending: set = set()
+            background = [asyncio.ensure_future(cold(session, other, t0, pending))
+                          for other in (trickle or []) if trickle_rate > 0]
+            try:
+                await asyncio.gather(*[client(session, i, t0) for i in range(concurrency)])
+            finally:
+                for task in [*background, *pending]:
+                    task.cancel()
+                await asyncio.gather(*background, *pending, return_exceptions=True)
 
     asyncio.run(main())
     return done
