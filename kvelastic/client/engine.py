@@ -137,6 +137,7 @@ class EngineClient:
         self._tier_ack = 0                 # the last ``TierCopied`` ticket heard (I/O thread)
         self._tier_ack_sent = 0            # the last one a journal carried back
         self._scope = 0                    # the last ``ClearIndex.scope`` applied (journals carry it)
+        self._registrations = 0            # handshakes so far: a scope is of the connection that sent it
         self.refused_until = 0.0           # after a refused grow, no prefetch for a while
         self._grow_in_flight = False       # a reserve grow awaits its answer
         self._grow_answered = threading.Event()
@@ -217,6 +218,7 @@ class EngineClient:
         # counts from the start again (and a reconnect's lost tickets are lost).
         self._tier_ack = self._tier_ack_sent = 0
         self._scope = reply.scope
+        self._registrations += 1
         if self.private:   # a reconnect keeps the daemon's record, which a lost Diverge never reached
             expect(conn.call(self._diverge_message("re-registered"), timeout=5.0), p.Ok)
         self._grow_in_flight = False
@@ -436,7 +438,8 @@ class EngineClient:
         elif isinstance(msg, p.Reclaim):
             self._run_or_defer(lambda: self._reclaim(msg))
         elif isinstance(msg, p.ClearIndex):
-            self._run_or_defer(lambda: self._clear_index(msg.scope))
+            registration = self._registrations
+            self._run_or_defer(lambda: self._clear_index(msg.scope, registration))
         elif isinstance(msg, p.TierCopied):
             # Carried back by the next journal, taken after this was heard
             # (the tick ships one for it even with no ops).
@@ -485,9 +488,16 @@ class EngineClient:
         self.conn.send(p.ReclaimDone(req_id=msg.req_id, engine_id=self.engine_id, given=given, refused=refused,
                                      cached=cached))
 
-    def _clear_index(self, scope: int = 0) -> None:
+    def _clear_index(self, scope: int = 0, registration: int | None = None) -> None:
+        """Drop the whole prefix cache. The next journal carries the CLEAR
+        and ``scope``, unless the clear came from an earlier connection (it
+        was deferred across a reconnect): a restarted daemon counts scopes
+        from its own start, and an old scope past its count would make this
+        engine's journals look current for an invalidation it has not
+        applied yet. The cache is dropped either way (it was invalidated)."""
         dropped = self.pool.clear_index()
-        self._scope = max(self._scope, scope)     # the next journal says so, with the CLEAR
+        if registration is None or registration == self._registrations:
+            self._scope = max(self._scope, scope)
         log.info("engine %s: prefix cache invalidated by the daemon (%d cached blocks dropped)",
                  self.engine_id, dropped)
 

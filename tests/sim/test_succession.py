@@ -11,7 +11,9 @@ workers map for it, and a held record's pages mapped by no other registration.
 
 The second re-injects faults of the loop's writes and shows the simulator
 catches each: the state file written only after an input's effects, not
-before pages are sent (the write-ahead), or only at a graceful stop (a
+before pages are sent (the write-ahead: a successor adopts a kept slab a
+worker maps, or holds a lent record naming a page another registration
+maps), or only at a graceful stop (a
 killed daemon's successor adopts a kept slab it had lent: a worker maps its
 pages), or lost at a graceful stop (the successor adopts nothing), or the
 lent slabs written only with the kept cache, never ahead of pages sent for a
@@ -89,7 +91,8 @@ def _init(self, coalesce):
     assert isinstance(self, saved.Saving)
 
 
-@pytest.mark.parametrize(("fault", "found"), [(saved_only_after_effects, "a worker maps its page"),
+@pytest.mark.parametrize(("fault", "found"), [(saved_only_after_effects, ("a worker maps its page",
+                                                                          "of another registration")),
                                               (saved_only_at_stop, ("a worker maps its page",
                                                                     "of another registration")),
                                               (file_dropped_at_stop, "a graceful stop left"),

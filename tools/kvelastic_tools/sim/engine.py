@@ -47,6 +47,10 @@ TIER_COPIED: Any = getattr(p, "TierCopied", None)   # source B: the daemon copie
 PROMPTS = 12                       # prompt families per namespace: requests share prefixes
 MAX_REQUEST_BLOCKS = 8
 DIVERGE = 0.002                    # per unit of work: the engine's weights change in memory
+# ``EngineClient.diverge`` waits this long for the daemon's Ok before the
+# weights change (the scheduler schedules nothing meanwhile); a lost
+# connection ends the wait at once (the next registration says it).
+DIVERGE_TIMEOUT = 5.0
 # Demotion source B (``EngineClient._flush_journal``): where the daemon's tier
 # takes running engines' evictions (``Registered.tier``), every journal first
 # demotes the next DEMOTE_LEAD blocks to be evicted (the client's
@@ -148,6 +152,7 @@ class SimEngine:
         self.removal_unacked = False
         self.sync_failed_at = -1e9
         self.leaving = 0                       # the Unregister it waits for (a graceful exit)
+        self.diverging, self.diverge_sent = 0, 0.0   # the Diverge whose Ok the scheduler waits for
         self.leave_sent = 0.0
         # Source B (``EngineClient``): the daemon's tier takes its evictions; the
         # last ``TierCopied`` ticket heard, and the last a journal carried back;
@@ -157,6 +162,7 @@ class SimEngine:
         self.tier_ack = self.tier_ack_sent = 0
         self.clear_due = 0
         self.scope = 0
+        self.clear_stale = False               # clear_due is of an earlier connection: its scope does not count
 
     @property
     def block_bytes(self) -> int:
@@ -182,7 +188,16 @@ class SimEngine:
         # The client's handshake waits for ``Registered`` before any journal, and
         # takes the ticket and scope from it: a new daemon counts from 0. Here
         # journals may follow the registration at once: they carry that.
-        self.tier_ack = self.tier_ack_sent = self.scope = 0
+        self.tier_ack = self.tier_ack_sent = self.scope = self.diverging = 0
+        # A ``ClearIndex`` deferred under the last connection still runs (its
+        # cache was invalidated), but its scope was the last daemon's: it
+        # leaves the new daemon's alone (``_clear_index``'s registration).
+        # With slabs held it runs before the index goes again (the client's
+        # deferred work runs in order: its ``_resend_index`` after it).
+        self.clear_stale = bool(self.clear_due)
+        if self.clear_due and self.pool.slab_ids():
+            self.clear_index()
+            self.world.counts["clear_index_before_resend"] += 1
         self.world.connect(self.identity)
         self.world.open_peer(self, -1, self.token)
         self.send(p.RegisterEngine(version=p.PROTOCOL_VERSION, engine_id=self.name, pid=1000 + self.incarnation,
@@ -266,7 +281,8 @@ class SimEngine:
         self.step = None
         self.removal_unacked, self.sync_failed_at, self.leaving = False, -1e9, 0
         self.tier, self.tier_ack, self.tier_ack_sent = False, 0, 0     # a new process hears anew
-        self.clear_due = self.scope = 0
+        self.clear_due = self.scope = self.diverging = 0
+        self.clear_stale = False
 
     def leave(self) -> None:
         """A graceful exit between steps (as ``EngineClient.close``): the last
@@ -346,6 +362,9 @@ class SimEngine:
         if self.leaving and msg.req_id == self.leaving and isinstance(msg, (p.Ok, p.Error)):
             self.gone()
             return
+        if self.diverging and msg.req_id == self.diverging and isinstance(msg, (p.Ok, p.Error)):
+            self.diverging = 0                 # the weights change now: its KV is its namespace's from here
+            return
         if FAILED is not None and isinstance(msg, FAILED):
             self.world.counts["told_failed"] += 1
             self.gone()                        # it must restart: a new process, a new registration
@@ -374,7 +393,9 @@ class SimEngine:
             if self.world.evictions:       # (without source B the sim's engines ignore it: see ``tier.py``)
                 scope = max(getattr(msg, "scope", 0), 1)
                 if self.world.rng.random() < CLEAR_DEFERRED:
-                    self.clear_due = max(self.clear_due, scope)   # the scheduler holds the lock: its next poll
+                    # The scheduler holds the lock: its next poll (after a stale one, which it then is not).
+                    self.clear_due = scope if self.clear_stale else max(self.clear_due, scope)
+                    self.clear_stale = False
                     self.world.counts["clear_index_deferred"] += 1
                 else:
                     self.clear_index(scope)
@@ -458,8 +479,12 @@ class SimEngine:
                 self.world.counts["tier_ack_before_clear"] += 1
             self.clear_index()
         op = rng.random()
+        if self.diverging and now - self.diverge_sent > DIVERGE_TIMEOUT:
+            self.diverging = 0                 # no answer in time: the call gives up, the weights change
         if self.step is None and not self.private and rng.random() < DIVERGE:
             self.diverge()
+        elif self.diverging and op < 0.75:
+            pass                               # the scheduler waits in ``diverge`` (the I/O thread goes on)
         elif self.step is None and op < 0.5:
             self.schedule_step(rng)
         elif self.step is None and op < 0.75 and self.live:
@@ -481,8 +506,8 @@ class SimEngine:
     def clear_index(self, scope: int = 0) -> None:
         """``ClearIndex`` (``EngineClient._clear_index``): every key dropped;
         the next journal carries its scope, with the CLEAR."""
-        self.scope = max(self.scope, scope, self.clear_due)
-        self.clear_due = 0
+        self.scope = max(self.scope, scope, 0 if self.clear_stale else self.clear_due)
+        self.clear_due, self.clear_stale = 0, False
         self.pool.clear_index()
         self.world.counts["clear_index"] += 1
 
@@ -497,7 +522,8 @@ class SimEngine:
         self.namespace = f"{self.checkpoint}~{self.name}.{self.incarnation}.{self.world.rng.randrange(1 << 30)}"
         self.namespaces.add(self.namespace)
         self.world.counts["diverged"] += 1
-        self.send(p.Diverge(engine_id=self.name, namespace=self.namespace, reason="weights updated"))
+        self.diverging = self.send(p.Diverge(engine_id=self.name, namespace=self.namespace, reason="weights updated"))
+        self.diverge_sent = self.world.now
 
     def schedule_step(self, rng: random.Random) -> None:
         """Schedule a model step: a new request (its prefix hits, the rest

@@ -113,6 +113,8 @@ def run_steps(w: World, steps: int, faults: bool, injected: collections.Counter)
             w.guard.mark()
         w.now += rng.expovariate(1 / 0.02)
         w.deliver()
+        if w.tier is not None:                 # the tier's writer writes, the loop takes what it wrote
+            w.tier.pump()
         tend(w)
         if w.now - last_beat >= HEARTBEAT:
             last_beat = w.now
@@ -295,6 +297,8 @@ def settle(w: World) -> None:
                 if i % 10 == 0:
                     w.client_send(engine.identity, p.Heartbeat(engine_id=engine.name))
         w.deliver()
+        if w.tier is not None:
+            w.tier.pump()
         tick(w)
         check(w)
         if w.violations:
@@ -313,6 +317,8 @@ def settle(w: World) -> None:
             for worker in engine.workers:
                 worker.stuck_until = 0.0
         w.deliver()
+        if w.tier is not None:
+            w.tier.pump()
         w.perform(w.call(w.allocator.tick, w.now))
     checks.pages(w)
     if w.tier is not None:

@@ -2,13 +2,13 @@
 small budget, handed to the ``Allocator`` as the daemon does, and the loop's
 side of it played here as ``world.py`` plays the rest of the loop.
 
-The store is a dict, slot -> the block's namespace, key and *content*: the
-KV objects the simulated device holds in the block's places when the daemon
-reads its runs (``fx.DemoteBlocks``), so a promoted block can be told apart
-from any other write of the same key. It fails as a disk does: a write finds
-the disk full (the slot is aborted), a block written is torn (found at read:
-``TierData`` size -1, the slot dropped). A new daemon rebuilds its index from
-the store with the real ``tier.restart.rebuild`` (the store answers ``scan``).
+The disk is ``tier_writer.py``'s: a store that remembers the KV each block
+held when the loop read it, and the writer thread as the daemon has it (a
+FIFO of writes that end later, reported at the loop's next pass; a delete
+cancels a write queued; a graceful stop writes what is queued, a kill -9
+loses it). A new daemon rebuilds its index from the store with the real
+``tier.restart.rebuild``, and restores nothing of a namespace invalidated
+(and answered) before the stop.
 
 Engines look keys up on a device miss and fetch through the real handlers
 (``TierLookup`` -> ``TierPinned``, ``TierFetch`` -> ``TierData``,
@@ -23,9 +23,10 @@ within the budget; the store never deletes a live slot a lease holds
 never finds its slot's bytes gone; every block served holds exactly what
 was demoted into that slot, of the lease's namespace and key, written
 whole, and never after its namespace was invalidated (not by a lease
-granted before it, nor from a file a new daemon restored); KV the daemon
-held for demotion when its namespace was invalidated (kept cache, a
-running engine's slab being reclaimed) is never demoted; no lease outlives its engine or its deadline.
+granted before it, nor from a file a new daemon restored: none is
+restored); KV the daemon held for demotion when its namespace was
+invalidated (kept cache, a running engine's slab being reclaimed) is never
+demoted; no lease outlives its engine or its deadline.
 
 Demotion source B (``staging.py``): the sim's engines honour ``Registered.tier``
 (``engine.py``): their journals demote the next blocks to be evicted, carry
@@ -37,11 +38,19 @@ rule is there to discard those) and answers ``tier_copied``; a copy's read
 fails now and then. ``WriteStaged`` checks each copy it writes as ``demote``
 checks a block (KV of that namespace and key, whole, not invalidated, nor
 from before an invalidation its engine was told of: that holds for kept
-cache demoted and slabs adopted too) and stores it; what it drops is
-discarded. Invariants: staged bytes within ``MAX_STAGED_BYTES`` (compressed
+cache demoted and slabs adopted too) and hands it to the writer; what it
+drops is discarded, a copy deleted meanwhile (its entry died) is reported
+written at once. Invariants: staged bytes within ``MAX_STAGED_BYTES`` (compressed
 here, as the copy deadline is: ``small_staging``) and equal to the copies'
 sum; every pending copy staged by the loop; no copy outlives its engine's
 registration, nor its deadline past a tick.
+
+The writer's invariants are ``tier_writer.py``'s. ``kvelastic invalidate``
+comes often while writes of its namespace are in flight, now and then
+followed at once by a graceful stop or a kill -9 (``INVALIDATE_WRITING``,
+``STOP_AFTER``: the audit's case). It is final once answered (its files go
+before the reply); one whose daemon was killed before it answered is not:
+what it did not tell goes on as before it.
 
 The world is seen through ``TierWorld`` (``World`` fits it): this module
 does not import ``world.py``.
@@ -62,24 +71,25 @@ from kvelastic.daemon import staging, tiering
 from kvelastic.daemon.allocator import Allocator
 from kvelastic.daemon.state import Phase
 from kvelastic.errors import InvariantViolation
-from kvelastic.tier.disk import DiskEntry, ScanResult
 from kvelastic.tier.index import TierIndex
 from kvelastic.tier.restart import rebuild
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
 from kvelastic_tools.sim.engine import SimEngine
 from kvelastic_tools.sim.records import BLOCKS_PER_SLAB, KV, Device
+from kvelastic_tools.sim.tier_loads import TierLoads
+from kvelastic_tools.sim.tier_writer import SimStore, SimWriter, Stored, WriteJob, check_restored
 
 BLOCK_BYTES = PAGE // BLOCKS_PER_SLAB      # a block's bytes in each worker's page (``SimEngine.block_bytes``)
 BUDGET_BLOCKS = 10                 # the tier's budget, in one-worker blocks: evictions happen within a run
 TIER_ORPHAN_TTL = 1.0             # kept cache's TTL in a seed with a tier: released (demoted) within a run
 LEASE_TIMEOUT = 1.0                # the sim's lease deadline (the daemon's is 30 s): abandoned leases end in a run
-# Per block written: the disk is full (aborted); the bytes are torn (dropped when read).
-DISK_FULL, TORN = 0.05, 0.05
 # Per step, on the tier's own draw: an engine looks up (on a miss), an engine
-# holding a lease is killed, an invalidation.
-LOOKUP, KILL, INVALIDATE = 0.1, 0.006, 0.006
-# Of leases granted: abandoned (left to expire), released part-way.
-ABANDON, RELEASE = 0.08, 0.12
+# holding a lease is killed, an invalidation; one of a namespace whose
+# writes are in flight (when some are), followed at once by a graceful stop
+# below STOP_AFTER, by a kill -9 below twice that.
+LOOKUP, KILL, INVALIDATE, INVALIDATE_WRITING = 0.1, 0.006, 0.006, 0.1
+STOP_AFTER = 0.25
+CLI = b"kvelastic-cli"             # the operator's ``kvelastic invalidate``: its answer makes it final
 # Source B: a copy's read fails (``tier_copied`` hears it failed); the staging's
 # room, in one-worker blocks, and a copy's deadline, compressed (``small_staging``).
 READ_FAILS = 0.02
@@ -149,22 +159,9 @@ class TierWorld(Protocol):
 
     def perform(self, effects: list[fx.Effect]) -> None: ...
 
+    def restart_daemon(self, corrupt: SimEngine | None = None, kill: bool = False) -> None: ...
+
     def violation(self, what: str) -> None: ...
-
-
-@dataclasses.dataclass(eq=False)
-class Stored:
-    """A block in the store: what the daemon wrote at its slot."""
-
-    namespace: str
-    key: bytes
-    parent: bytes | None
-    cost: float
-    nbytes: int
-    content: tuple[KV | None, ...]     # the device's KV in the block's places when it was read
-    epoch: int                         # its namespace's invalidations before it was read
-    torn: bool = False
-    evicted: bool = False              # a running engine's block (source B)
 
 
 @dataclasses.dataclass(eq=False)
@@ -178,70 +175,65 @@ class StagedCopy:
     whole: bool                        # the content was that key's, whole, when copied
 
 
-@dataclasses.dataclass(eq=False)
-class Load:
-    """An engine's lookup and the lease it got: fetched block by block."""
-
-    identity: bytes
-    namespace: str                     # the engine's when it looked up
-    keys: list[bytes]
-    req: int                           # the request whose answer it waits for
-    lease: int = 0
-    nbytes: list[int] = dataclasses.field(default_factory=list)
-    block: int = 0
-    abandoned: bool = False
-
-
-class SimStore:
-    """What ``rebuild`` asks of a ``DiskStore``: its blocks, and deleting one."""
-
-    def __init__(self, blocks: dict[int, Stored]) -> None:
-        self.blocks = blocks
-
-    def scan(self, *, verify_payloads: bool = False) -> ScanResult:
-        return ScanResult([DiskEntry(slot, b.namespace, b.key, b.parent, b.nbytes, b.cost)
-                           for slot, b in sorted(self.blocks.items())])
-
-    def delete(self, slot: int) -> None:
-        self.blocks.pop(slot, None)
-
-
 class SimTier:
     def __init__(self, world: TierWorld, seed: int) -> None:
         self.world = world
         self.rng = random.Random(seed * 1_000_003 + 43)     # its own draws: the world's stream is unchanged
         self.store: dict[int, Stored] = {}
+        # The disk's writer, on draws of its own: its pace moves neither stream.
+        self.writer = SimWriter(self.store, random.Random(seed * 1_000_003 + 47), world)
         self.index = TierIndex(BUDGET_BLOCKS * BLOCK_BYTES)
         self.invalidated: collections.Counter[str] = collections.Counter()   # namespace -> invalidations
+        self.final: collections.Counter[str] = collections.Counter()   # namespace -> of those, the answered ones
+        self.answering = ""                # the namespace of the invalidation whose answer is due
+        self.told: set[bytes] = set()      # the engines sent its ``ClearIndex`` meanwhile
         self.stale: dict[int, KV] = {}     # KV on the device when its namespace was invalidated (by id; held)
-        self.loads: dict[bytes, Load] = {}  # engine identity -> its load in flight
+        self.loading = TierLoads(world, self.rng)    # engines' lookups and leases (``tier_loads.py``)
         self.leased_through_invalidation: set[int] = set()   # leases held when their namespace was invalidated
         self.restored_invalidated: set[int] = set()          # slots of invalidated blocks a new daemon restored
         self.last_tick = 0.0               # when the allocator last ticked (``run.tick``): leases expire then
         self.staged: dict[int, StagedCopy] = {}   # source B: the loop's staging (``TierIO.staged``)
-        self.cancelled: set[int] = set()          # staged copies deleted (their entry died) before written
+        self.unstaged: set[int] = set()           # staged copies deleted (their entry died) before written
         # KV on the device when its namespace was invalidated (by id; held): a
         # running engine clears its keys (``ClearIndex``), so none is written to the tier after.
         self.superseded: dict[int, KV] = {}
         self.tallied: collections.Counter[str] = collections.Counter()   # the index's counters counted so far
 
     def new_index(self) -> TierIndex:
-        """A daemon starts: its index rebuilt from the store, as ``main.open_tier`` does."""
+        """A daemon starts: its index rebuilt from the store, as ``main.open_tier``
+        does (the last one's writer stopped: ``stop``)."""
         self.tally()
         self.index = TierIndex(BUDGET_BLOCKS * BLOCK_BYTES)
         self.tallied.clear()
         self.staged.clear()                # the loop's staging went with the daemon
-        self.cancelled.clear()
+        self.unstaged.clear()
+        if self.writer.in_flight():
+            self.world.violation("tier: a new daemon starts while its predecessor's writer holds writes")
         if self.store:
             rebuild(self.index, SimStore(self.store), self.world.now)   # type: ignore[arg-type]
             self.world.counts["tier_rebuilt"] += 1
-            back = {slot for slot, b in self.store.items() if b.epoch != self.invalidated[b.namespace]}
-            if back:
-                self.world.counts["tier_invalidated_restored"] += len(back)
-            self.restored_invalidated |= back
-        self.loads.clear()                 # the leases went with the daemon
+            self.restored_invalidated |= check_restored(self.world, self.store, self.invalidated, self.final,
+                                                        self.writer.stopped_by)
+        self.loading.loads.clear()         # the leases went with the daemon
         self.leased_through_invalidation.clear()
         return self.index
+
+    def stop(self, graceful: bool) -> None:
+        """The daemon stops (``World.restart_daemon``): its writer with it."""
+        self.writer.stop(graceful, self.invalidated)
+
+    def pump(self) -> None:
+        """Each step: the writer writes, the loop takes what it wrote."""
+        self.writer.pump(self.index)
+
+    def sent(self, to: bytes, msg: p.Msg) -> None:
+        """While an invalidation's effects are performed (``World.send``): the
+        operator heard its answer (it is final), or an engine its ``ClearIndex``."""
+        if to == CLI:
+            self.final[self.answering] = self.invalidated[self.answering]
+            self.answering = ""
+        elif isinstance(msg, p.ClearIndex):
+            self.told.add(to)
 
     # ------------------------------------------------------------ effects
     def perform(self, e: fx.Effect) -> list[fx.Effect]:
@@ -253,42 +245,39 @@ class SimTier:
         if isinstance(e, fx.ReadTierBlock):
             return self.read(e)
         if isinstance(e, fx.DeleteTierBlocks):
-            # A dead slot's file may go while pinned (it is never served
-            # again); a live one's never, while a lease may still fetch it.
-            held = {s for lease in self.world.allocator.tiering.leases.values()
-                    for s, done in zip(lease.slots, lease.done) if not done}
-            for slot in e.slots:
-                if slot in held and self.index.servable(slot):
-                    self.world.violation(f"tier: live slot {slot} deleted while a lease holds it")
-                self.store.pop(slot, None)
-                copy = self.staged.pop(slot, None)
-                if copy is not None:             # as ``TierIO.delete``: never written
-                    self.cancelled.add(slot)
-                    if not copy.whole:
-                        self.world.counts["tier_staged_torn_dropped"] += 1   # kept off the disk by its death
+            self.delete(e.slots)
             return self.world.allocator.tiering.deleted(e.slots)    # as the loop: announced ones published removed
         return []
 
+    def delete(self, slots: tuple[int, ...]) -> None:
+        """``TierIO.delete``: a dead slot's file may go while pinned (it is
+        never served again); a live one's never, while a lease may still
+        fetch it. A staged copy or a write queued of it never reaches the
+        disk, a file written but not reported yet goes too; neither may be
+        a live entry's."""
+        w = self.world
+        held = {s for lease in w.allocator.tiering.leases.values() for s, done in zip(lease.slots, lease.done)
+                if not done}
+        for slot in slots:
+            if slot in held and self.index.servable(slot):
+                w.violation(f"tier: live slot {slot} deleted while a lease holds it")
+            self.writer.delete(slot, self.index)
+            copy = self.staged.pop(slot, None)
+            if copy is not None:             # never written
+                self.unstaged.add(slot)
+                if not copy.whole:
+                    w.counts["tier_staged_torn_dropped"] += 1   # kept off the disk by its death
+
     def demote(self, e: fx.DemoteBlocks) -> list[fx.Effect]:
-        w, device = self.world, self.world.device
-        done: list[int] = []
-        failed: list[tuple[int, str]] = []
+        """Kept cache or a reclaimed slab: each block read now (checked) and handed to the writer."""
+        device = self.world.device
         for block in e.blocks:
             content = tuple(device.kv.get((page, within // BLOCK_BYTES)) for _dev, page, within, _n in block.runs)
             self.check_content(e.namespace, block.key, content)
-            if self.rng.random() < DISK_FULL:
-                failed.append((block.slot, "disk_full"))
-                w.counts["tier_disk_full"] += 1
-                continue
             nbytes = sum(n for _dev, _page, _within, n in block.runs)
-            self.store[block.slot] = Stored(e.namespace, block.key, block.parent, block.cost, nbytes, content,
-                                            self.invalidated[e.namespace], torn=self.rng.random() < TORN)
-            done.append(block.slot)
-        w.counts["tier_demoted"] += len(done)
-        before = self.index.stats.demotions_reclaimed
-        effects = w.call(w.allocator.tier_written, done, failed, w.now)
-        w.counts["tier_demoted_reclaimed"] += self.index.stats.demotions_reclaimed - before   # of those
-        return effects
+            self.writer.submit(WriteJob(block.slot, Stored(e.namespace, block.key, block.parent, block.cost, nbytes,
+                                                           content, self.invalidated[e.namespace]), staged=False))
+        return []    # the writes' reports come later (``pump``)
 
     def check_content(self, namespace: str, key: bytes, content: tuple[KV | None, ...], staged: bool = False,
                       current: bool = True) -> None:
@@ -343,21 +332,22 @@ class SimTier:
         return w.call(w.allocator.tier_copied, done, failed, w.now)
 
     def write_staged(self, e: fx.WriteStaged) -> list[fx.Effect]:
-        """The copies found whole written (and checked as a demotion is), the others discarded."""
+        """The copies found whole handed to the writer (checked as a demotion
+        is), the others discarded; one deleted meanwhile (its entry died) is
+        reported written at once, with nothing written (``TierIO.write_staged``)."""
         w = self.world
         for slot in e.drop:
             copy = self.staged.pop(slot, None)
-            self.cancelled.discard(slot)
+            self.unstaged.discard(slot)
             w.counts["tier_staged_dropped"] += 1
             if copy is not None and not copy.whole:
                 w.counts["tier_staged_torn_dropped"] += 1   # the ack rule kept a torn copy off the disk
-        done: list[int] = []
         cancelled: list[int] = []
         failed: list[tuple[int, str]] = []
         for slot in e.write:
             copy = self.staged.pop(slot, None)
-            if copy is None and slot in self.cancelled:
-                self.cancelled.discard(slot)
+            if copy is None and slot in self.unstaged:
+                self.unstaged.discard(slot)
                 cancelled.append(slot)          # reported done: its dead entry is freed, nothing written
                 w.counts["tier_staged_cancelled"] += 1
                 continue
@@ -367,23 +357,17 @@ class SimTier:
                 continue
             block = copy.block
             # Copied before its namespace was invalidated: the slot died with
-            # it (committed, it is freed and its file deleted; never served,
-            # which ``check_served`` holds to, a restart in between included).
+            # it (its copy deleted then: never written, never served, which
+            # ``check_served`` holds to, a restart in between included).
             # Copied after: the engine had to clear its keys first.
             current = copy.epoch == self.invalidated[copy.namespace]
             if not current:
                 w.counts["tier_staged_written_invalidated"] += 1
             self.check_content(copy.namespace, block.key, copy.content, staged=True, current=current)
-            if self.rng.random() < DISK_FULL:
-                failed.append((slot, "disk_full"))
-                w.counts["tier_disk_full"] += 1
-                continue
             nbytes = sum(n for _dev, _page, _within, n in block.runs)
-            self.store[slot] = Stored(copy.namespace, block.key, block.parent, block.cost, nbytes, copy.content,
-                                      copy.epoch, torn=self.rng.random() < TORN, evicted=True)
-            done.append(slot)
-        w.counts["tier_staged_written"] += len(done)
-        return w.call(w.allocator.tier_written, done + cancelled, failed, w.now)
+            self.writer.submit(WriteJob(slot, Stored(copy.namespace, block.key, block.parent, block.cost, nbytes,
+                                                     copy.content, copy.epoch, evicted=True), staged=True))
+        return w.call(w.allocator.tier_written, cancelled, failed, w.now) if cancelled or failed else []
 
     def tally(self) -> None:
         """The index's source-B counters, into the world's (each index counts from zero)."""
@@ -424,7 +408,7 @@ class SimTier:
             restored = " (restored by a new daemon)" if e.slot in self.restored_invalidated else ""
             w.violation(f"tier: slot {e.slot} ({b.namespace}:{b.key!r}) served after its namespace was "
                         f"invalidated (lease {e.lease}){restored}")
-        load = self.loads.get(e.to)
+        load = self.loading.loads.get(e.to)
         if load is not None and load.lease == e.lease and load.namespace != e.namespace:
             w.violation(f"tier: an engine of {load.namespace} is served block {e.key!r} of {e.namespace}")
         for kv in b.content:
@@ -440,9 +424,9 @@ class SimTier:
             return
         r = rng.random()
         if r < LOOKUP:
-            self.lookup(rng.choice(list(w.engines)))
+            self.loading.lookup(rng.choice(list(w.engines)), self.index)
         elif r < LOOKUP + KILL:
-            holding = [e for e in w.engines if e.alive and (load := self.loads.get(e.identity)) and load.lease]
+            holding = [e for e in w.engines if e.alive and (load := self.loading.loads.get(e.identity)) and load.lease]
             if holding:
                 engine = rng.choice(holding)
                 engine.crash()                 # mid-lease: the daemon must end its lease with it
@@ -450,80 +434,42 @@ class SimTier:
                 w.counts["tier_kill_mid_lease"] += 1
         elif r < LOOKUP + KILL + INVALIDATE:
             self.invalidate()
+        elif r < LOOKUP + KILL + INVALIDATE + INVALIDATE_WRITING:
+            self.invalidate_writing()
 
-    def lookup(self, engine: SimEngine) -> None:
-        """A device miss: the engine asks the tier for the rest of a prompt's keys."""
-        if not engine.alive or not engine.registered or engine.dying or engine.leaving \
-                or engine.identity in self.loads:
+    def writing(self) -> list[WriteJob]:
+        """The writes in flight (queued, or written and not reported) of
+        blocks whose namespace was not invalidated since they were read."""
+        return [job for job in self.writer.in_flight()
+                if job.block.epoch == self.invalidated[job.block.namespace] and not job.cancelled]
+
+    def invalidate_writing(self) -> None:
+        """The audit's case: ``kvelastic invalidate`` of a namespace whose
+        blocks the writer holds (queued, or written and not reported yet),
+        now and then followed at once by a graceful stop or a kill -9."""
+        w, rng = self.world, self.rng
+        writing = sorted({job.block.namespace for job in self.writing()})
+        if not writing:
             return
-        rng = self.rng
-        held = sorted(self.index._keys.get(engine.namespace, {}))     # mostly a prompt the tier holds a part of
-        if held and rng.random() < 0.7:
-            _ns, prompt_s, first_s = rng.choice(held).decode().rsplit(":", 2)
-            prompt, first = int(prompt_s), int(first_s)      # the prefix before it was on the device
-        else:
-            prompt, first = rng.randrange(12), 0
-        keys = [engine.key(prompt, i) for i in range(first, first + rng.randint(1, 6))]
-        keys = keys[len(engine.pool.lookup(keys)):]
-        if keys:
-            req = engine.send(p.TierLookup(engine_id=engine.name, keys=keys))
-            self.loads[engine.identity] = Load(engine.identity, engine.namespace, keys, req)
+        self.invalidate(rng.choice(writing))
+        x = rng.random()
+        if x < 2 * STOP_AFTER and not w.stopped:
+            w.counts["tier_stop_after_invalidation" if x < STOP_AFTER else "tier_crash_after_invalidation"] += 1
+            w.restart_daemon(kill=x >= STOP_AFTER)
 
     def on_reply(self, engine: SimEngine, msg: p.Msg) -> bool:
-        """A message to ``engine``: True when it is the tier's (taken here)."""
-        load = self.loads.get(engine.identity)
-        if load is None or msg.req_id != load.req:
-            return isinstance(msg, (p.TierPinned, p.TierData))
-        w, rng = self.world, self.rng
-        if isinstance(msg, p.TierPinned) and msg.lease:
-            load.lease, load.nbytes = msg.lease, list(msg.nbytes)
-            x = rng.random()
-            if msg.nbytes[0] != engine.block_bytes:   # another layout of its namespace: not loaded (as the connector)
-                w.counts["tier_other_layout"] += 1
-                self.release(engine, load)
-            elif x < ABANDON:
-                load.abandoned = True          # never fetched nor released: its deadline ends it
-                w.counts["tier_lease_abandoned"] += 1
-            elif x < ABANDON + RELEASE:
-                self.release(engine, load)
-            else:
-                self.fetch(engine, load, 0)
-            return True
-        if isinstance(msg, p.TierData):
-            if msg.size >= 0 and (msg.block != load.block or msg.size != load.nbytes[load.block]):
-                w.violation(f"tier: engine {engine.name} asked for block {load.block} of lease {load.lease} "
-                            f"({load.nbytes[load.block]} bytes), got block {msg.block} of {msg.size}")
-            if msg.size >= 0 and msg.offset + tiering.CHUNK < msg.size:
-                self.fetch(engine, load, msg.offset + tiering.CHUNK)
-                return True
-            w.counts["tier_promoted" if msg.size >= 0 else "tier_dropped_at_fetch"] += 1
-            load.block += 1
-            if load.block < len(load.nbytes) and load.nbytes[load.block] != engine.block_bytes:
-                w.counts["tier_other_layout"] += 1
-                self.release(engine, load)
-            elif load.block >= len(load.nbytes):
-                del self.loads[engine.identity]       # the daemon ended the lease with its last block
-            elif rng.random() < RELEASE / 2:
-                self.release(engine, load)
-            else:
-                self.fetch(engine, load, 0)
-            return True
-        del self.loads[engine.identity]               # a miss, an Error, the Ok of a release
-        return True
+        """A message to ``engine``: True when it is the tier's (``TierLoads.on_reply``)."""
+        return self.loading.on_reply(engine, msg)
 
-    def fetch(self, engine: SimEngine, load: Load, offset: int) -> None:
-        load.req = engine.send(p.TierFetch(engine_id=engine.name, lease=load.lease, block=load.block, offset=offset))
-
-    def release(self, engine: SimEngine, load: Load) -> None:
-        load.req = engine.send(p.TierRelease(engine_id=engine.name, lease=load.lease))
-        self.world.counts["tier_released"] += 1
-
-    def invalidate(self) -> None:
-        """``kvelastic invalidate``, mostly of a namespace with tier blocks."""
+    def invalidate(self, target: str = "") -> None:
+        """``kvelastic invalidate`` (of ``target``), mostly of a namespace with tier blocks."""
         w = self.world
         in_tier = sorted(self.index.namespaces())
-        names = in_tier if in_tier and self.rng.random() < 0.8 else sorted({e.namespace for e in w.engines})
-        target = self.rng.choice(names)
+        if not target:
+            names = in_tier if in_tier and self.rng.random() < 0.8 else sorted({e.namespace for e in w.engines})
+            target = self.rng.choice(names)
+        if any(job.block.namespace == target for job in self.writing()):
+            w.counts["tier_invalidated_with_writes_queued"] += 1
         # Its KV that the daemon could still demote never reaches the tier:
         # kept cache's, and that of slabs given up by its running engines and
         # unmapping, noted for the tier. (The rest is the engines' own to
@@ -537,11 +483,13 @@ class SimTier:
                 going.update(page for slab in engine.slabs.values()
                              if slab.phase is Phase.UNMAPPING and slab.handoff_to == tiering.TO_TIER
                              for page in slab.pages)
+        marked: dict[bytes, list[int]] = {CLI: []}   # what this one marks, by whom told (CLI: the daemon)
         for page in going:
             for offset in range(BLOCKS_PER_SLAB):
                 kv = w.device.kv.get((page, offset))
-                if kv is not None:
+                if kv is not None and id(kv) not in self.stale:
                     self.stale[id(kv)] = kv
+                    marked[CLI].append(id(kv))
         if w.evictions:
             # The engines registered in it are told to clear their keys
             # (``ClearIndex``): none of their KV reaches the tier or another
@@ -558,16 +506,28 @@ class SimTier:
                     for page in {page for pages in worker.mapped.values() for page in pages}:
                         for offset in range(BLOCKS_PER_SLAB):
                             kv = w.device.kv.get((page, offset))
-                            if kv is not None and kv.namespace == target:
+                            if kv is not None and kv.namespace == target and id(kv) not in self.superseded:
                                 self.superseded[id(kv)] = kv
+                                marked.setdefault(sim.identity, []).append(id(kv))
         self.invalidated[target] += 1
         self.leased_through_invalidation.update(lease.lease for lease in w.allocator.tiering.leases.values()
                                                 if lease.namespace == target)
         w.counts["tier_invalidated" if target in in_tier else "invalidated"] += 1
-        effects = w.call(w.allocator.handle, b"kvelastic-cli", p.Invalidate(target=target), w.now)
+        effects = w.call(w.allocator.handle, CLI, p.Invalidate(target=target), w.now)
         if any(isinstance(x, fx.DemoteBlocks) for x in effects):
             w.violation(f"tier: invalidating {target} demoted blocks")
+        self.answering, self.told = target, set()    # final once its answer is sent (``sent``)
         w.perform(effects)
+        if self.answering:
+            # The daemon was killed before it answered: not final. What it
+            # did not tell goes on as before it (an engine not sent its
+            # ``ClearIndex`` keeps its keys; the kept cache is the state
+            # file's, written before it), as the operator heard no answer.
+            w.counts["tier_invalidation_unanswered"] += 1
+            self.answering = ""
+            for whom, ids in marked.items():
+                for kv_id in ids if whom not in self.told else ():
+                    (self.stale if whom == CLI else self.superseded).pop(kv_id, None)
 
     # ------------------------------------------------------------- checks
     def check(self) -> None:
@@ -601,16 +561,9 @@ class SimTier:
                 elif not done and index.servable(slot) and slot not in self.store:
                     w.violation(f"tier: live slot {slot} of lease {lease.lease}: its file deleted while pinned")
         self.check_staging()
+        self.writer.check(index, {*self.staged, *self.unstaged, *alloc.staging.copies})
         self.tally()
-        for identity, load in list(self.loads.items()):
-            if identity not in w.wires:       # the engine died
-                if load.lease:
-                    w.counts["lease_engine_died"] += 1
-                del self.loads[identity]
-            elif load.lease and load.lease not in leases:
-                if load.abandoned:
-                    w.counts["lease_expired"] += 1
-                    del self.loads[identity]
+        self.loading.check(leases)
 
     def check_staging(self) -> None:
         """Source B's books: staged bytes within the room and what the copies
@@ -630,7 +583,7 @@ class SimTier:
             elif self.last_tick > c.deadline:
                 w.violation(f"tier: copy of block {c.block} of {serials[c.serial]} (slot {slot}) outlived its "
                             f"deadline ({c.deadline:.3f}; ticked at {self.last_tick:.3f})")
-            if slot not in self.staged and slot not in self.cancelled:
+            if slot not in self.staged and slot not in self.unstaged:
                 w.violation(f"tier: copy of block {c.block} (slot {slot}) pending, not in the loop's staging")
 
     def settled(self) -> None:
@@ -638,6 +591,9 @@ class SimTier:
         leases = self.world.allocator.tiering.leases
         if leases:
             self.world.violation(f"tier: leases {sorted(leases)} left after every engine exited")
+        if self.writer.in_flight():
+            self.world.violation(f"tier: writes of slots {sorted(self.writer.slots())} in flight after every "
+                                 "engine exited")
         copies = self.world.allocator.staging.copies
         if copies or self.staged:
             self.world.violation(f"tier: copies {sorted(copies)} pending, {sorted(self.staged)} staged after "

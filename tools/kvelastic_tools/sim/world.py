@@ -317,6 +317,8 @@ class World:
                 self.owed[(e.to, e.msg.req_id)] = (self.now, e.msg.slab, isinstance(e.msg, p.UnmapSlab))
         if isinstance(e.msg, (p.Granted, p.Error)):
             self.grow_sent.pop((e.to, e.msg.req_id), None)
+        if self.tier is not None and self.tier.answering:   # an invalidation's ClearIndex, or its answer
+            self.tier.sent(e.to, e.msg)
 
     def crash(self) -> None:
         """kill -9 of the daemon part-way through an input: what it did so far
@@ -386,10 +388,13 @@ class World:
         nothing is unmapped; engines reconnect and adopt; the new daemon takes
         back the kept cache its predecessor saved (``keeper.take_back``).
         What the old daemon sent before it exited still reaches the clients."""
-        if not kill and not self.stopped:     # a graceful stop: its file last, its pages left to the keeper
+        graceful = not kill and not self.stopped
+        if graceful:                          # a graceful stop: its file last, its pages left to the keeper
             self.keeper.save_at_stop(self)
             self.keeper.attached = False
             self.perform(self.call(self.allocator.shutdown))
+        if self.tier is not None:             # its tier writer: what is queued written, or (killed) lost
+            self.tier.stop(graceful)
         self.stopped = True
         self.crash_armed = self.crashed = False
         for ghost in list(self.ghosts.values()):   # their connections went with the daemon; nothing more is heard
