@@ -223,7 +223,7 @@ def restart_families(restart: RestartStatus) -> Iterator[Metric]:
 
 
 def lent_families(restart: RestartStatus) -> Iterator[Metric]:
-    """Running engines' slabs through the restart (issue 44): the lent records held at start, and what
+    """Running engines' slabs through the restart: the lent records held at start, and what
     their engines' claims found."""
     held = GaugeMetricFamily(f"{PREFIX}_restart_lent_slabs_held",
                              "Lent slab records of the state file this daemon held at start for their engines' "

@@ -120,13 +120,13 @@ class TierStatus(msgspec.Struct, kw_only=True):
 
 
 class RestartStatus(msgspec.Struct, kw_only=True):
-    """What this daemon took back of its predecessor's at start (Step 20)."""
+    """What this daemon took back of its predecessor's at start."""
     state_file: str              # "ok", or why the saved books were not used (metrics.STATE_FILE_STATES)
     kept_slabs: int = 0          # kept cache slabs adopted
     kept_blocks: int = 0         # their cached blocks
     dropped: dict[str, int] = {} # saved kept slabs not adopted, by reason
     pages_let_go: int = 0        # pages the keeper held that nothing proved current
-    # Running engines' slabs (issue 44): the lent records of the state file
+    # Running engines' slabs: the lent records of the state file
     # held at start for their engines' claims (their pages kept), those
     # dropped at start by reason (metrics.RESTART_DROP_REASONS); claimed
     # slabs adopted with their pages, and without, by reason

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import msgspec
 
 from kvelastic import protocol as p
+from kvelastic.client.answers import give_up, private_namespace, wire_key
 from kvelastic.client.connection import Connection, DaemonError, DaemonUnavailable, expect
 from kvelastic.client.reserve import ReservePolicy
 from kvelastic.core.journal import REMOVE, STORE
@@ -62,39 +63,6 @@ HANDS_BACK = (p.Return, p.ReclaimDone)
 # After the daemon refused a journal, the whole index goes again, at most
 # once in this many seconds (``_on_refused``).
 RESYNC_INTERVAL = 1.0
-
-
-def wire_key(key) -> bytes:
-    """Prefix-cache keys travel as bytes (vLLM's already are)."""
-    return key if type(key) is bytes else msgspec.msgpack.encode(key)
-
-
-def give_up(pool: SlabPool, slab_ids: list[int]) -> tuple[list[int], list[int], dict[int, list[p.CachedBlock]]]:
-    """Answer a reclaim: take each slab back from ``pool`` if it can go.
-    Returns (given, refused, cached): a slab whose block turned live
-    meanwhile, or that the pool does not hold, is refused; ``cached`` holds
-    the given slabs' cached blocks as they were (oldest first), which the
-    daemon hands on with the pages to an engine of the same namespace."""
-    entries = pool.cached_entries(slab_ids)
-    given, refused = [], []
-    cached: dict[int, list[p.CachedBlock]] = {}
-    for slab_id in slab_ids:
-        try:
-            pool.take_slab_back(slab_id, reason="reclaim")
-        except PoolError:
-            refused.append(slab_id)
-            continue
-        given.append(slab_id)
-        if entries.get(slab_id):
-            cached[slab_id] = [p.CachedBlock(offset, wire_key(key), label)
-                               for offset, key, label in entries[slab_id]]
-    return given, refused, cached
-
-
-def private_namespace(namespace: str) -> str:
-    """A namespace nobody else has: ``namespace`` with a random suffix
-    (128 bits), within the protocol's 128 characters."""
-    return f"{namespace[:95]}~{secrets.token_hex(16)}"
 
 
 class EngineClient:
@@ -137,7 +105,7 @@ class EngineClient:
         self._tier_ack = 0                 # the last ``TierCopied`` ticket heard (I/O thread)
         self._tier_ack_sent = 0            # the last one a journal carried back
         self._scope = 0                    # the last ``ClearIndex.scope`` applied (journals carry it)
-        self._registrations = 0            # handshakes so far: a scope is of the connection that sent it
+        self._registrations = 0            # handshakes so far (a scope is its connection's)
         self.refused_until = 0.0           # after a refused grow, no prefetch for a while
         self._grow_in_flight = False       # a reserve grow awaits its answer
         self._grow_answered = threading.Event()
@@ -489,14 +457,12 @@ class EngineClient:
                                      cached=cached))
 
     def _clear_index(self, scope: int = 0, registration: int | None = None) -> None:
-        """Drop the whole prefix cache. The next journal carries the CLEAR
-        and ``scope``, unless the clear came from an earlier connection (it
-        was deferred across a reconnect): a restarted daemon counts scopes
-        from its own start, and an old scope past its count would make this
-        engine's journals look current for an invalidation it has not
-        applied yet. The cache is dropped either way (it was invalidated)."""
+        """Drop the whole prefix cache; the next journal carries the CLEAR and
+        ``scope``, unless the clear was deferred across a reconnect: a
+        restarted daemon counts scopes anew, and an old one past its count
+        would make journals look current for an invalidation not applied."""
         dropped = self.pool.clear_index()
-        if registration is None or registration == self._registrations:
+        if registration in (None, self._registrations):
             self._scope = max(self._scope, scope)
         log.info("engine %s: prefix cache invalidated by the daemon (%d cached blocks dropped)",
                  self.engine_id, dropped)

@@ -7,7 +7,9 @@ runtime (``kvelastic``, ``kvelastic_vllm``) apart from the tools
 (``kvelastic_tools``): no runtime module imports them, and the runtime's
 wheel carries none of them; every link of the README and of docs/ leads to
 a file that exists; no runtime module past 600 lines (a file that long
-mixes jobs: split it by job).
+mixes jobs: split it by job); and the project speaks of features, not of
+its plan: no "Step N" or issue number in code, tests, tools, CLI help or
+docs.
 
 A package's ``__init__`` importing its own submodules is its face, not a
 circle: those edges are left out.
@@ -136,6 +138,32 @@ def test_no_runtime_module_is_past_600_lines() -> None:
     lengths = {name: len(path.read_text().splitlines()) for name, path in modules(RUNTIME).items()}
     assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}
     assert max(lengths.values()) > MAX_LINES // 2          # the count reads real files
+
+
+PLAN_WORDS = re.compile(r"\bStep \d+[a-z]?\b|\bissues? \d+\b|\(issue\b")
+
+
+def plan_words(paths: list[pathlib.Path]) -> list[str]:
+    """Lines of ``paths`` that name a step of the plan or an issue number."""
+    return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{i}: {line.strip()}"
+            for path in paths for i, line in enumerate(path.read_text().splitlines(), 1) if PLAN_WORDS.search(line)]
+
+
+def test_the_project_names_no_step_or_issue_of_its_plan() -> None:
+    paths = [p for folder in ("kvelastic", "patches", "tools", "tests", "docs", "daemon", "grafana")
+             for p in sorted((ROOT / folder).rglob("*")) if p.suffix in {".py", ".md", ".toml", ".json", ".yml"}]
+    paths.append(ROOT / "README.md")
+    this = pathlib.Path(__file__).resolve()
+    assert len(paths) > 100 and plan_words([p for p in paths if p != this]) == []
+    help_text = subprocess.run([sys.executable, "-m", "kvelastic", "--help"], capture_output=True, text=True).stdout
+    assert "usage" in help_text and not PLAN_WORDS.search(help_text)
+
+
+def test_the_plan_word_check_finds_a_step_and_an_issue(tmp_path: pathlib.Path) -> None:
+    sample = tmp_path / "m.py"
+    sample.write_text('"""The keeper (Step 20)."""\nx = 1  # issue 44: lent\nstep = 3  # a Step in the loop\n')
+    assert [line.split(": ", 1)[1] for line in plan_words([sample])] == ['"""The keeper (Step 20)."""',
+                                                                          "x = 1  # issue 44: lent"]
 
 
 def test_the_runtimes_wheels_carry_no_tool(tmp_path: pathlib.Path) -> None:

@@ -1,4 +1,4 @@
-"""One engine cannot grow the daemon without limit (Step 7, finding 4).
+"""One engine cannot grow the daemon without limit (finding 4).
 
 A registered engine sends about 1 MiB messages that each tried to make the
 daemon keep more: new cache keys for the same few blocks, occupancy of slabs

@@ -1,5 +1,5 @@
 """Page channels are capped: a local process cannot exhaust the daemon's file
-descriptors, and running out of them does not crash it (Step 7, finding 5)."""
+descriptors, and running out of them does not crash it (finding 5)."""
 
 import socket
 import time

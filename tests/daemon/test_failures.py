@@ -89,7 +89,7 @@ BAD_INPUTS = [
     ("unexpected_ack", lambda d, e: e.send(p.ReclaimDone(engine_id="e1", given=[], refused=[]))),
     ("unknown_target", lambda d, e: d.request(p.Invalidate(target="nothing"))),
     ("limit", lambda d, e: d.request(p.SetLimit(engine_id="e1", min_bytes=8, max_bytes=4))),
-    # Another connection acting for e1: refused, whatever it asks (Step 7: identity).
+    # Another connection acting for e1: refused, whatever it asks (identity).
     ("not_owner", lambda d, e: d.request(p.Return(engine_id="e1", slabs=[0]))),
     ("not_owner", lambda d, e: d.request(p.Grow(engine_id="e1", slabs=1))),
     ("not_owner", lambda d, e: d.request(p.Unregister(engine_id="e1"))),

@@ -1,9 +1,9 @@
 """The structure-aware fuzzer (``kvelastic_tools.fuzz``) against a real daemon
-(Step 7): no frame or page-channel connection crashes it, hangs it, or grows
+no frame or page-channel connection crashes it, hangs it, or grows
 it, every refusal is counted, and a legitimate engine beside the fuzz keeps
 its slabs, its data and its status, and still grows, serves and shrinks.
 
-Its sequence mode (issue 21): well-formed protocol sequences from several
+Its sequence mode: well-formed protocol sequences from several
 clients, engine ids reused while their last engines still depart, and
 hostile-but-valid values lose no page, crash and hang nothing, and leave
 the legitimate engine as it was."""

@@ -33,7 +33,7 @@ def test_a_stale_mapping_never_shows_the_next_tenants_data(daemon_factory, tmp_p
 def test_an_impostors_page_channel_never_gets_another_engines_pages(daemon_factory):
     """A local process greets the page channel as engine a's worker 0 before
     a grows: without a's secret it gets no descriptor, and a's own worker maps
-    every page (Step 7, identity)."""
+    every page (identity)."""
     import socket
 
     from kvelastic import protocol as p

@@ -1,4 +1,4 @@
-"""The daemon with a keeper (Step 20): the keeper holds every page the daemon
+"""The daemon with a keeper: the keeper holds every page the daemon
 has, keeps them past the daemon's ``kill -9`` and a graceful stop, and lets
 go of what the daemon releases; a new daemon has
 the keeper let go of its predecessor's pages but for the kept cache it saved,
@@ -23,7 +23,7 @@ PAGE = 2 << 20
 
 
 def kept_part(restart: dict) -> dict:
-    """What the restart status says of the kept cache (Step 20)."""
+    """What the restart status says of the kept cache."""
     return {k: restart[k] for k in ("state_file", "kept_slabs", "kept_blocks", "dropped", "pages_let_go")}
 
 

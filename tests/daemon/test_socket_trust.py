@@ -1,4 +1,4 @@
-"""Who is behind the daemon's socket (security review, issue 21, finding 10).
+"""Who is behind the daemon's socket (security review, finding 10).
 
 The socket folder is found by a path that someone else may have made first
 (``/tmp/kvelastic-$UID``) or may re-point later (a symbolic link). The daemon

@@ -1,4 +1,4 @@
-"""The daemon's state file (Step 20) with real files: round trips, and every
+"""The daemon's state file with real files: round trips, and every
 way a file can be wrong (cut short, a bit flipped, another format, another
 boot, a crash mid-write) detected, never returned."""
 

@@ -1,4 +1,4 @@
-"""Tenants that cannot touch each other, and a loop nothing can stall (Step 7b).
+"""Tenants that cannot touch each other, and a loop nothing can stall.
 
 Each test is a finding of the review of bf4a9e5, reproduced the way a hostile
 tenant makes it: a process of another uid in the socket group (the README's
@@ -543,7 +543,7 @@ e.close()
 
 
 def test_only_the_operator_or_the_namespaces_owner_may_invalidate_its_kept_cache(shared, engines):
-    """Step 12b: ``invalidate`` reaches kept cache with no engine running; a
+    """``invalidate`` reaches kept cache with no engine running; a
     tenant may drop its own, never another's."""
     from tests.daemon.test_orphan_cache import KEEP, cache_in_a_step, kept_blocks
 
@@ -570,7 +570,7 @@ def test_only_the_operator_or_the_namespaces_owner_may_invalidate_its_kept_cache
 
 
 def test_only_the_operator_or_the_namespaces_owner_may_invalidate_its_tier_blocks(shared):
-    """Step 19: ``invalidate`` reaches the node's tier; a tenant of another
+    """``invalidate`` reaches the node's tier; a tenant of another
     uid can drop neither another tenant's blocks nor the operator's."""
     from kvelastic.daemon.main import load_hash_secret
     from kvelastic.tier.disk import DiskStore

@@ -55,7 +55,7 @@ def test_make_gpu_check_in_host_mode_passes_parts_2_3_and_says_no_gpu_for_1_4(tm
     kv = parts["3"]
     assert kv["status"] == "passed" and len(kv["checks"]) >= 12 and all(c["ok"] for c in kv["checks"])
     assert any("bitwise" in c["name"] for c in kv["checks"])
-    # Until the daemon gives a fresh page on every move (Step 7) a descriptor
+    # Until the daemon gives a fresh page on every move a descriptor
     # kept by the losing engine reaches the winner's data: the kit must report
     # that as pending (not hide it, not fail on it), and drop it once it holds.
     if all(shown == "own" for shown in kv["figures"]["stale_descriptor_shows"]):

@@ -186,6 +186,6 @@ def test_spread_and_the_full_shape():
     assert spread([0.7, None, 0.5, 0.9]) == {"min": 0.5, "median": 0.7, "max": 0.9, "runs": [0.7, None, 0.5, 0.9]}
     assert spread([None])["median"] is None
     full = load.FULL
-    assert full.requests - full.warmup >= 400                       # issue 45: p99 is not one request
+    assert full.requests - full.warmup >= 400                       # p99 is not one request
     longest = full.system_len + full.turns * full.message_len + (full.turns - 1) * full.max_tokens
     assert longest + full.max_tokens <= 1024                         # vllm_serve's --max-model-len

@@ -1,4 +1,4 @@
-"""The simulator's hostile scenarios (issue 21): an engine id registered again
+"""The simulator's hostile scenarios: an engine id registered again
 while its last registration still departs (its workers hang on: ghosts), model
 steps longer than the ack deadline that hold an unmap (the workers say
 ``Busy``), and hostile clients (huge or odd geometry, journals, grows and acks

@@ -5,7 +5,7 @@ file names and its keeper holds (the real ``saved`` functions and
 ``Allocator.adopt_kept``), sometimes from a torn file or a lost keeper. The
 adopted slabs' blocks must reach engines of their namespace only, holding
 their keys' KV, never while a worker maps their pages. Running engines'
-slabs (issue 44) are saved as lent records and adopted with their pages on
+slabs are saved as lent records and adopted with their pages on
 an exact claim; every slab a registration holds with pages must be what its
 workers map for it, and a held record's pages mapped by no other registration.
 

@@ -1,4 +1,4 @@
-"""The node's tier in the simulator (``kvelastic_tools.sim.tier``, issue 43):
+"""The node's tier in the simulator (``kvelastic_tools.sim.tier``):
 odd seeds run with a real ``TierIndex`` handed to the allocator; kept cache
 released, and cached slabs reclaimed from running engines for another
 namespace, are demoted into a simulated store that fills up and tears blocks;

@@ -1,4 +1,4 @@
-"""Demotion source B (issue 43 item 2: "the engine evicts it under pressure"),
+"""Demotion source B ("the engine evicts it under pressure"),
 in a real daemon process with real engine and worker processes
 (``tests/daemon/peer.py``, host pages): the blocks a running engine is about
 to evict (its journal marks them ``DEMOTE``) are copied by the daemon while

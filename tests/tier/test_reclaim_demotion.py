@@ -1,4 +1,4 @@
-"""Demotion from cached slabs reclaimed from a running engine (issue 43 item 2),
+"""Demotion from cached slabs reclaimed from a running engine,
 in a real daemon process with real engine and worker processes
 (``tests/daemon/peer.py``, host pages): an engine of another namespace
 needs the memory, the daemon reclaims the idle engine's cached slab, and

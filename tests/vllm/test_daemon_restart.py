@@ -1,12 +1,12 @@
-"""The daemon restarts under serving engines without losing the kept cache
-(Step 20). Real vLLM (CPU build) in its default layout, a real daemon and
+"""The daemon restarts under serving engines without losing the kept cache.
+Real vLLM (CPU build) in its default layout, a real daemon and
 keeper (``kvelastic keeper``).
 
 Engine ``llm`` serves the prefix workload and is killed: its cache is kept.
 Engine ``live`` (another tenant: another namespace) serves throughout. The
 daemon is killed with SIGKILL, and a new one started: it adopts the kept
 cache from its keeper and state file, ``live`` re-registers and goes on with
-stock's tokens (its slabs adopted with their pages: issue 44), and the
+stock's tokens (its slabs adopted with their pages), and the
 next ``llm`` starts warm, as it would have without the restart; once
 ``live`` exits, its cache (made through the restart) is kept too, and the
 next engine of its namespace starts warm from it. The graceful stop and damaged state files are
@@ -73,7 +73,7 @@ def test_kill_9_of_the_daemon_keeps_the_kept_cache_and_the_serving_engines(tiny_
         wait_for(lambda: [e["engine_id"] for e in daemon.status()["engines"]] == ["live"], timeout=30,
                  what="live re-registered")
         assert live.do("workload")["tokens"] == expected          # it served on, and serves now
-        # Its slabs were saved as lent (issue 44): adopted with their pages once its workers were back.
+        # Its slabs were saved as lent: adopted with their pages once its workers were back.
         wait_for(lambda: daemon.status()["restart"]["lent_adopted"] > 0, timeout=30,
                  what="live's slabs adopted with their pages")
 

@@ -10,7 +10,7 @@ the same sequence of calls.
 - vLLM's own weight-update path (``reload_weights`` from a checkpoint on disk);
 - ``reset_prefix_cache``, ``sleep(level=1)``/``sleep(level=2)`` and ``wake_up``;
 - ``get_metrics`` (every workload's hits and queries are read through it).
-The Step 12b guarantee in this layout (an in-memory update never reaches an
+The in-memory update guarantee in this layout (an in-memory update never reaches an
 engine of the checkpoint) is ``test_weight_changes.py``'s first test, whose
 engines run in this layout too (``run_engine.Engine``), forked as on a GPU.
 This test's engine is started as vLLM's CPU build starts it (spawned

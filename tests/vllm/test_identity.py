@@ -52,7 +52,7 @@ def test_the_namespace_changes_with_the_weights_and_the_tenant(plugin_runs, tmp_
     overridden = namespace_of(vllm_config(model, hf_overrides={"rope_theta": 5000.0}), 4096, 2, 1, "")
     assert overridden != ns
     assert overridden == namespace_of(vllm_config(model, hf_overrides={"rope_theta": 5000.0}), 4096, 2, 1, "")
-    # Compiled or eager: other kernels, other KV bytes (Step 12's kept cache across modes).
+    # Compiled or eager: other kernels, other KV bytes (the kept cache across modes).
     eager = namespace_of(vllm_config(model, enforce_eager=True), 4096, 2, 1, "")
     assert eager != namespace_of(vllm_config(model, enforce_eager=False), 4096, 2, 1, "")
     assert eager == namespace_of(vllm_config(model, enforce_eager=True), 4096, 2, 1, "")

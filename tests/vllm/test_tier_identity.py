@@ -1,4 +1,4 @@
-"""Identity holds in the node's tier (issue 43 item 4), with real vLLM (CPU
+"""Identity holds in the node's tier, with real vLLM (CPU
 build, its default layout) and a real daemon: blocks demoted by an engine
 of a checkpoint are loaded back only by requests that would have computed
 the same KV. A request under a LoRA adapter, an engine whose weights were

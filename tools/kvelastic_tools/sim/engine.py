@@ -27,7 +27,7 @@ import random
 from typing import Any, Protocol
 
 from kvelastic import protocol as p
-from kvelastic.client.engine import give_up, wire_key
+from kvelastic.client.answers import give_up, wire_key
 from kvelastic.core.block import BlockRecord
 from kvelastic.core.pool import SlabPool
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE

@@ -1,4 +1,4 @@
-"""The daemon's keeper and state file in the simulated node (Step 20).
+"""The daemon's keeper and state file in the simulated node.
 
 The real loop (``kvelastic/daemon/server.py`` with ``succession.py``) has a
 keeper process hold every page it creates (deposited on creation, forgotten
@@ -11,7 +11,7 @@ the keeper let go of every other page. Here ``Keeper`` plays the keeper and
 the file (its bytes, in memory) and ``take_back`` the new daemon's start,
 through the real ``saved`` functions and ``Allocator.adopt_kept``.
 
-The state file names the running engines' slabs too (issue 44: lent
+The state file names the running engines' slabs too (lent
 records, written as ``saved.Saving`` says: coalesced, but ahead of pages
 sent for a slab the last write names otherwise). The successor holds the
 pages of the records it accepts for their engines' claims (the keeper

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvelastic import protocol as p
-from kvelastic.client.engine import give_up
+from kvelastic.client.answers import give_up
 from kvelastic.client.reserve import ReservePolicy
 from kvelastic.core.pool import SlabPool
 from kvelastic.errors import PoolError

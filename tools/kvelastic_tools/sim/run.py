@@ -241,7 +241,7 @@ def check(w: World) -> None:
             w.allocator.check()
         except InvariantViolation as exc:
             w.violation(f"books: {exc}")
-        keeper.check_lent(w, w.allocator)   # slabs held with pages are what their workers map (issue 44)
+        keeper.check_lent(w, w.allocator)   # slabs held with pages are what their workers map
     if w.pages_due and w.checked % PAGES_EVERY == 0:
         w.pages_due = False
         checks.pages(w)    # every page in one place; what a worker maps is its registration's (live blocks' too)

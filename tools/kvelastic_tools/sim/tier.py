@@ -1,4 +1,4 @@
-"""The node's tier in the simulator (issue 43): a real ``TierIndex`` with a
+"""The node's tier in the simulator: a real ``TierIndex`` with a
 small budget, handed to the ``Allocator`` as the daemon does, and the loop's
 side of it played here as ``world.py`` plays the rest of the loop.
 

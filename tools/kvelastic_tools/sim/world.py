@@ -27,7 +27,7 @@ back what the file names and the keeper holds, through the real
 ``saved.adopt`` and ``Allocator.adopt_kept``, and what it adopted is checked
 as every kept slab is.
 
-Hostile scenarios (issue 21): an engine id registered again while workers of
+Hostile scenarios: an engine id registered again while workers of
 its last registration still run (``ghosts.py``), model steps that outlive the
 ack deadline (their workers say ``Busy``; the world tracks every ack a
 worker owes, from the command or the last Busy the daemon heard), and
