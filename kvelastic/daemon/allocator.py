@@ -66,6 +66,7 @@ from kvelastic.errors import require
 from kvelastic.kv_events import AllBlocksCleared, kv_events_topic
 from kvelastic.status_report import RestartStatus, StatusReport
 from kvelastic.tier.index import TierIndex
+from kvelastic.tier.store import StoredBlock
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -309,6 +310,16 @@ class Allocator:
         self.books.now = now
         self.staging.copied(staged, failed)
         return self.books.take()
+
+    def tier_restored(self, entries: list[StoredBlock], now: float) -> list[fx.Effect]:
+        """At start: the tier's store held ``entries``, now in the index (published to routers)."""
+        self.books.now = now
+        return [*self.tiering.restored(entries), *self.books.take()]
+
+    def tier_deleted(self, slots: tuple[int, ...]) -> list[fx.Effect]:
+        """The loop deleted the bytes of ``slots`` (a ``DeleteTierBlocks``, an
+        effect of the input being performed: its clock, its books' effects)."""
+        return self.tiering.deleted(slots)
 
     def tier_read(self, lease: int, block: int, error: str, now: float) -> list[fx.Effect]:
         """The loop sent a tier block's last chunk, or found it bad (``error``: why)."""

@@ -24,9 +24,10 @@ from kvelastic.daemon.tenancy import Tenancy
 from kvelastic.errors import ConfigError, KvelasticError
 from kvelastic.protocol import fd_socket_path
 from kvelastic.startup import configured, sd_notify
-from kvelastic.tier.disk import DiskEntry, DiskStore, UntrustedTierDir
 from kvelastic.tier.index import TierIndex
+from kvelastic.tier.media import UntrustedTier, open_store
 from kvelastic.tier.restart import rebuild
+from kvelastic.tier.store import StoredBlock, TierStore
 from kvelastic.vmm import get_backend
 
 log = logging.getLogger("kvelastic.daemon")
@@ -173,7 +174,7 @@ def raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def open_tier(config: Config, now: float, key: bytes) -> tuple[TierIndex, DiskStore, list[DiskEntry]] | None:
+def open_tier(config: Config, now: float, key: bytes) -> tuple[TierIndex, TierStore, list[StoredBlock]] | None:
     """The node's disk tier (``KVELASTIC_TIER_DIR``), its index rebuilt from
     what the directory holds; None when none is configured. The directory
     must be the daemon's alone: blocks found there are served to engines as
@@ -185,8 +186,8 @@ def open_tier(config: Config, now: float, key: bytes) -> tuple[TierIndex, DiskSt
         return None
     where = f"KVELASTIC_TIER_DIR={config.tier_dir!r}"
     try:
-        store = DiskStore(config.tier_dir, key=key)
-    except UntrustedTierDir as exc:
+        store = open_store(config.tier_dir, key=key)
+    except UntrustedTier as exc:
         raise ConfigError(f"{where}: {exc.why}") from None
     except OSError as exc:
         raise ConfigError(f"{where}: cannot use it ({exc.strerror or exc})") from None

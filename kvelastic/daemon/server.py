@@ -34,8 +34,8 @@ from kvelastic.daemon.tier_io import TierIO
 from kvelastic.errors import require
 from kvelastic.metrics import DaemonMetrics
 from kvelastic.status_report import StatusReport
-from kvelastic.tier.disk import DiskEntry, DiskStore
 from kvelastic.tier.index import TierIndex
+from kvelastic.tier.store import StoredBlock, TierStore
 from kvelastic.vmm.errors import FdChannelError, VmmError
 
 log = logging.getLogger("kvelastic.daemon")
@@ -59,7 +59,7 @@ class Daemon:
                  kv_events: tuple[str, str, int] | None = None, timing: Timing = Timing(),
                  access: Access | None = None, max_engines: int = 256, hash_secret: bytes | None = None,
                  tenancy: Tenancy | None = None, tier: TierIndex | None = None,
-                 tier_store: DiskStore | None = None, tier_found: list[DiskEntry] | None = None,
+                 tier_store: TierStore | None = None, tier_found: list[StoredBlock] | None = None,
                  keeper: PageKeeper | None = None, tier_events: TierStream | None = None) -> None:
         """``tier``, ``tier_store``: the node's tier (``main.open_tier``), or None;
         ``tier_found``: what its store held at start (published, where labelled);
@@ -120,7 +120,7 @@ class Daemon:
         self._draining = False
         self.succession: Succession | None = None     # with a keeper: what the next daemon takes back
         if tier_found:      # routers hear of the blocks rebuilt from disk as of those demoted since
-            self._perform(self.allocator.tiering.restored(tier_found))
+            self._perform(self.allocator.tier_restored(tier_found, time.monotonic()))
 
     def take_back(self, boot: str) -> None:
         """At start, with a keeper: adopt the kept cache the last daemon saved
@@ -445,7 +445,7 @@ class Daemon:
         elif isinstance(effect, fx.DeleteTierBlocks):
             self.tier_io.delete(effect.slots)
             self.tier_io.forget(effect.slots)       # the reader lets go of them
-            return self.allocator.tiering.deleted(effect.slots)     # announced ones: published removed
+            return self.allocator.tier_deleted(effect.slots)     # announced ones: published removed
         elif isinstance(effect, fx.DemoteBlocks):    # read before the ReleasePages that follow it
             staged, failed = self.tier_io.demote(effect)
             if effect.staged:                        # before the TierCopied that follows it

@@ -1,6 +1,6 @@
 """The loop's side of the tier: the bytes the allocator's ``tiering.py`` decided
 to move. Demotion reads a block's runs from memfd pages the daemon holds alone
-and writes them to the ``DiskStore``; a ``TierFetch`` is answered with a chunk
+and writes them to the tier's store (a ``TierStore``); a ``TierFetch`` is answered with a chunk
 of a block read (and checked) from it. The loop reads the pages itself (they
 may be reused right after); the disk writes run on the store's writer
 thread (``tier/writer.py``), whose results the loop takes in each pass
@@ -33,8 +33,8 @@ from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.devices import Device
 from kvelastic.status_report import TierReads
-from kvelastic.tier.disk import DiskStore
 from kvelastic.tier.reader import REFUSALS, ReadJob, TierReader
+from kvelastic.tier.store import TierStore
 from kvelastic.tier.writer import TierWriter, WriteJob
 
 log = logging.getLogger("kvelastic.daemon")
@@ -64,7 +64,7 @@ def read_runs(devices: dict[str, Device], runs: tuple[tuple[str, int, int, int],
 
 
 class TierIO:
-    def __init__(self, devices: dict[str, Device], store: DiskStore | None) -> None:
+    def __init__(self, devices: dict[str, Device], store: TierStore | None) -> None:
         self.devices = devices
         self.store = store
         self.writer = TierWriter(store) if store is not None else None

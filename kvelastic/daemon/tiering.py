@@ -70,8 +70,8 @@ from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.state import EngineRecord, SlabRecord, SlabShape, shape_of
 from kvelastic.errors import require
 from kvelastic.kv_events import MEDIUM_STORAGE, BlockRemoved, BlockStored, KVEvent, tier_topic
-from kvelastic.tier.disk import DiskEntry
 from kvelastic.tier.index import TierIndex
+from kvelastic.tier.store import StoredBlock
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -274,7 +274,7 @@ class Tiering:
             self.books.emit(effect)
         self._delete_released()
 
-    def restored(self, entries: list[DiskEntry]) -> list[fx.Effect]:
+    def restored(self, entries: list[StoredBlock]) -> list[fx.Effect]:
         """A new daemon's tier rebuilt from disk: the blocks restored whose
         label names them are published stored, as the first daemon did."""
         tier = self.tier

@@ -62,7 +62,6 @@ length or tag check and is dropped by ``scan``, never served.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import hashlib
 import hmac
@@ -82,6 +81,7 @@ from kvelastic.tier.errors import (
     TierWriteError,
     TornBlock,
 )
+from kvelastic.tier.store import ScanResult, StoredBlock
 
 MAGIC = b"KVTB"
 VERSION = 3
@@ -126,25 +126,6 @@ class UntrustedTierDir(TierError):
     def __init__(self, directory: Path, why: str) -> None:
         super().__init__(f"tier directory {directory}: {why}")
         self.why = why
-
-
-@dataclasses.dataclass(frozen=True)
-class DiskEntry:
-    """A block as its file's header describes it."""
-
-    slot: int
-    namespace: str
-    key: bytes
-    parent: bytes | None
-    nbytes: int         # the payload's length
-    cost: float
-    label: bytes = b""  # the engine's KV event for it (b"": none)
-
-
-@dataclasses.dataclass
-class ScanResult:
-    entries: list[DiskEntry]                                           # in slot order
-    dropped: dict[str, int] = dataclasses.field(default_factory=dict)  # files deleted, by reason
 
 
 def tag_key(secret: bytes | None) -> bytes:
@@ -301,11 +282,11 @@ class DiskStore:
         that failed a check."""
         return self._load(slot, namespace, key, payload=True)[1]
 
-    def header(self, slot: int) -> DiskEntry:
+    def header(self, slot: int) -> StoredBlock:
         """The block's header, checked (its payload is not read)."""
         return self._load(slot, None, None, payload=False)[0]
 
-    def _load(self, slot: int, namespace: str | None, key: bytes | None, *, payload: bool) -> tuple[DiskEntry, bytes]:
+    def _load(self, slot: int, namespace: str | None, key: bytes | None, *, payload: bool) -> tuple[StoredBlock, bytes]:
         try:
             with self._open(slot) as f:
                 entry, tag = _read_header(f, slot, self._tags)
@@ -380,7 +361,7 @@ def encode_header(namespace: str, key: bytes, parent: bytes | None, nbytes: int,
     return fixed + ns + key + par + label
 
 
-def _read_header(f: BinaryIO, slot: int, tags: Tags) -> tuple[DiskEntry, bytes]:
+def _read_header(f: BinaryIO, slot: int, tags: Tags) -> tuple[StoredBlock, bytes]:
     """Parse and check a header from the start of ``f``, leaving ``f`` at the
     payload; the entry and the payload's tag."""
     fixed = f.read(_FIXED.size)
@@ -412,7 +393,7 @@ def _read_header(f: BinaryIO, slot: int, tags: Tags) -> tuple[DiskEntry, bytes]:
     key = var[ns_len:ns_len + key_len]
     at = ns_len + key_len + parent_len
     parent = var[ns_len + key_len:at] if flags & _HAS_PARENT else None
-    return DiskEntry(slot, namespace, key, parent, nbytes, cost, var[at:at + label_len]), payload_tag
+    return StoredBlock(slot, namespace, key, parent, nbytes, cost, var[at:at + label_len]), payload_tag
 
 
 def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:

@@ -14,7 +14,7 @@ fetch waits for no more than one turn of each tenant ahead of it in the
 ring, and while fewer tenants than threads are busy, for none.
 
 **Verified whole, then served by the chunk.** A turn for a block not held
-for the engine reads it through ``DiskStore.read``, which checks the whole
+for the engine reads it through its store's ``read``, which checks the whole
 payload (its checksum) before it returns a byte; the block is then held for
 that engine (one block each: today's ``_last``, per engine) and its next
 chunks are served from memory, until its last chunk is served, the engine
@@ -65,7 +65,7 @@ REFUSALS = ("tenant_bytes",)   # why ``submit`` refuses (a metric label)
 
 
 class BlockSource(Protocol):
-    """What the reader reads from (``DiskStore``): a block's payload,
+    """What the reader reads from (a ``TierStore``): a block's payload,
     checked whole, or ``TierReadError``."""
 
     def read(self, slot: int, namespace: str | None = None, key: bytes | None = None) -> bytes: ...

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvelastic.tier.disk import DiskStore, ScanResult
 from kvelastic.tier.index import TierIndex
+from kvelastic.tier.store import ScanResult, TierStore
 
 
-def rebuild(index: TierIndex, store: DiskStore, now: float, *, verify_payloads: bool = False) -> ScanResult:
+def rebuild(index: TierIndex, store: TierStore, now: float, *, verify_payloads: bool = False) -> ScanResult:
     """Restore into ``index`` (empty, as a new daemon's is) every block ``store``
     finds whole. Files that fail their check are deleted by the scan (and
     counted as failures by reason); a block whose key another file holds

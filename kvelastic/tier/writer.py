@@ -20,8 +20,8 @@ import queue
 import threading
 from dataclasses import dataclass
 
-from kvelastic.tier.disk import DiskStore
 from kvelastic.tier.errors import TierWriteError
+from kvelastic.tier.store import TierStore
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -38,7 +38,7 @@ class WriteJob:
 
 
 class TierWriter:
-    def __init__(self, store: DiskStore) -> None:
+    def __init__(self, store: TierStore) -> None:
         self.store = store
         self._jobs: queue.SimpleQueue[WriteJob | None] = queue.SimpleQueue()
         self._done: collections.deque[tuple[int, str]] = collections.deque()   # (slot, "" or reason)

@@ -9,7 +9,7 @@ wheel carries none of them; every link of the README and of docs/ leads to
 a file that exists; no runtime module past 600 lines (a file that long
 mixes jobs: split it by job); and the project speaks of features, not of
 its plan: no "Step N" or issue number in code, tests, tools, CLI help or
-docs.
+docs; no module outside the tier names its disk medium.
 
 A package's ``__init__`` importing its own submodules is its face, not a
 circle: those edges are left out.
@@ -164,6 +164,17 @@ def test_the_plan_word_check_finds_a_step_and_an_issue(tmp_path: pathlib.Path) -
     sample.write_text('"""The keeper (Step 20)."""\nx = 1  # issue 44: lent\nstep = 3  # a Step in the loop\n')
     assert [line.split(": ", 1)[1] for line in plan_words([sample])] == ['"""The keeper (Step 20)."""',
                                                                           "x = 1  # issue 44: lent"]
+
+
+def test_no_module_outside_the_tier_names_a_medium() -> None:
+    """The daemon holds a ``TierStore`` (``tier/store.py``); the medium is
+    chosen in ``tier/media.py`` alone, so a second one lands in the tier."""
+    names = re.compile(r"\bDiskStore\b|kvelastic\.tier\.disk\b")
+    outside = [f"{name}:{i}" for name, path in modules(PACKAGES).items() if not name.startswith("kvelastic.tier")
+               for i, line in enumerate(path.read_text().splitlines(), 1) if names.search(line)]
+    inside = [name for name, path in modules(RUNTIME).items() if name.startswith("kvelastic.tier.")
+              and names.search(path.read_text())]
+    assert outside == [] and "kvelastic.tier.media" in inside
 
 
 def test_the_runtimes_wheels_carry_no_tool(tmp_path: pathlib.Path) -> None:

@@ -246,7 +246,7 @@ class SimTier:
             return self.read(e)
         if isinstance(e, fx.DeleteTierBlocks):
             self.delete(e.slots)
-            return self.world.allocator.tiering.deleted(e.slots)    # as the loop: announced ones published removed
+            return self.world.allocator.tier_deleted(e.slots)    # as the loop: announced ones published removed
         return []
 
     def delete(self, slots: tuple[int, ...]) -> None:

@@ -49,8 +49,8 @@ from typing import Any, Protocol
 
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon.allocator import Allocator
-from kvelastic.tier.disk import DiskEntry, ScanResult
 from kvelastic.tier.index import TierIndex
+from kvelastic.tier.store import ScanResult, StoredBlock
 from kvelastic_tools.sim.records import KV
 
 # Per block written: the disk is full (aborted); the bytes are torn (dropped when read).
@@ -114,13 +114,13 @@ class WriteJob:
 
 
 class SimStore:
-    """What ``rebuild`` asks of a ``DiskStore``: its blocks, and deleting one."""
+    """What ``rebuild`` asks of a ``TierStore``: its blocks, and deleting one."""
 
     def __init__(self, blocks: dict[int, Stored]) -> None:
         self.blocks = blocks
 
     def scan(self, *, verify_payloads: bool = False) -> ScanResult:
-        return ScanResult([DiskEntry(slot, b.namespace, b.key, b.parent, b.nbytes, b.cost)
+        return ScanResult([StoredBlock(slot, b.namespace, b.key, b.parent, b.nbytes, b.cost)
                            for slot, b in sorted(self.blocks.items())])
 
     def delete(self, slot: int) -> None:
