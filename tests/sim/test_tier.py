@@ -4,12 +4,15 @@ released, and cached slabs reclaimed from running engines for another
 namespace, are demoted into a simulated store that fills up and tears blocks;
 engines look up and fetch on a miss, die holding leases and abandon them;
 ``kvelastic invalidate`` hits namespaces with tier blocks; a new daemon
-rebuilds its index from the store. The tier's invariants hold in every seed.
+rebuilds its index from the store. Engines are of two tenants (uids:
+``World.cred_of``), whose pins, leases and staging are bounded per tenant:
+no tenant pins past its share. The tier's invariants hold in every seed.
 
 The second re-injects bugs, in the daemon and in the loop's part, and shows
 the simulator catches each: blocks served after their namespace was
 invalidated, leases that outlive their engine or their deadline,
-invalidated kept cache demoted, a live loaded slot's bytes deleted while a
+invalidated kept cache demoted, a tenant's pins past its share, a live
+loaded slot's bytes deleted while a
 lease holds it, and a reclaimed slab's cache demoted though its namespace
 was invalidated before it was unmapped (caught as KV of before the
 invalidation demoted, or adopted by a replica: the simulator checks both),
@@ -53,6 +56,7 @@ from kvelastic.daemon.state import EngineRecord
 from kvelastic.daemon.tiering import TO_TIER, Tiering
 from kvelastic.tier.books import TierBooks
 from kvelastic.tier.index import TierIndex
+from kvelastic.tier.pins import PinBooks
 from kvelastic_tools.sim import tier as sim_tier
 from kvelastic_tools.sim.run import run_seed
 
@@ -153,6 +157,12 @@ def invalidation_leaves_writes_queued(monkeypatch):
     monkeypatch.setattr(TierIndex, "check", lambda self: None)    # the index's own check would see it first
 
 
+def pins_past_the_share(monkeypatch):
+    """A tenant's lookups pin whatever they find (``PinBooks.fits`` as
+    before per-tenant shares): one tenant could pin the whole tier."""
+    monkeypatch.setattr(PinBooks, "fits", lambda self, tenant, budget, taken, taking, nbytes: True)
+
+
 def reclaimed_cache_survives_invalidation(monkeypatch):
     """What a reclaim noted for the tier is not cleared by an invalidation of
     the engine's namespace (as if kept anywhere but ``slab.handoff``), and the
@@ -192,7 +202,8 @@ def caught(name: str, found: str | tuple[str, ...]) -> None:
                                               (files_of_loaded_blocks_handed_out, "deleted while"),
                                               (reclaimed_cache_survives_invalidation, "invalidated"),
                                               (invalidation_leaves_writes_queued,
-                                               "of an invalidated scope restored")])
+                                               "of an invalidated scope restored"),
+                                              (pins_past_the_share, "past its share")])
 def test_the_simulator_catches_a_tier_bug(fault, found, monkeypatch):
     fault(monkeypatch)
     caught(fault.__name__, found)

@@ -540,6 +540,11 @@ class SimTier:
             w.violation(f"tier index: {exc}")
         if index.bytes_used > index.budget_bytes:
             w.violation(f"tier: {index.bytes_used} bytes in use > budget {index.budget_bytes}")
+        pins = index.pins
+        for uid, held in pins.tenants.items():       # two tenants share the tier (``World.cred_of``)
+            if uid is not None and (held.pins > pins.max_pins or (
+                    held.pins > 1 and held.nbytes > int(index.budget_bytes * pins.share))):
+                w.violation(f"tier: uid {uid} pins {held.pins} block(s) of {held.nbytes} bytes, past its share")
         seen: dict[tuple[str, bytes], int] = {}
         for slot, entry in index._entries.items():       # every entry, not the key map the index checks
             if not entry.dead:
@@ -587,8 +592,12 @@ class SimTier:
                 w.violation(f"tier: copy of block {c.block} (slot {slot}) pending, not in the loop's staging")
 
     def settled(self) -> None:
-        """Every engine left: no lease is left, nothing is pinned."""
+        """Every engine left: no lease is left, nothing is pinned. (And what the
+        tenants' shares refused, counted: ``World.cred_of``'s two uids.)"""
         leases = self.world.allocator.tiering.leases
+        tier = self.world.allocator.books.tier
+        for reason, n in (tier.stats.refused.items() if tier is not None else ()):
+            self.world.counts[f"tier_refused_{reason}"] += n
         if leases:
             self.world.violation(f"tier: leases {sorted(leases)} left after every engine exited")
         if self.writer.in_flight():

@@ -57,6 +57,7 @@ from kvelastic.daemon.allocator import Allocator
 from kvelastic.daemon.orphans import OrphanCache, OrphanSlab
 from kvelastic.daemon.requests import Timing
 from kvelastic.daemon.state import EngineRecord, SlabShape
+from kvelastic.daemon.tenancy import Credential
 from kvelastic.vmm.base import DEFAULT_PAGE_SIZE as PAGE
 from kvelastic_tools.sim import ghosts
 from kvelastic_tools.sim.engine import SimEngine
@@ -67,6 +68,7 @@ from kvelastic_tools.sim.records import BLOCKS_PER_SLAB, BUSY, Device, Ghost, Si
 from kvelastic_tools.sim.tier import TIER_ORPHAN_TTL, SimTier, with_tier
 
 WORKERS = (1, 1, 2)                # engine i's workers (its slab shape)
+TENANT_UIDS = (1001, 1002)         # engine i's tenant (``World.cred_of``)
 
 
 @dataclasses.dataclass
@@ -344,6 +346,20 @@ class World:
                 return engine.workers[rank]
         return None
 
+    def cred_of(self, identity: bytes) -> Credential | None:
+        """Who an engine's or worker's connection is, as the kernel would say:
+        tenants by engine, e0 and e2 one uid, e1 another (``TENANT_UIDS``), so
+        that the tier's shares (pins, leases, staging, per uid) are contended
+        between tenants. Trusted as an operator's processes are (its names are
+        not qualified: the checks name engines as they registered). Anything
+        else (the CLI, hostile peers): in-process, as before."""
+        kind, _, rest = identity.partition(b":")
+        if kind not in (b"E", b"W"):
+            return None
+        name = rest.split(b":", 1)[0].decode()
+        uid = TENANT_UIDS[int(name[1:]) % len(TENANT_UIDS)] if name[1:].isdigit() else -1
+        return Credential(uid, uid, 0, operator=True, tenant=False)
+
     # ---------------------------------------------------------------- steps
     def deliver(self) -> bool:
         """Deliver every message that is due, in order per connection."""
@@ -353,7 +369,7 @@ class World:
                 msg = wire.to_daemon.popleft().msg
                 if self.owed:
                     self.heard(identity, msg)
-                self.perform(self.call(self.allocator.handle, identity, msg, self.now))
+                self.perform(self.call(self.allocator.handle, identity, msg, self.now, self.cred_of(identity)))
                 moved = True
             ghost = self.ghosts.get(identity)
             if ghost is not None:
@@ -508,7 +524,8 @@ class World:
         while wire.to_daemon and not self.stopped and identity in self.wires:
             envelope = wire.to_daemon.popleft()
             if isinstance(envelope.msg, p.Journal):
-                self.perform(self.call(self.allocator.handle, identity, envelope.msg, self.now))
+                self.perform(self.call(self.allocator.handle, identity, envelope.msg, self.now,
+                                       self.cred_of(identity)))
                 self.counts["lifeline_drained"] += 1
             else:
                 rest.append(envelope)
