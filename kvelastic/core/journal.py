@@ -41,7 +41,7 @@ import dataclasses
 from collections.abc import Callable, Hashable
 from typing import Final, Literal
 
-# Op codes: the wire's own tags (``protocol.py``'s journal ops are tagged
+# Op codes: the wire's own tags (``protocol/journal.py``'s ops are tagged
 # arrays, ``["store", key, block]``), so that an op tuple with a bytes key is
 # already its wire form and a journal is encoded as it stands, with no object
 # per op (the client ships it while the scheduler works). Short strings are
