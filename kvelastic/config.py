@@ -228,8 +228,8 @@ VARIABLES: tuple[Variable, ...] = (
              "Daemon: an engine with no model activity for this long is idle: its reserve (empty slabs) goes "
              "back, it grows no more until it has demand, and its cached memory is the first to yield."),
     Variable("KVELASTIC_HOLD_DOWN", "hold_down", "2s", parse_duration,
-             "Daemon: memory moved from one engine to another is not moved back within this, unless the first "
-             "has demand its own cache cannot meet (no ping-pong)."),
+             "Daemon: memory moved from one engine to another is not moved back within this, whatever its "
+             "demand (no ping-pong)."),
     Variable("KVELASTIC_ORPHAN_CACHE_TTL", "orphan_cache_ttl", "10m", parse_duration,
              "Daemon: a departed engine's valid cached slabs are kept this long for the next engine of its "
              "namespace (warm restart), as the first memory to yield; `0` drops them at once."),

@@ -1,7 +1,7 @@
 """What an engine's pool answers the daemon with, in the protocol's terms:
-its keys on the wire, the slabs a reclaim takes back (and the cached blocks
-they carry on to a replica), and a namespace of its own after its weights
-changed. Pure functions of the pool: the client calls them under its lock,
+its keys on the wire, its journal as frames, the slabs a reclaim takes back
+(and the cached blocks they carry on to a replica), and a namespace of its
+own after its weights changed. Pure functions of the pool: the client calls them under its lock,
 and the simulator's engines call the same ones."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import secrets
 import msgspec
 
 from kvelastic import protocol as p
+from kvelastic.core.journal import REMOVE, STORE, JournalBatch
 from kvelastic.core.pool import SlabPool
 from kvelastic.errors import PoolError
 
@@ -18,6 +19,26 @@ from kvelastic.errors import PoolError
 def wire_key(key) -> bytes:
     """Prefix-cache keys travel as bytes (vLLM's already are)."""
     return key if type(key) is bytes else msgspec.msgpack.encode(key)
+
+
+JOURNAL_MAX_OPS = 20000       # ops a frame: the daemon takes a long journal in parts
+
+
+def journal_frames(engine_id: str, batch: JournalBatch, counters: dict[str, int], *, bytes_keys: bool,
+                   tier_ack: int, scope: int) -> list[p.JournalFrame]:
+    """``batch`` as the frames the lifeline carries: the occupancy, counters
+    and tier ticket on the last. The core's op tuples are their wire form
+    once keys are bytes (vLLM's are): shipped as they stand, no object per op."""
+    ops = batch.ops if bytes_keys else [
+        (op[0], wire_key(op[1]), op[2]) if op[0] in (STORE, REMOVE) else op for op in batch.ops]
+    frames = []
+    for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):
+        chunk = ops if len(ops) <= JOURNAL_MAX_OPS else ops[start:start + JOURNAL_MAX_OPS]
+        last = start + JOURNAL_MAX_OPS >= len(ops)
+        frames.append(p.JournalFrame(engine_id=engine_id, ops=chunk, occupancy=batch.occupancy if last else {},
+                                     stats=counters if last else {}, tier_ack=tier_ack if last else 0,
+                                     scope=scope))
+    return frames
 
 
 def give_up(pool: SlabPool, slab_ids: list[int]) -> tuple[list[int], list[int], dict[int, list[p.CachedBlock]]]:

@@ -34,6 +34,7 @@ from kvelastic import protocol as p
 from kvelastic.client.nowait import send_now
 from kvelastic.client.trust import UntrustedDaemon, check_daemon
 from kvelastic.errors import KvelasticError
+from kvelastic.threadname import name_this_thread
 from kvelastic.vmm import fdchannel
 
 log = logging.getLogger("kvelastic.client")
@@ -402,6 +403,7 @@ class Connection:
                 log.exception("engine %s: handling %s failed", self.engine_id, type(msg).__name__)
 
     def _run(self) -> None:
+        name_this_thread("kv-engine-io" if self.rank < 0 else "kv-worker-io")
         backoff = BACKOFF_MIN
         next_tick = 0.0
         while not self._stop.is_set():

@@ -35,10 +35,10 @@ from collections.abc import Callable
 import msgspec
 
 from kvelastic import protocol as p
-from kvelastic.client.answers import give_up, private_namespace, wire_key
+from kvelastic.client.answers import JOURNAL_MAX_OPS, give_up, journal_frames, private_namespace, wire_key
 from kvelastic.client.connection import Connection, DaemonError, DaemonUnavailable, expect
+from kvelastic.client.demand import DemandAnswer
 from kvelastic.client.reserve import ReservePolicy
-from kvelastic.core.journal import REMOVE, STORE
 from kvelastic.core.pool import SlabPool
 from kvelastic.errors import PoolError
 
@@ -54,7 +54,6 @@ POLL_SHIPS_AFTER = 4
 # an engine that evicts under pressure seals about once in this time, one
 # that does not keeps all its cache valid for the daemon.
 DEMOTE_FOR = 10.0
-JOURNAL_MAX_OPS = 20000
 # ``_flush_journal(sync=True)`` waits at most this for the daemon's Ok.
 SYNC_TIMEOUT = 1.0
 # Messages that hand slabs back to the daemon: the journal goes ahead of them
@@ -109,6 +108,7 @@ class EngineClient:
         self.refused_until = 0.0           # after a refused grow, no prefetch for a while
         self._grow_in_flight = False       # a reserve grow awaits its answer
         self._grow_answered = threading.Event()
+        self._demand: DemandAnswer | None = None   # the last demand grow, answered or still to be
         self._grants: collections.deque[p.Msg] = collections.deque()
         self._block_ops = 0                # the pool's activity counter when last looked at
         self._deferred: collections.deque[Callable[[], None]] = collections.deque()   # see _run_or_defer
@@ -238,10 +238,14 @@ class EngineClient:
     def _diverge_message(self, reason: str) -> p.Diverge:
         return p.Diverge(engine_id=self.engine_id, namespace=self.namespace, reason=reason[:64])
 
-    def ensure(self, blocks: int, timeout: float = 5.0, *, keep_cache: bool = False) -> bool:
+    def ensure(self, blocks: int, timeout: float = 5.0, *, keep_cache: bool = False,
+               wait: float | None = None) -> bool:
         """Demand: make ``blocks`` allocatable, asking the daemon for the
         missing slabs (it may reclaim them from other engines) and waiting at
-        most ``timeout``. With ``keep_cache`` cached blocks do not count, so
+        most ``timeout``; with ``wait``, at most that long for the daemon's
+        answer, which otherwise comes as a late grant (``demand.py``: the
+        scheduler goes on meanwhile), and no second demand is sent before it
+        (a caller then waits for that one). With ``keep_cache`` cached blocks do not count, so
         allocating them evicts nothing while the daemon can supply memory.
         A reserve grow already on its way is waited for, not asked twice.
         Blocks adopted with a slab this demand brought (handed on by an engine
@@ -258,11 +262,16 @@ class EngineClient:
             brought = min(pool.stats.adopted_blocks - adopted_before, pool.num_cached)
             return blocks - pool.num_free - (brought if keep_cache else pool.num_cached)
 
+        wait = timeout if wait is None else min(wait, timeout)
         with self.lock:
             if missing() <= 0:
                 return True
+        if self._demand is not None and not self._demand.settled.is_set():
+            self._demand.settled.wait(wait)          # an earlier demand's answer is still to come
+            with self.lock:
+                return missing() <= 0
         if self._grow_in_flight:
-            self._grow_answered.wait(timeout)
+            self._grow_answered.wait(wait)
         with self.lock:
             short = missing()
             if short <= 0:
@@ -271,13 +280,15 @@ class EngineClient:
             # The daemon judges the demand by its mirror (is the cache ours to
             # evict first?): bring it up to date ahead of the grow.
             self._flush_journal()
-        if want <= 0:
-            return False  # the engine's whole virtual range is held
-        try:
-            reply = self.conn.call(p.Grow(engine_id=self.engine_id, slabs=want, demand=True),
-                                   max(0.01, deadline - time.monotonic()))
-        except (DaemonError, DaemonUnavailable) as exc:
-            log.warning("engine %s: grow of %d slab(s) failed: %s", self.engine_id, want, exc)
+        if want <= 0 or not self.conn.connected.is_set():
+            return False  # the engine's whole virtual range is held, or no daemon to ask
+        self._demand = answer = DemandAnswer(self._late_demand)
+        self.conn.call_async(p.Grow(engine_id=self.engine_id, slabs=want, demand=True), answer.on_reply)
+        reply = answer.take(max(0.0, min(wait, deadline - time.monotonic())))
+        if reply is None:
+            return False  # still coming: its slabs join the pool as a late grant
+        if isinstance(reply, p.Error):
+            log.warning("engine %s: grow of %d slab(s) failed: %s", self.engine_id, want, reply.message)
             return False
         with self.lock:
             self._apply_grant(reply)
@@ -385,6 +396,12 @@ class EngineClient:
         if not reply.slabs:
             self.refused_until = self._now + 0.5
 
+    def _late_demand(self, reply: p.Msg) -> None:
+        """I/O thread: a demand answered after its caller went on."""
+        if isinstance(reply, p.Granted):
+            self._grants.append(reply)
+            self.wake()
+
     def _on_grow_reply(self, reply: p.Msg) -> None:
         """I/O thread: a reserve grow was answered. The grant is applied at
         once if the pool is free, else by the scheduler's next capacity check."""
@@ -405,6 +422,8 @@ class EngineClient:
             self.wake()
         elif isinstance(msg, p.Reclaim):
             self._run_or_defer(lambda: self._reclaim(msg))
+        elif isinstance(msg, p.Drain):
+            self._run_or_defer(lambda: self._drain(msg))
         elif isinstance(msg, p.ClearIndex):
             registration = self._registrations
             self._run_or_defer(lambda: self._clear_index(msg.scope, registration))
@@ -455,6 +474,14 @@ class EngineClient:
         self._flush_journal()
         self.conn.send(p.ReclaimDone(req_id=msg.req_id, engine_id=self.engine_id, given=given, refused=refused,
                                      cached=cached))
+
+    def _drain(self, msg: p.Drain) -> None:
+        """Another engine's demand went unmet while this one holds more than
+        its fair share: the slabs named take no new block and go back as
+        they empty (``_shrink``), until ``msg.seconds`` from now."""
+        slabs = self.reserve.drain(self.pool, msg.slabs, time.monotonic(), min(msg.seconds, 4 * p.DRAIN_SECONDS))
+        if slabs:
+            log.info("engine %s: draining %d slab(s) for another engine's demand", self.engine_id, len(slabs))
 
     def _clear_index(self, scope: int = 0, registration: int | None = None) -> None:
         """Drop the whole prefix cache; the next journal carries the CLEAR and
@@ -552,16 +579,8 @@ class EngineClient:
         batch = self.pool.take_journal(occupancy=not seal)
         if batch or ack != self._tier_ack_sent:
             counters = {} if seal else self.pool.stats.counters()
-            # The core's op tuples are their wire form once keys are bytes (vLLM's
-            # are): shipped as they stand, no object per op (``p.JournalFrame``).
-            ops = batch.ops if self.bytes_keys else [
-                (op[0], wire_key(op[1]), op[2]) if op[0] in (STORE, REMOVE) else op for op in batch.ops]
-            for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):
-                chunk = ops if len(ops) <= JOURNAL_MAX_OPS else ops[start:start + JOURNAL_MAX_OPS]
-                last = start + JOURNAL_MAX_OPS >= len(ops)
-                msg = p.JournalFrame(engine_id=self.engine_id, ops=chunk, occupancy=batch.occupancy if last else {},
-                                     stats=counters if last else {}, tier_ack=ack if last else 0,
-                                     scope=scope)
+            for msg in journal_frames(self.engine_id, batch, counters, bytes_keys=self.bytes_keys, tier_ack=ack,
+                                      scope=scope):
                 if not self.conn.write_lifeline(p.encode(msg)):
                     # Not registered, or the lifeline broke: the next
                     # registration resends the index. The daemon may not have

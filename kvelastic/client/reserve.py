@@ -9,7 +9,10 @@ demand within ``idle_grace`` seconds. Then (DESIGN.md, Flows):
   ``keep_idle_slabs`` empty slabs beyond it for ``shrink_grace`` seconds;
 - an idle engine never grows, and its reserve decays to nothing: every empty
   slab goes back, whatever the watermark. Its cached slabs stay (they yield
-  to other engines' demand, idle engines' first).
+  to other engines' demand, idle engines' first);
+- slabs the daemon asked it to drain (``Drain``: another engine's demand
+  goes unmet while this one holds more than its fair share) go back as soon
+  as no block in them is live, until the drain lapses.
 
 ``EngineClient`` and the simulators call the same ``ReservePolicy``.
 """
@@ -31,6 +34,7 @@ class ReservePolicy:
     idle_grace: float = IDLE_GRACE     # no activity for this long: the engine is idle
     active_at: float = 0.0             # last pool activity or demand
     idle_since: dict[int, float] = dataclasses.field(default_factory=dict)   # empty slab -> since
+    drain_until: float = 0.0           # slabs drain for another engine's demand until then
 
     def touch(self, now: float) -> None:
         """The engine did something (a pool operation, a demand)."""
@@ -46,9 +50,22 @@ class ReservePolicy:
         want = math.ceil((self.low_watermark - pool.num_free) / pool.blocks_per_slab)
         return max(1, min(want, max_slabs - pool.num_slabs))
 
+    def drain(self, pool: SlabPool, slab_ids: list[int], now: float, seconds: float) -> list[int]:
+        """The daemon's ``Drain``: the slabs take no new block, until ``seconds``
+        from now (a later drain extends it). Returns those now draining."""
+        self.drain_until = max(self.drain_until, now + seconds)
+        return pool.drain(slab_ids)
+
     def to_return(self, pool: SlabPool, now: float) -> list[int]:
-        """Empty slabs to give back now, highest ids first (the arena stays
-        compact at its low end). The caller takes them out of the pool."""
+        """Slabs to give back now: drained ones (``drain``), then empty ones,
+        highest ids first (the arena stays compact at its low end). The
+        caller takes them out of the pool."""
+        if self.drain_until and now >= self.drain_until:
+            self.drain_until = 0.0
+            pool.undrain()             # the drain lapsed: what is still held is used again
+        return pool.drained_slabs() + self._empty_to_return(pool, now)
+
+    def _empty_to_return(self, pool: SlabPool, now: float) -> list[int]:
         idle = pool.idle_slabs()
         idle_set = set(idle)
         for slab_id in [s for s in self.idle_since if s not in idle_set]:

@@ -63,7 +63,7 @@ class Slab:
     warm in the cache), ``cached`` counts those with ``ref_cnt == 0`` and a key.
     """
 
-    __slots__ = ("slab_id", "blocks", "free", "cached", "owner")
+    __slots__ = ("slab_id", "blocks", "free", "cached", "owner", "draining")
 
     def __init__(self, slab_id: int, blocks: list[BlockRecord], owner: object | None) -> None:
         self.slab_id = slab_id
@@ -75,6 +75,10 @@ class Slab:
             blk.slab = self
         self.free: list[BlockRecord] = blocks[::-1]  # pop() hands out the lowest id first
         self.cached = 0
+        # Promised back to the daemon once no block is live (``drain``): no
+        # block is placed in it, none of its blocks stays cached, and its
+        # free blocks count in none of the pool's figures of what it can hand out.
+        self.draining = False
 
     @property
     def live(self) -> int:

@@ -4,8 +4,9 @@ a slab moved between free-count buckets, the cache's limits applied).
 
 Invariants (``pool.py`` says why): for every held slab ``live + cached +
 free == blocks_per_slab``; ``_by_free[k]`` holds exactly the held slabs
-with ``k >= 1`` free blocks (``_by_free[0]`` stays empty) and no bucket in
-``[1, _min_hint)`` is non-empty; the
+not draining with ``k >= 1`` free blocks (``_by_free[0]`` stays empty) and
+no bucket in ``[1, _min_hint)`` is non-empty; a draining slab holds no
+cached block, and its free blocks are ``num_withheld``, not ``num_free``; the
 LRU links exactly the cached blocks, least recently used first; the index
 maps exactly the keyed blocks' keys and aliases.
 """
@@ -82,6 +83,10 @@ class PoolBooks:
         # per block of every request looked up: a call each was most of it).
         self.index_entries: dict[Hashable, BlockRecord] = self._index.entries
         self.num_free = 0
+        # Free blocks of draining slabs (``HandOnPool.drain``): held, but not
+        # the pool's to hand out; ``_draining`` holds those slabs by id.
+        self.num_withheld = 0
+        self._draining: dict[int, Slab] = {}
         # Free plus cached blocks: what ``allocate`` can hand out now. Kept,
         # not derived: vLLM asks it once per request per step, and a sum
         # would allocate an int each time (``num_live`` is the derived one).
@@ -130,7 +135,7 @@ class PoolBooks:
     @property
     def num_live(self) -> int:
         """Blocks with a reference (``ref_cnt > 0``)."""
-        return len(self._slabs) * self.blocks_per_slab - self.num_available
+        return len(self._slabs) * self.blocks_per_slab - self.num_available - self.num_withheld
 
     def slab_ids(self) -> list[int]:
         return list(self._slabs)
@@ -145,6 +150,13 @@ class PoolBooks:
     def idle_slabs(self) -> list[int]:
         """Slabs with no live and no cached block: returnable without loss."""
         return list(self._by_free[self.blocks_per_slab])
+
+    def drained_slabs(self) -> list[int]:
+        """Draining slabs with no live block left: to give back now."""
+        return [sid for sid, slab in self._draining.items() if len(slab.free) == self.blocks_per_slab]
+
+    def draining_slabs(self) -> list[int]:
+        return list(self._draining)
 
     def reclaimable_slabs(self) -> list[int]:
         """Slabs with no live block (returnable after evicting their cache)."""
@@ -226,6 +238,24 @@ class PoolBooks:
         self.num_free += 1
         self._rebucket(slab, old)
         self.journal.dirty.add(slab.slab_id)
+
+    def _withhold(self, slab: Slab, old_free: int) -> int:
+        """A draining slab released blocks (``free`` had ``old_free``
+        before): those that became cached lose their keys, and every block
+        it freed is withheld. Returns the cached blocks so evicted."""
+        evicted = 0
+        if slab.cached:
+            for blk in slab.blocks:
+                if blk.ref_cnt == 0 and blk._block_hash is not None:
+                    self._unlink(blk)
+                    self._cached_at.pop(blk.block_id, None)
+                    self._drop_key(blk)
+                    slab.free.append(blk)
+                    evicted += 1
+            slab.cached = 0
+            self.stats.evictions["drain"] += evicted
+        self.num_withheld += len(slab.free) - old_free
+        return evicted
 
     def _evict_oldest(self, n: int, reason: str, whole_slabs: bool,
                       older_than: float | None = None) -> int:

@@ -1,6 +1,14 @@
 """The pool's rare paths, where its cache meets others': blocks handed on
 with a slab from another engine of the namespace (``cached_entries`` gives
-them, ``adopt`` takes them), demotion, and invalidation (``clear_index``).
+them, ``adopt`` takes them), demotion, slabs promised to another engine
+(``drain``), and invalidation (``clear_index``).
+
+Draining: a slab promised back takes no new block and keeps none cached;
+its free blocks are withheld (``num_withheld``: counted neither free nor
+available, so vLLM admits only what the rest holds), and once its last
+live block is freed it is given back (``drained_slabs``). It is how an
+engine over its fair share yields memory that running requests hold: they
+finish, their blocks go with the slab, none is taken from under them.
 
 Demotion (``demote``): the daemon mirrors this pool's keys through the
 journal and keeps a departed engine's valid blocks, so a block whose KV it
@@ -136,6 +144,55 @@ class HandOnPool(PoolBooks):
 
     def _promote(self, blk: BlockRecord) -> None:
         self.journal.promote(blk.block_id)
+
+    # ---------------------------------------------------------- yielding
+    def drain(self, slab_ids: Iterable[int]) -> list[int]:
+        """Promise slabs back (another engine's demand goes unmet while this
+        one holds more than its fair share): their cached blocks are evicted
+        now, no block is placed in them from now on, and each is given back
+        once its last live block is freed (``drained_slabs``). Slabs not
+        held, or draining already, are skipped. Returns those now draining."""
+        out = []
+        for slab_id in dict.fromkeys(slab_ids):
+            slab = self._slabs.get(slab_id)
+            if slab is None or slab.draining:
+                continue
+            if slab.cached:
+                for blk in slab.blocks:
+                    if blk.ref_cnt == 0 and blk._block_hash is not None:
+                        self._evict_cached(blk, slab)
+                        self.stats.evictions["drain"] += 1
+            free = len(slab.free)
+            if free:
+                del self._by_free[free][slab_id]
+            self.num_free -= free
+            self.num_available -= free
+            self.num_withheld += free
+            slab.draining = True
+            self._draining[slab_id] = slab
+            self.journal.dirty.add(slab_id)
+            out.append(slab_id)
+        return out
+
+    def undrain(self, slab_ids: Iterable[int] | None = None) -> list[int]:
+        """The promise lapsed (``None``: every draining slab): the slabs are
+        this pool's to use again. Returns those given back to use."""
+        out = []
+        for slab_id in list(self._draining) if slab_ids is None else dict.fromkeys(slab_ids):
+            slab = self._draining.pop(slab_id, None)
+            if slab is None:
+                continue
+            slab.draining = False
+            free = len(slab.free)
+            self.num_withheld -= free
+            self.num_free += free
+            self.num_available += free
+            if free:
+                self._by_free[free][slab_id] = slab
+                if free < self._min_hint:
+                    self._min_hint = free
+            out.append(slab_id)
+        return out
 
     # ----------------------------------------------------- invalidation
     def clear_index(self) -> int:

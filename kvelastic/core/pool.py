@@ -25,7 +25,7 @@ Cost: every operation is O(1) or O(blocks touched); ``clear_index`` and
 Three layers, each a module: ``books.py`` (``PoolBooks``: the state, what
 it answers, and the moves every path shares), ``handon.py`` (``HandOnPool``:
 the rare paths where the cache meets others: blocks handed on, demotion,
-invalidation), and here ``SlabPool``, the paths vLLM calls every step. A
+slabs drained for another engine, invalidation), and here ``SlabPool``, the paths vLLM calls every step. A
 layer calls only the ones below it.
 """
 
@@ -78,7 +78,11 @@ class SlabPool(HandOnPool):
             raise UnknownSlab(f"slab {slab_id} is not held")
         if slab.live:
             raise SlabBusy(f"slab {slab_id} has {slab.live} live block(s)")
-        if slab.free:
+        counted = 0 if slab.draining else len(slab.free)   # a draining slab's free blocks are withheld
+        if slab.draining:
+            self.num_withheld -= len(slab.free)
+            del self._draining[slab_id]
+        elif slab.free:
             del self._by_free[len(slab.free)][slab_id]
         evicted = 0
         removed = self.journal.removed   # the slab leaves whole: none of its blocks is rewritten here
@@ -91,8 +95,8 @@ class SlabPool(HandOnPool):
         if evicted:
             self.stats.evictions[reason] += evicted
         self.journal.removed = removed
-        self.num_free -= len(slab.free)
-        self.num_available -= self.blocks_per_slab    # no live block: every one was free or cached
+        self.num_free -= counted
+        self.num_available -= counted + evicted       # no live block: every one was free or cached
         slab.owner = None
         del self._slabs[slab_id]
         self.journal.ops.append((REMOVE_SLAB, slab_id))
@@ -318,6 +322,9 @@ class SlabPool(HandOnPool):
             for slab, old in grown.items():
                 slab_id = slab.slab_id
                 dirty.add(slab_id)
+                if slab.draining:       # promised back: what it freed is withheld, its cache dropped
+                    cached -= self._withhold(slab, old)
+                    continue
                 new = len(slab.free)
                 if new != old:
                     freed += new - old

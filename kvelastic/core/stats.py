@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-EVICTION_REASONS = ("lru", "ttl", "size_limit", "reclaim", "invalidate", "explicit")
+EVICTION_REASONS = ("lru", "ttl", "size_limit", "reclaim", "invalidate", "explicit", "drain")
 
 
 @dataclasses.dataclass

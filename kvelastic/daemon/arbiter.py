@@ -19,8 +19,21 @@ engine below its guaranteed minimum. In this order (``Tier``):
 No ping-pong: memory moved from engine A to engine B is not taken back from
 B for A within ``hold_down`` seconds, whatever A's demand. (Letting hard
 demand through was tried: at node scale two starving engines then traded
-cache back and forth within a second, 145 times in a simulated day.) A
-within the hold-down takes from others or evicts its own cache, and waits.
+cache back and forth within a second, 145 times in a simulated day; so did
+letting it through for an A below its fair share against a B above its
+own: 62 to 382 moves back in the simulated day.) A within the hold-down
+takes from others or evicts its own cache, and waits.
+
+Fairness where nothing is free to take (``pick_drains``): an engine whose
+hard demand has gone unmet for ``hold_down`` while it holds less than its
+fair share (``fair_share``: the device's budget over the engines active on
+it) asks the engines over theirs to drain slabs, the ones with fewest live blocks first
+(``Drain``: they place nothing new there and give each back once its
+running requests let go of it), never more than takes them to their share.
+So an engine whose queue would take every block its finished requests free
+cannot starve another that has requests waiting: the two end at their
+shares, as a static split would have them, and the memory no one needs
+stays elastic.
 """
 
 from __future__ import annotations
@@ -47,6 +60,20 @@ class Rules:
 
 def is_idle(engine: EngineRecord, now: float, rules: Rules) -> bool:
     return now - engine.active_at >= rules.idle_grace
+
+
+def fair_share(engines: list[EngineRecord], requester: EngineRecord, budget_bytes: int, now: float,
+               rules: Rules) -> int:
+    """Bytes each engine active on the requester's device is due: the
+    device's budget split evenly among them (the requester counts, idle
+    engines do not: their memory is anyone's)."""
+    active = sum(1 for e in engines if e.device == requester.device and not e.failed
+                 and (e is requester or not is_idle(e, now, rules)))
+    return budget_bytes // max(1, active)
+
+
+def held_bytes(engine: EngineRecord) -> int:
+    return engine.owned_slabs() * engine.slab_bytes
 
 
 def is_hard(requester: EngineRecord, slabs: int) -> bool:
@@ -99,3 +126,37 @@ def pick_victims(engines: list[EngineRecord], requester: EngineRecord, slabs: in
         chosen.append((engine, slab_id))
         freed += engine.slab_bytes
     return chosen
+
+
+def pick_drains(engines: list[EngineRecord], requester: EngineRecord, slabs: int, fair: int,
+                draining: dict[str, set[int]]) -> list[tuple[EngineRecord, list[int]]]:
+    """Slabs to drain for a requester whose hard demand of ``slabs`` went
+    unmet: none unless it holds less than ``fair``; then from the engines
+    over ``fair`` on its device, largest excess first, each at most down to
+    its share or its minimum (slabs already draining, in ``draining`` by
+    engine, count as gone), the slabs with fewest live blocks first (they empty soonest)."""
+    if held_bytes(requester) >= fair:
+        return []
+    need = min(slabs * requester.slab_bytes, fair - held_bytes(requester))
+    over = []
+    for engine in engines:
+        if engine is requester or engine.device != requester.device or engine.failed:
+            continue
+        gone = draining.get(engine.engine_id, set())
+        excess = held_bytes(engine) - len(gone) * engine.slab_bytes - max(fair, engine.min_bytes)
+        if excess >= engine.slab_bytes:
+            over.append((excess, engine.engine_id, engine, gone))
+    out: list[tuple[EngineRecord, list[int]]] = []
+    for excess, _eid, engine, gone in sorted(over, key=lambda o: (-o[0], o[1])):
+        if need <= 0:
+            break
+        held = [(occ[0], -occ[2], slab_id) for slab_id, occ in engine.mirror.slabs.items()
+                if slab_id not in gone and (slab := engine.slabs.get(slab_id)) is not None
+                and slab.phase is Phase.HELD]
+        n = min(excess // engine.slab_bytes, -(-need // engine.slab_bytes), len(held))
+        if n <= 0:
+            continue
+        chosen = [slab_id for _live, _free, slab_id in heapq.nsmallest(n, held)]
+        out.append((engine, chosen))
+        need -= n * engine.slab_bytes
+    return out

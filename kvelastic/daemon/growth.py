@@ -158,6 +158,10 @@ class Growth:
             return False  # every worker must be there to map the pages
         cap = engine.max_slabs if not engine.max_bytes else min(engine.max_slabs,
                                                                 engine.max_bytes // engine.slab_bytes)
+        if now < engine.drain_until and self._others_starved(engine):
+            # Draining for another's demand: no further than its fair share
+            # while that demand is unmet, so it does not take back what it gives.
+            cap = min(cap, max(engine.min_bytes, self.reclaimer.fair_share(engine)) // engine.slab_bytes)
         owned = engine.owned_slabs()
         if not expired:
             adopted = self._adopt_kept(engine, req, min(cap - owned, SLABS_PER_PASS - self._started))
@@ -247,6 +251,13 @@ class Growth:
                 engine.starved_since = req.started
                 log.warning("engine %s: starved: demand for %d slab(s) unmet", engine.engine_id, short)
             engine.last_unmet = now
+            if now - engine.starved_since >= self.books.rules.hold_down:
+                self.reclaimer.drain_for(engine, short)   # starved for a while: the others yield to their shares
+
+    def _others_starved(self, engine: EngineRecord) -> bool:
+        """Another engine on ``engine``'s device is starved (its hard demand unmet)."""
+        return any(e.starved_since is not None and e is not engine and e.device == engine.device
+                   for e in self.books.engines.values())
 
     def _demand_pending(self, engine: EngineRecord) -> bool:
         """Another engine's demand grow on one of ``engine``'s devices is unanswered."""

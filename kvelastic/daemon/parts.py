@@ -43,3 +43,10 @@ class Reclaimer(Protocol):
 
     def reclaim_for(self, req: GrowRequest, requester: EngineRecord, short: int) -> None:
         """Ask other engines for ``short`` slabs for ``req``."""
+
+    def drain_for(self, requester: EngineRecord, short: int) -> None:
+        """The requester's hard demand for ``short`` slabs went unmet: ask the
+        engines over their fair share to drain slabs for it."""
+
+    def fair_share(self, engine: EngineRecord) -> int:
+        """Bytes each engine active on ``engine``'s device is due now."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from kvelastic import protocol as p
-from kvelastic.daemon.arbiter import pick_victims
+from kvelastic.daemon.arbiter import fair_share, pick_drains, pick_victims
 from kvelastic.daemon.books import Books
 from kvelastic.daemon.handoff import CacheHandoff
 from kvelastic.daemon.parts import GrowPass, Unmapper
@@ -61,6 +61,29 @@ class Reclaims:
             req.reclaims.add(rid)
             log.info("engine %s: asked to give up %d slab(s) for engine %s", engine_id, len(slabs),
                      requester.engine_id)
+
+    def fair_share(self, engine: EngineRecord) -> int:
+        books = self.books
+        budget = books.pools[engine.device].budget_pages * engine.page_size if engine.device in books.pools else 0
+        return fair_share(list(books.engines.values()), engine, budget, books.now, books.rules)
+
+    def drain_for(self, requester: EngineRecord, short: int) -> None:
+        books, now = self.books, self.books.now
+        draining: dict[str, set[int]] = {}
+        for engine in books.engines.values():
+            if now >= engine.drain_until:
+                engine.draining.clear()      # lapsed: the engine uses them again (``Drain.seconds``)
+            else:
+                engine.draining &= {s for s, slab in engine.slabs.items() if slab.phase is Phase.HELD}
+            draining[engine.engine_id] = engine.draining
+        for engine, slabs in pick_drains(list(books.engines.values()), requester, short,
+                                         self.fair_share(requester), draining):
+            engine.draining.update(slabs)
+            engine.drain_until = now + p.DRAIN_SECONDS
+            books.command(engine.identity, p.Drain(slabs=slabs, seconds=p.DRAIN_SECONDS))
+            log.info("engine %s: asked to drain %d slab(s) for engine %s (holds %d MiB, a fair share is %d MiB)",
+                     engine.engine_id, len(slabs), requester.engine_id,
+                     engine.owned_slabs() * engine.slab_bytes >> 20, self.fair_share(requester) >> 20)
 
     def on_reclaim_done(self, identity: bytes, m: p.ReclaimDone) -> None:
         books = self.books

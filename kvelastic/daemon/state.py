@@ -111,6 +111,11 @@ class EngineRecord:
     received_from: dict[str, float] = dataclasses.field(default_factory=dict)  # engine -> last move to us
     unresponsive: bool = False                              # heartbeats stopped, lifeline still open
     starved_since: float | None = None                      # its hard demand went unmet since then
+    # Slabs it was asked to drain for another engine's demand (``Drain``),
+    # and until when: meanwhile, while another engine starves, it grows no
+    # further than its fair share.
+    draining: set[int] = dataclasses.field(default_factory=set)
+    drain_until: float = 0.0
     last_unmet: float = 0.0                                 # the last time it did
     grants: int = 0
     returns: int = 0

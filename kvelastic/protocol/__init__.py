@@ -27,6 +27,7 @@ vLLM's wire format.
 
 from kvelastic.protocol.base import (
     ACK_TIMEOUT,
+    DRAIN_SECONDS,
     GROW_TIMEOUT,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
@@ -58,6 +59,7 @@ from kvelastic.protocol.control import (
     CachedBlock,
     ClearIndex,
     Diverge,
+    Drain,
     Failed,
     Granted,
     Grow,
@@ -108,7 +110,8 @@ from kvelastic.protocol.tier import (
 
 __all__ = [
     # base
-    "ACK_TIMEOUT", "GROW_TIMEOUT", "HEARTBEAT_INTERVAL", "HEARTBEAT_TIMEOUT", "HELLO_TIMEOUT", "HOLD_DOWN",
+    "ACK_TIMEOUT", "DRAIN_SECONDS", "GROW_TIMEOUT", "HEARTBEAT_INTERVAL", "HEARTBEAT_TIMEOUT", "HELLO_TIMEOUT",
+    "HOLD_DOWN",
     "IDLE_GRACE", "MAX_LABEL_BYTES", "MAX_MESSAGE_BYTES", "MAX_WORKERS", "MIN_TOKEN", "ORPHAN_CACHE_TTL",
     "PROTOCOL_VERSION", "RECLAIM_TIMEOUT", "REGISTER_TIMEOUT", "SEND_PAGES_TIMEOUT", "THRASH_WINDOW",
     "Error", "Key", "Label", "Msg", "Ok", "Reason", "Token",
@@ -117,7 +120,8 @@ __all__ = [
     # codec
     "Message", "decode", "encode",
     # control
-    "Busy", "CachedBlock", "ClearIndex", "Diverge", "Failed", "Granted", "Grow", "Heartbeat", "MapSlab", "Mapped",
+    "Busy", "CachedBlock", "ClearIndex", "Diverge", "Drain", "Failed", "Granted", "Grow", "Heartbeat", "MapSlab",
+    "Mapped",
     "Reclaim", "ReclaimDone", "RegisterEngine", "Registered", "RegisterWorker", "Return", "SlabCache", "SlabIds",
     "Unmapped", "UnmapSlab", "Unregister",
     # journal

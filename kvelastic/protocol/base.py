@@ -29,6 +29,7 @@ REGISTER_TIMEOUT = 10.0      # a page channel whose engine is not registered by 
 SEND_PAGES_TIMEOUT = 1.0     # a worker takes its page descriptors within this
 IDLE_GRACE = 5.0             # an engine inactive this long is idle (configurable)
 HOLD_DOWN = 2.0              # memory moved away from an engine is not moved back within this (configurable)
+DRAIN_SECONDS = 5.0          # an engine asked to yield slabs holds them back for this long, then uses them again
 ORPHAN_CACHE_TTL = 600.0     # a departed engine's cache is kept this long for its namespace (configurable)
 THRASH_WINDOW = 1.0          # a move back within this of a move away counts as thrash
 

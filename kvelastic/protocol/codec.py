@@ -14,6 +14,7 @@ from kvelastic.protocol.control import (
     Busy,
     ClearIndex,
     Diverge,
+    Drain,
     Failed,
     Granted,
     Grow,
@@ -40,7 +41,7 @@ Message = (
     RegisterEngine | RegisterWorker | Grow | Return | Journal | Heartbeat | Unregister | Busy | Diverge
     | ReclaimDone | Mapped | Unmapped | Status | SetLimit | Invalidate | TierLookup | TierFetch | TierRelease
     | Ok | Error | Invalidated | Registered | Granted | Reclaim | Failed | ClearIndex | MapSlab | UnmapSlab
-    | StatusReply | TierPinned | TierData | TierCopied
+    | StatusReply | TierPinned | TierData | TierCopied | Drain
 )
 
 _encoder = msgspec.msgpack.Encoder()

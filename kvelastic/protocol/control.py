@@ -2,7 +2,7 @@
 reclaims, grants), liveness, and the slabs each worker maps.
 
 Besides its replies the daemon sends commands of its own, with request ids
-of its own: ``Reclaim``/``ClearIndex`` to engines, ``MapSlab``/``UnmapSlab``
+of its own: ``Reclaim``/``Drain``/``ClearIndex`` to engines, ``MapSlab``/``UnmapSlab``
 to workers (over the page channel, ``channel.py``); clients answer with
 ``ReclaimDone``, ``Mapped`` and ``Unmapped``. ``Heartbeat`` is a
 notification: it is answered only with an ``Error``.
@@ -15,7 +15,7 @@ from typing import Annotated
 import msgspec
 
 from kvelastic.names import Name
-from kvelastic.protocol.base import ACK_TIMEOUT, IDLE_GRACE, Key, Label, Msg, Token
+from kvelastic.protocol.base import ACK_TIMEOUT, DRAIN_SECONDS, IDLE_GRACE, Key, Label, Msg, Token
 
 SlabIds = Annotated[list[int], msgspec.Meta(max_length=1 << 16)]        # more slabs than any device has
 
@@ -178,6 +178,16 @@ class Granted(Msg):
 
 class Reclaim(Msg):
     slabs: list[int]
+
+
+class Drain(Msg):
+    """To an engine over its fair share while another's demand goes unmet:
+    place no new block in these slabs, keep none of their blocks cached, and
+    give each back (``Return``) once no block in it is live; after
+    ``seconds`` the ones still held are the engine's to use again. Nothing
+    is answered (running requests are never cut short: they finish first)."""
+    slabs: SlabIds
+    seconds: float = DRAIN_SECONDS
 
 
 class Failed(Msg):

@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
+from kvelastic.threadname import name_this_thread
 from kvelastic.tier.errors import TierReadError
 from kvelastic.tier.index import MAX_BLOCK_BYTES
 
@@ -327,6 +328,7 @@ class TierReader(Generic[T]):
 
     # ------------------------------------------------------------- the threads
     def _run(self) -> None:
+        name_this_thread("kv-tier-read")
         while True:
             with self._cond:
                 turn = self._take()

@@ -20,6 +20,7 @@ import queue
 import threading
 from dataclasses import dataclass
 
+from kvelastic.threadname import name_this_thread
 from kvelastic.tier.errors import TierWriteError
 from kvelastic.tier.store import TierStore
 
@@ -98,6 +99,7 @@ class TierWriter:
 
     # ------------------------------------------------------------- the thread
     def _run(self) -> None:
+        name_this_thread("kv-tier-write")
         while (job := self._jobs.get()) is not None:
             reason = ""
             with self._lock:

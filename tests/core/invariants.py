@@ -6,8 +6,10 @@ from kvelastic.core.pool import SlabPool
 
 def check_pool(pool: SlabPool, mirror: Mirror | None = None) -> None:
     bps = pool.blocks_per_slab
-    live = cached = free = 0
+    live = cached = free = withheld = 0
     index = set(pool.cached_keys())
+    draining = set(pool.draining_slabs())
+    assert draining <= set(pool.slab_ids())
     for slab_id in pool.slab_ids():
         n_live = n_cached = n_free = 0
         for i in range(bps):
@@ -26,13 +28,19 @@ def check_pool(pool: SlabPool, mirror: Mirror | None = None) -> None:
         # refcount sync: the slab's counts equal what its blocks say
         assert pool.occupancy(slab_id) == (n_live, n_cached, n_free)
         assert n_live + n_cached + n_free == bps
+        if slab_id in draining:   # promised back: nothing cached, its free blocks withheld
+            assert n_cached == 0
+            live, withheld = live + n_live, withheld + n_free
+            continue
         live, cached, free = live + n_live, cached + n_cached, free + n_free
-    assert (pool.num_live, pool.num_cached, pool.num_free) == (live, cached, free)
+    assert (pool.num_live, pool.num_cached, pool.num_free, pool.num_withheld) == (live, cached, free, withheld)
+    assert sorted(pool.drained_slabs()) == sorted(s for s in draining if pool.occupancy(s)[0] == 0)
     # best fit's buckets: each held slab with k >= 1 free blocks in bucket k
     # alone, a full one in none, and none below the scan's start
     by_free = {}
     for slab_id in pool.slab_ids():
-        by_free.setdefault(pool.occupancy(slab_id)[2], set()).add(slab_id)
+        if slab_id not in draining:
+            by_free.setdefault(pool.occupancy(slab_id)[2], set()).add(slab_id)
     by_free.pop(0, None)
     assert {k: set(bucket) for k, bucket in enumerate(pool._by_free) if bucket} == by_free
     assert all(not pool._by_free[k] for k in range(1, pool._min_hint))

@@ -50,6 +50,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.tag: dict[int, int] = {}       # block_id -> the step its key was stored in
         self.aliases: dict[int, list] = {}  # block_id -> its other keys (lookups only), in order
         self.begun = self.done = 0
+        self.draining: set[int] = set()     # slabs promised back: no block placed, none kept cached
 
     # ----------------------------------------------------------- helpers
     def blocks(self, ids):
@@ -135,6 +136,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.expect_failure(lambda: self.pool.take_slab_back(slab))
             return
         self.pool.take_slab_back(slab)
+        self.draining.discard(slab)
         for i in ids:
             del self.ref[i]
             self.key.pop(i, None)
@@ -143,7 +145,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 9))
     def allocate(self, n):
-        free = [i for i, r in self.ref.items() if r == 0 and i not in self.key]
+        free = [i for i, r in self.ref.items() if r == 0 and i not in self.key and i // BPS not in self.draining]
         if n > len(free) + len(self.lru):
             assert self.expect_failure(lambda: self.pool.allocate(n))
             return
@@ -196,9 +198,33 @@ class PoolMachine(RuleBasedStateMachine):
         for i in ids:
             self.ref[i] -= 1
             if self.ref[i] == 0 and i in self.key:
+                if i // BPS in self.draining:    # a draining slab keeps nothing cached
+                    del self.key[i]
+                    continue
                 self.lru.append(i)
                 self.cached_at[i] = self.clock.now
         self.after_free_limits()
+
+    @rule(slabs=st.lists(st.sampled_from(SLABS), max_size=2))
+    def drain(self, slabs):
+        held = {i // BPS for i in self.ref}
+        got = self.pool.drain(slabs)
+        assert got == [s for s in dict.fromkeys(slabs) if s in held and s not in self.draining]
+        for slab in got:
+            self.draining.add(slab)
+            for i in range(slab * BPS, (slab + 1) * BPS):
+                if self.ref[i] == 0 and i in self.key:   # its cache goes now
+                    del self.key[i]
+                    self.lru.remove(i)
+        assert self.pool.num_free == sum(1 for i, r in self.ref.items()
+                                         if r == 0 and i not in self.key and i // BPS not in self.draining)
+
+    @rule(slabs=st.one_of(st.none(), st.lists(st.sampled_from(SLABS), max_size=2)))
+    def undrain(self, slabs):
+        got = self.pool.undrain(slabs)
+        expected = sorted(self.draining) if slabs is None else [s for s in dict.fromkeys(slabs) if s in self.draining]
+        assert sorted(got) == sorted(expected)
+        self.draining -= set(got)
 
     @rule(data=st.data())
     def cache(self, data):
@@ -326,6 +352,9 @@ class PoolMachine(RuleBasedStateMachine):
             assert blk.block_hash == self.key.get(i)
         assert self.pool.lru_ids() == self.lru
         assert set(self.pool.slab_ids()) == {i // BPS for i in self.ref}
+        assert set(self.pool.draining_slabs()) == self.draining
+        assert sorted(self.pool.drained_slabs()) == sorted(
+            s for s in self.draining if not any(self.ref[i] for i in range(s * BPS, (s + 1) * BPS)))
         self.forget_unkeyed_aliases()
         for i in self.ref:
             assert self.pool.keys_of(self.pool.block(i)) == ([self.key[i], *self.aliases.get(i, [])]

@@ -184,6 +184,7 @@ def main() -> None:
         with engine.lock:
             out["state"] = {"slabs": sorted(pool.slab_ids()), "free": pool.num_free,
                             "cached": pool.num_cached, "live": pool.num_live, "demoted": len(pool.demoted),
+                            "withheld": pool.num_withheld, "draining": sorted(pool.draining_slabs()),
                             "mapped": sum(len(w.arena.mapped()) for w in workers),
                             "reconnects": engine.conn.reconnects, "token": engine.token.hex(),
                             "failed": getattr(engine, "failed", ""), "hash_seed": engine.hash_seed}

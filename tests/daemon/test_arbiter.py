@@ -1,11 +1,12 @@
 """The reclaim order (``kvelastic/daemon/arbiter.py``) on hand-built books and,
 with hypothesis, on random ones: tiers, LRU across the node, hard demand,
-hold-down, minimums."""
+hold-down, minimums; fair shares, and the slabs drained for a requester
+below its share."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvelastic.daemon.arbiter import Rules, Tier, is_hard, pick_victims
+from kvelastic.daemon.arbiter import Rules, Tier, fair_share, held_bytes, is_hard, pick_drains, pick_victims
 from kvelastic.daemon.state import EngineRecord, Phase, SlabRecord
 
 BPS = 4
@@ -78,6 +79,32 @@ def test_hold_down_keeps_memory_where_it_just_went_whatever_the_demand():
     assert names(pick_victims([soft, took], soft, 1, NOW, RULES)) == [("b", 1)]
 
 
+def test_a_fair_share_splits_the_budget_among_the_active_engines_of_the_device():
+    r = engine("r", {}, active_at=IDLE)                      # the requester counts, idle or not
+    a, idle, far = engine("a", {}), engine("idle", {}, active_at=IDLE), engine("far", {}, device="1")
+    assert fair_share([r, a, idle, far], r, 12 * PAGE, NOW, RULES) == 6 * PAGE
+    assert fair_share([r], r, 12 * PAGE, NOW, RULES) == 12 * PAGE
+
+
+def test_drains_come_from_engines_over_their_share_fewest_live_first_down_to_the_share():
+    starved = engine("s", {0: (BPS, 0, 0)})                  # one slab, all live
+    hog = engine("h", {1: (4, 0, 0), 2: (1, 0, 3), 3: (2, 0, 2), 4: (4, 0, 0), 5: (3, 0, 1)})
+    fair = 3 * PAGE
+    got = [(e.engine_id, s) for e, slabs in pick_drains([starved, hog], starved, 4, fair, {}) for s in slabs]
+    assert got == [("h", 2), ("h", 3)]                       # s is due 2 more, h may give 2: s asked for 4
+    got = [(e.engine_id, s) for e, slabs in pick_drains([starved, hog], starved, 1, 2 * PAGE, {}) for s in slabs]
+    assert got == [("h", 2)]                                 # one slab asked: the emptiest
+    assert pick_drains([starved, hog], starved, 1, 2 * PAGE, {"h": {1, 2, 3}}) == []   # h at its share already
+    assert pick_drains([starved, hog], starved, 4, PAGE, {}) == []                     # s holds its share
+
+
+def test_no_drain_below_an_engines_minimum_nor_across_devices():
+    starved = engine("s", {})
+    guarded = engine("g", {1: LIVE, 2: LIVE, 3: LIVE}, min_slabs=3)
+    far = engine("far", {4: LIVE, 5: LIVE, 6: LIVE}, device="1")
+    assert pick_drains([starved, guarded, far], starved, 2, PAGE, {}) == []
+
+
 def test_excluded_slabs_are_not_asked_for():
     requester = engine("r", {0: LIVE})
     idle = engine("idle", {1: EMPTY, 2: EMPTY}, active_at=IDLE)
@@ -143,3 +170,20 @@ def test_random_books_keep_every_rule(drawn):
             if (len(e.slabs) - taken - 1) * PAGE < e.min_bytes:
                 continue
             assert (tier_of(e, s), e.active[s]) >= worst, f"{e.engine_id}:{s} skipped for a worse victim"
+
+
+@settings(max_examples=300, deadline=None)
+@given(books(), st.integers(1, 6))
+def test_random_drains_leave_every_engine_at_or_above_its_share(drawn, share_slabs):
+    engines, wanted = drawn
+    requester, fair = engines[0], share_slabs * PAGE
+    drains = pick_drains(engines, requester, wanted, fair, {})
+    if held_bytes(requester) >= fair:
+        assert drains == []
+    asked = sum(len(slabs) for _, slabs in drains)
+    assert asked <= wanted and asked * PAGE <= max(0, fair - held_bytes(requester)) + PAGE
+    for e, slabs in drains:
+        assert e is not requester and len(set(slabs)) == len(slabs) and set(slabs) <= set(e.slabs)
+        assert held_bytes(e) - len(slabs) * PAGE >= max(fair, e.min_bytes)
+        others = sorted(occ[0] for s, occ in e.mirror.slabs.items() if s not in slabs)
+        assert not others or max(e.mirror.slabs[s][0] for s in slabs) <= others[0]   # fewest live first

@@ -1,7 +1,9 @@
 """Arbitration with real processes: a real daemon (host pages), engine
 processes with real workers. An idle engine's reserve decays and it never
 grows; its warm cache yields to another engine's demand at once, without a
-model step; moves and thrash are counted on /metrics."""
+model step; moves and thrash are counted on /metrics. An engine that holds
+every slab live yields, as its requests finish, what another's unmet demand
+is due of a fair share, and takes none of it back meanwhile."""
 
 import time
 
@@ -73,3 +75,31 @@ def test_an_active_engine_keeps_its_cache_when_the_other_can_evict_its_own(daemo
     got = a.do("ensure", n=4, keep_cache=True, timeout=2)          # hard: b's active cache yields
     assert got["ok"] and b.state()["cached"] == 4
     assert daemon.request(p.Status()).status.devices[0].slab_moves == 1
+
+
+def test_an_engine_holding_everything_live_drains_to_its_fair_share_for_a_starved_one(daemon_factory, engines):
+    """Without drains the hog's queue would take every block its finished
+    requests free, and the other engine would wait for as long as it has one."""
+    daemon = daemon_factory(memory="8MiB", KVELASTIC_IDLE_GRACE="30s")   # four slabs: a share of two each
+    hog = engines(daemon, "hog", grace=60)
+    assert hog.do("ensure", n=16)["ok"]
+    hog.do("alloc", n=16)                                          # every block of the node live
+    starved = engines(daemon, "starved", grace=60)
+    assert not starved.do("ensure", n=4, timeout=1)["ok"]           # nothing to reclaim: all live
+    assert hog.state()["draining"] == []                           # not yet: starved for less than the hold-down
+    # Starved past the hold-down (2 s), the daemon asks the hog to drain what
+    # the starved engine is due (one slab asked, two over the share): no block
+    # of it is the hog's to hand out now.
+    state = wait_for(lambda: (st := hog.state())["draining"] and st or starved.do("ensure", n=4, timeout=0.3)
+                     and None, timeout=30, what="the hog's drain")
+    assert len(state["draining"]) == 1 and state["live"] == 16 and state["free"] == 0
+    assert engine_status(daemon, "starved").starved_seconds > 0
+    hog.do("free")                                                 # its requests finish
+    state = wait_for(lambda: len((st := hog.state())["slabs"]) == 3 and st, what="the drained slab given back")
+    assert state["draining"] == [] and state["withheld"] == 0 and state["free"] == 12
+    assert not hog.do("ensure", n=16, timeout=1)["ok"]             # over its share: it takes nothing back
+    got = starved.do("ensure", n=4, timeout=5)
+    assert got["ok"], got
+    assert starved.state()["slabs"] and len(hog.state()["slabs"]) == 3
+    assert wait_for(lambda: engine_status(daemon, "starved").starved_seconds == 0.0 or None,
+                    what="the starved engine's demand met")

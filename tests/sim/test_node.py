@@ -41,7 +41,7 @@ def test_the_books_hold_and_every_demand_grow_is_answered(report):
     assert report["invariant_violations"] == 0, report["violation_examples"]
     assert report["demand"]["unanswered"] == 0
     assert report["rejected"] == {}                                     # no message refused (busy, bad journal)
-    assert report["demand"]["client_timeouts"] == 0                     # answered within the plugin's 2 s
+    assert report["demand"]["client_timeouts"] == 0                     # running requests' within the plugin's 2 s
     assert report["demand"]["handoff_latency_s"]["max"] < 2.0
     assert report["status_slab_moves"] == report["slab_moves"]           # status() reports what the books say
 

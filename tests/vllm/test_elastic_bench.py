@@ -234,6 +234,12 @@ def test_quick_bench_serves_every_request_the_same_in_every_mode(tmp_path):
             assert set(scen["ratios"]["vs_limit"][q]) == {"median", "min", "max", "reps"}
         held = scen["elastic"]["held_share_under_load"]
         assert 0 < held["median"] <= 1
+        # the CPU profile: every mode's servers measured, and kvelastic's part
+        # (the daemon and the client's named I/O threads) only where it runs
+        cpu = scen["cpu_ms_per_request_by_part"]
+        assert all(r["cpu_s"]["total"] > 0 for m in elastic.MODES for r in scen["per_rep"][m])
+        assert cpu["elastic"].get("daemon", 0) > 0 and any("/kv-engine-io" in k for k in cpu["elastic"])
+        assert not any(k.startswith("daemon") or "/kv-" in k for m in ("static", "limit") for k in cpu[m])
         assert (tmp_path / f"elastic-{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "p50_vs_static" in out["scenarios"]["contended"]
     # the one-slab hand-off: 8 cycles of 15 handoffs from an idle engine to a busy one

@@ -65,9 +65,15 @@ log = logging.getLogger("kvelastic.vllm")
 _T = TypeVar("_T")
 NULL_PINNED = 1 << 40
 HEARD = 1 << 62   # ``_check_below`` while a need is heard: every capacity check asks
-# A demand waits this long for the daemon (which may first reclaim from
-# another engine); after a refusal the pool does not ask again for a while,
-# so a full device costs one round trip per back-off, not one per request.
+# An admission's demand waits at most DEMAND_WAIT for the daemon's answer:
+# enough for free pages (a map on each worker, about a millisecond), not for
+# a reclaim, which waits for another engine's step to end. Past it the
+# scheduler goes on (its running requests step, the new one waits in the
+# queue) and the slabs come as a late grant (the client's ``demand.py``). A
+# running request's demand waits up to DEMAND_TIMEOUT: a preemption would
+# cost a recompute. After a refusal the pool does not ask again for a
+# while, so a full device costs one round trip per back-off, not one per request.
+DEMAND_WAIT = 0.05
 DEMAND_TIMEOUT = 2.0
 REFUSAL_BACKOFF = 0.2
 
@@ -225,11 +231,15 @@ class ElasticBlockPool(BlockPool):
         progress answers: by the need heard (an admission), else by the most a
         running request's call can need (``call_blocks``)."""
         try:
-            self._grow_for(self.demand.take(self.call_blocks))
+            need = self.demand.take(-1)
+            self._grow_for(need if need >= 0 else self.call_blocks, admission=need >= 0)
         finally:
             self._check_below = self.short_below   # until the next need heard
 
-    def _grow_for(self, need: int) -> None:
+    def _grow_for(self, need: int, admission: bool = False) -> None:
+        """An admission waits at most ``DEMAND_WAIT`` for the daemon (the
+        request waits in the queue, the running ones step); a running
+        request's grow up to ``DEMAND_TIMEOUT``, rather than be preempted."""
         core, client = self.core, self.client
         client.apply_grants()  # a slab that arrived mid-step is usable in this step
         free = core.num_free
@@ -238,7 +248,8 @@ class ElasticBlockPool(BlockPool):
                 now = time.monotonic()
                 if now - self._refused_at > REFUSAL_BACKOFF:
                     self.demand.asked += 1
-                    if not client.ensure(need, timeout=DEMAND_TIMEOUT, keep_cache=True):
+                    if not client.ensure(need, timeout=DEMAND_TIMEOUT, keep_cache=True,
+                                         wait=DEMAND_WAIT if admission else None):
                         self.demand.refused += 1
                         self._refused_at = now
                         self.may_grow, self.short_below = False, 0   # until a step after the back-off

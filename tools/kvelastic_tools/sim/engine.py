@@ -161,6 +161,7 @@ class SimEngine:
         self.tier = False
         self.tier_ack = self.tier_ack_sent = 0
         self.clear_due = 0
+        self.drain_until = 0.0                 # slabs drain for another engine's demand until then
         self.scope = 0
         self.clear_stale = False               # clear_due is of an earlier connection: its scope does not count
 
@@ -418,6 +419,11 @@ class SimEngine:
                         elif msg.cached.get(slab_id):
                             self.world.check_adoption(self, slab_id, msg.cached[slab_id])
                             self.pool.adopt(slab_id, [(c.offset, c.key) for c in msg.cached[slab_id]])
+        elif isinstance(msg, p.Drain):
+            # Until it lapses (the client's ``ReservePolicy``): drained slabs go back
+            # as they empty, with the idle ones; a lapsed drain frees what is left.
+            self.world.counts["drained_slabs"] += len(self.pool.drain(msg.slabs))
+            self.drain_until = self.world.now + msg.seconds
         elif isinstance(msg, p.Reclaim):
             if self.clear_due:                 # deferred after the ClearIndex, it runs after it
                 self.clear_index()
@@ -479,6 +485,9 @@ class SimEngine:
                 self.world.counts["tier_ack_before_clear"] += 1
             self.clear_index()
         op = rng.random()
+        if self.drain_until and now >= self.drain_until:
+            self.drain_until = 0.0
+            self.pool.undrain()
         if self.diverging and now - self.diverge_sent > DIVERGE_TIMEOUT:
             self.diverging = 0                 # no answer in time: the call gives up, the weights change
         if self.step is None and not self.private and rng.random() < DIVERGE:
@@ -491,7 +500,7 @@ class SimEngine:
             req = self.live.pop(rng.randrange(len(self.live)))
             self.pool.free(req.blocks[::-1])   # the tail first: it is evicted first
         elif 0.8 <= op < 0.9:
-            idle = self.pool.idle_slabs()
+            idle = self.pool.drained_slabs() + self.pool.idle_slabs()
             if idle:
                 slab_id = rng.choice(idle)
                 self.pool.take_slab_back(slab_id, reason="return")

@@ -12,9 +12,10 @@ Each engine behaves as the vLLM plugin does (docs/architecture.md, Grow):
   requests in arrival order (prefix-cache hits first, then new blocks);
 - a capacity check that needs more *free* blocks than the pool has sends a
   demand ``Grow`` and blocks the scheduler until the answer or
-  ``DEMAND_TIMEOUT`` (``EngineClient.ensure`` with ``keep_cache``); after a
-  refusal it does not ask again for ``REFUSAL_BACKOFF``; then free + cached
-  blocks are what it can use (allocation evicts LRU cached blocks);
+  ``DEMAND_WAIT`` (``EngineClient.ensure`` with ``keep_cache`` and ``wait``:
+  a later answer is a late grant, and no second demand goes before it);
+  after a refusal it does not ask again for ``REFUSAL_BACKOFF``; then free +
+  cached blocks are what it can use (allocation evicts LRU cached blocks);
 - the I/O thread's tick: heartbeats, reserve refills and returns as
   ``ReservePolicy`` says, the journal every ``JOURNAL_INTERVAL``; a
   ``Reclaim`` is answered at once with ``take_slab_back`` of each slab

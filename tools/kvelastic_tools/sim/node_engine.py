@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 STEP = 0.05                           # a scheduling step (and the client's I/O tick)
 JOURNAL_INTERVAL = 0.05               # EngineClient.JOURNAL_INTERVAL
-DEMAND_TIMEOUT = 2.0                  # kvelastic_vllm.block_pool.DEMAND_TIMEOUT
+DEMAND_TIMEOUT = 2.0                  # kvelastic_vllm.block_pool.DEMAND_TIMEOUT: a running request's
+DEMAND_WAIT = 0.05                    # ...DEMAND_WAIT: an admission's, then a late grant
 REFUSAL_BACKOFF = 0.2                 # kvelastic_vllm.block_pool.REFUSAL_BACKOFF
 RESERVE_REFUSED_PAUSE = 0.5           # EngineClient: no reserve refill for this long after a refusal
 MAX_BATCHED_TOKENS = 2048             # vLLM's max_num_batched_tokens: sets the reserve watermark
@@ -204,6 +205,8 @@ class NodeEngine:
                 self._reserve_answered()
             elif self.blocked is not None and msg.req_id == self.blocked.get("req"):
                 self._unblock()
+        elif isinstance(msg, p.Drain):
+            self.stats["drained_slabs"] += len(self.reserve.drain(self.pool, msg.slabs, sim.now, msg.seconds))
         elif isinstance(msg, p.Reclaim):
             given, refused, _ = give_up(self.pool, msg.slabs)
             self.stats["reclaimed_slabs"] += len(given)
@@ -270,16 +273,23 @@ class NodeEngine:
             self.send(p.Return(engine_id=self.name, slabs=returned))
 
     # ------------------------------------------------------------ demand (ensure)
-    def ensure(self, need: int) -> bool | None:
-        """EngineClient.ensure(need, keep_cache=True): True/False now, or None:
-        the scheduler blocks until the daemon answers (or DEMAND_TIMEOUT)."""
+    def ensure(self, need: int, admission: bool) -> bool | None:
+        """EngineClient.ensure(need, keep_cache=True, wait=...): True/False
+        now, or None: the scheduler blocks until the daemon answers, or for
+        an admission DEMAND_WAIT passes (then the grant comes late, and no
+        second demand goes before it is answered); a running request's
+        waits up to DEMAND_TIMEOUT (rather than be preempted)."""
         pool = self.pool
         self.reserve.touch(self.sim.now)         # a demand is activity
         if need - pool.num_free <= 0:
             return True
-        deadline = self.sim.now + DEMAND_TIMEOUT
+        deadline = self.sim.now + (DEMAND_WAIT if admission else DEMAND_TIMEOUT)
         if self.reserve_req:                     # a reserve grow on its way: wait for it first
             self._block(need, deadline, req=None)
+            return None
+        late = next((req for req, (_sent, demand, _n) in self.grows.items() if demand), None)
+        if late is not None:                     # an earlier demand's answer is still to come
+            self._block(need, deadline, req=late)
             return None
         want = min(math.ceil((need - pool.num_free) / self.bps), self.max_slabs - pool.num_slabs)
         if want <= 0:
@@ -289,7 +299,8 @@ class NodeEngine:
         return None
 
     def _block(self, need: int, deadline: float, req: int | None) -> None:
-        self.blocked = {"need": need, "req": req, "since": self.sim.now, "deadline": deadline}
+        self.blocked = {"need": need, "req": req, "since": self.sim.now, "deadline": deadline,
+                        "admission": deadline - self.sim.now <= DEMAND_WAIT}
         self.sim.at(deadline, self._deadline, deadline)
 
     def _reserve_answered(self) -> None:
@@ -309,7 +320,8 @@ class NodeEngine:
 
     def _deadline(self, deadline: float) -> None:
         if self.blocked is not None and self.blocked["deadline"] == deadline:
-            self.stats["demand_timeouts"] += 1
+            # An admission goes on (its grant comes late); a running request's timed out.
+            self.stats["admission_waits_ended" if self.blocked["admission"] else "demand_timeouts"] += 1
             self._unblock()
 
     def _unblock(self) -> None:
@@ -321,12 +333,13 @@ class NodeEngine:
             self.refused_at = self.sim.now           # ensure() returned False: back off
         self.schedule()                              # the step goes on where it stopped
 
-    def capacity(self, need: int) -> int | None:
-        """ElasticBlockPool.get_num_free_blocks after expect(need); None: blocked."""
+    def capacity(self, need: int, admission: bool) -> int | None:
+        """ElasticBlockPool.get_num_free_blocks after expect(need) (for a
+        waiting request's ``admission``, else a running one's); None: blocked."""
         pool = self.pool
         if need > pool.num_free and not self.static and pool.num_slabs < self.max_slabs \
                 and self.sim.now - self.refused_at > REFUSAL_BACKOFF:
-            if self.ensure(need) is None:
+            if self.ensure(need, admission) is None:
                 return None
         return pool.num_free + pool.num_cached
 
@@ -407,7 +420,7 @@ class NodeEngine:
         the request itself was preempted, None when the scheduler blocked."""
         pool = self.pool
         while True:
-            cap = self.capacity(1)
+            cap = self.capacity(1, admission=False)
             if cap is None:
                 return None
             if cap >= 1:
@@ -431,7 +444,7 @@ class NodeEngine:
         hits = pool.lookup(req.keys[:full])
         cached_hits = sum(1 for b in hits if b.ref_cnt == 0)
         need = nblocks - len(hits) + cached_hits
-        cap = self.capacity(need)
+        cap = self.capacity(need, admission=True)
         if cap is None:
             return None
         if need > cap:

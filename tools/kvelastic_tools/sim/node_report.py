@@ -192,6 +192,8 @@ def report(sim: NodeSim, static: NodeSim, oracle: list[float], per_engine: list[
             "grows": sum(e.stats["demand_grows"] for e in sim.engines),
             "outcomes": dict(sorted(sim.grow_outcomes.items())),
             "client_timeouts": sum(e.stats["demand_timeouts"] for e in sim.engines),
+            # admissions whose scheduler went on before the answer (it came as a late grant)
+            "admissions_answered_late": sum(e.stats["admission_waits_ended"] for e in sim.engines),
             "latency_s": {"p50": round(percentile(sim.demand_latency, 0.5), 5),
                           "p99": round(percentile(sim.demand_latency, 0.99), 5),
                           "max": round(max(sim.demand_latency, default=0.0), 5)},

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import logging
 import random
 import sys
+
+import msgspec
 
 from kvelastic import protocol as p
 from kvelastic.daemon.requests import Timing
@@ -37,6 +40,9 @@ class SimResult:
     orphan_blocks: int = 0       # cached blocks adopted from departed engines' kept cache (warm starts)
     kept_blocks: int = 0         # cached blocks of departed engines kept for their namespace
     restored_blocks: int = 0     # of those adopted, blocks of kept slabs a new daemon took back (keeper.py)
+    # The daemon's books at the end (its status report and free pages, hashed):
+    # the same seed gives the same books, whatever is refactored (``digest.py``).
+    books: str = ""
 
     @property
     def replay(self) -> str:
@@ -78,7 +84,13 @@ def run_seed(seed: int, steps: int = 300, faults: bool = True, timing: Timing = 
     keeper.harvest(w)
     injected.update(w.counts)
     return SimResult(seed, steps, injected, w.violations, w.handed_blocks, w.orphan_blocks, w.kept_blocks,
-                     w.restored_blocks)
+                     w.restored_blocks, books_digest(w))
+
+
+def books_digest(w: World) -> str:
+    allocator = w.allocator
+    free = sorted((device, sorted(pool.free)) for device, pool in allocator.pools.items())
+    return hashlib.sha256(msgspec.msgpack.encode([allocator.status(), free])).hexdigest()[:16]
 
 
 def tick(w: World) -> None:

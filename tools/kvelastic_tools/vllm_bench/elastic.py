@@ -47,6 +47,7 @@ import math
 import os
 import pathlib
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvelastic_tools.vllm_bench import elastic_calibrate as calibration
+from kvelastic_tools.vllm_bench import elastic_cpu as cpu
 from kvelastic_tools.vllm_bench import elastic_load as load
 from kvelastic_tools.vllm_bench import elastic_report as report
 from kvelastic_tools.vllm_bench import vllm_serve
@@ -121,8 +123,9 @@ def loadavg() -> list[float]:
 
 # --------------------------------------------------------------- processes
 @contextlib.contextmanager
-def daemon(folder: pathlib.Path, memory: int, page_size: int | None = None) -> Iterator[tuple[str, int, pathlib.Path]]:
-    """A kvelastic daemon (host backend); yields its socket, metrics port and log."""
+def daemon(folder: pathlib.Path, memory: int,
+           page_size: int | None = None) -> Iterator[tuple[str, int, pathlib.Path, int]]:
+    """A kvelastic daemon (host backend); yields its socket, metrics port, log and pid."""
 
     sock = str(folder / "kvelastic.sock")
     port = vllm_serve.free_port()
@@ -134,7 +137,7 @@ def daemon(folder: pathlib.Path, memory: int, page_size: int | None = None) -> I
         env["KVELASTIC_PAGE_SIZE"] = str(page_size)
     proc = vllm_serve.start_daemon(env, log_path, timeout=20)
     try:
-        yield sock, port, log_path
+        yield sock, port, log_path, proc.pid
     finally:
         vllm_serve.stop_daemon(proc)
 
@@ -163,10 +166,15 @@ class Mode:
     """One mode's servers (and daemon), up for the whole bench."""
 
     def __init__(self, name: str, group: list[vllm_serve.VllmServer], per_engine: int, started_s: float,
-                 sock: str | None = None, port: int | None = None, daemon_log: pathlib.Path | None = None) -> None:
+                 sock: str | None = None, port: int | None = None, daemon_log: pathlib.Path | None = None,
+                 daemon_pid: int | None = None) -> None:
         self.name, self.group, self.per_engine, self.started_s = name, group, per_engine, started_s
-        self.sock, self.port, self.daemon_log = sock, port, daemon_log
+        self.sock, self.port, self.daemon_log, self.daemon_pid = sock, port, daemon_log, daemon_pid
         self.bases = [s.base for s in group]
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far of its servers and daemon (``elastic_cpu``)."""
+        return cpu.group_cpu([s.process().pid for s in self.group], (self.daemon_pid,) if self.daemon_pid else ())
 
     def dead(self) -> list[str]:
         return [f"{self.name}/e{i}" for i, s in enumerate(self.group) if s.process().poll() is not None]
@@ -215,6 +223,7 @@ def run_once(mode: Mode, workload: load.Workload, timeout: float) -> dict[str, A
     before = _scrape(mode.group)
     hist_before = vllm_serve.http_get(f"http://127.0.0.1:{mode.port}/metrics") if mode.port else ""
     status_before = get_status(mode.sock, timeout=2.0) if mode.sock else None
+    cpu_before = mode.cpu()
     t0 = time.monotonic() + 0.5
     with contextlib.ExitStack() as stack:
         gauges = stack.enter_context(load.GaugePoller(mode.bases))
@@ -223,13 +232,14 @@ def run_once(mode: Mode, workload: load.Workload, timeout: float) -> dict[str, A
         results = load.run_load(mode.bases, workload, t0, timeout=timeout)
         finished = [r for r in results if r.ok]
         t_end = max((t0 + r.sent + r.e2e for r in finished if r.e2e is not None), default=time.monotonic())
+        cpu_at_end = mode.cpu()      # the load's CPU, not the settling's
         time.sleep(max(0.0, t_end + SETTLE - time.monotonic()))
         at_2s = get_status(mode.sock, timeout=2.0) if mode.sock else None
     out: dict[str, Any] = {"results": results, "t_end": t_end - t0,
                            "load_start_wall": time.time() - (time.monotonic() - t0),
                            "gauges": [(round(t - t0, 3), g) for t, g in gauges.samples],
                            "gauge_errors": gauges.errors, "worst_stall_ms": round(stalls.worst * 1e3, 1),
-                           "stalls_over_1s": stalls.over_1s}
+                           "stalls_over_1s": stalls.over_1s, "cpu_s": cpu.spent(cpu_at_end, cpu_before)}
     after = _scrape(mode.group)
     out["counters"] = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
     if poller is not None and at_2s is not None and status_before is not None:
@@ -251,6 +261,9 @@ def run_once(mode: Mode, workload: load.Workload, timeout: float) -> dict[str, A
 def figures(mode: Mode, run: dict[str, Any], workload: load.Workload, total: int) -> dict[str, Any]:
     """One run's figures (``elastic_report.summarize``), elastic's own beside them."""
     out = report.summarize(run["results"], workload, run["t_end"], run["counters"], run["gauges"])
+    done = max(1, sum(1 for r in run["results"] if r.ok))
+    out.update(cpu_s=run["cpu_s"], cpu_ms_per_request=round(run["cpu_s"]["total"] * 1e3 / done, 1),
+               kvelastic_cpu_ms_per_request=round(run["cpu_s"]["kvelastic"] * 1e3 / done, 1))
     out.update(worst_stall_ms=run["worst_stall_ms"], stalls_over_1s=run["stalls_over_1s"],
                load_start=time.strftime("%H:%M:%S", time.localtime(run["load_start_wall"])))
     if "status_samples" in run:
@@ -269,7 +282,7 @@ def handoff(folder: pathlib.Path, quick: bool) -> dict[str, Any]:
 
     folder.mkdir(parents=True, exist_ok=True)
     slab = elastic_handoff.PAGE * elastic_handoff.PAGES_PER_SLAB
-    with daemon(folder, HANDOFF_SLABS * slab) as (sock, port, _log):
+    with daemon(folder, HANDOFF_SLABS * slab) as (sock, port, _log, _pid):
         got = elastic_handoff.measure(sock, HANDOFF_SLABS, cycles=8 if quick else 16)
         metrics = vllm_serve.http_get(f"http://127.0.0.1:{port}/metrics")
     ms = [s * 1e3 for s in got["samples"]]
@@ -325,6 +338,14 @@ def seed_of(rep: int, scen: str) -> int:
     return 1000 + 2 * rep + SCENARIOS.index(scen)
 
 
+def cpu_profile(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Median over repetitions of each CPU key per finished request (ms)."""
+    keys = {k for r in runs for k in r["cpu_s"]}
+    per_rep = [{k: r["cpu_s"].get(k, 0.0) * 1e3 / max(1, r["finished"]) for k in keys} for r in runs]
+    med = {k: round(statistics.median(rep[k] for rep in per_rep), 2) for k in keys}
+    return dict(sorted(med.items(), key=lambda kv: -kv[1]))
+
+
 # --------------------------------------------------------------- the bench
 def scenario_report(name: str, scens: list[load.Scenario], runs: dict[str, list[dict[str, Any]]],
                     tokens: list[dict[str, Any]], workloads: list[load.Workload], levels: list[dict[str, Any]],
@@ -376,6 +397,9 @@ def scenario_report(name: str, scens: list[load.Scenario], runs: dict[str, list[
                    "mismatches": sum(t["token_mismatches"] for t in tokens),
                    "distinct_completions": sum(t["distinct_completions"] for t in tokens)},
         "comparable": comparable,
+        # Where the CPU went, by process and named thread (``elastic_cpu``): each
+        # key's median over the repetitions, per request, in ms.
+        "cpu_ms_per_request_by_part": {m: cpu_profile(runs[m]) for m in MODES},
         "per_rep": {m: runs[m] for m in MODES},
     }
     if name == "contended":
@@ -439,15 +463,15 @@ def run(quick: bool = False, png: str | None = None, workdir: str | None = None,
                 folder = tmp / name
                 folder.mkdir(parents=True, exist_ok=True)
                 env: dict[str, str] = {}
-                sock = port = log = None
+                sock = port = log = pid = None
                 if name == "elastic":
-                    sock, port, log = stack.enter_context(daemon(folder, total, page_size=PAGE_BYTES))
+                    sock, port, log, pid = stack.enter_context(daemon(folder, total, page_size=PAGE_BYTES))
                     env = {"KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": sock, "KVELASTIC_METRICS_PORT": "0",
                            "KVELASTIC_PAGE_SIZE": str(PAGE_BYTES)}
                 per_engine = total if name == "limit" else SHARE
                 t = time.monotonic()
                 group = stack.enter_context(servers(model, folder, n, per_engine, env, command=command, popen=popen))
-                modes[name] = Mode(name, group, per_engine, round(time.monotonic() - t, 1), sock, port, log)
+                modes[name] = Mode(name, group, per_engine, round(time.monotonic() - t, 1), sock, port, log, pid)
                 load.warm_up(modes[name].bases)
                 if name == "limit":
                     t = time.monotonic()

@@ -201,7 +201,8 @@ def spread(values: Iterable[float | None]) -> dict[str, Any]:
 
 SPREAD_KEYS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "ttft_mean_ms", "ttft_min_ms", "tpot_mean_ms",
                "throughput_req_s", "throughput_output_tok_s", "preemptions", "prefix_cache_hit_rate",
-               "hot_running_mean", "hot_waiting_mean", "finished")
+               "hot_running_mean", "hot_waiting_mean", "finished", "cpu_ms_per_request",
+               "kvelastic_cpu_ms_per_request")
 
 
 def mode_spread(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -95,7 +95,7 @@ class Cluster:
                     # Every node hashes a prefix alike (docs/kv-events.md): the first node's
                     # hash secret, copied before this daemon starts, as an operator would.
                     shutil.copy2(first_secret, nf / first_secret.name)
-                sock, _, _ = stack.enter_context(daemon(nf, NODE_MEMORY))
+                sock, _, _, _ = stack.enter_context(daemon(nf, NODE_MEMORY))
                 first_secret = first_secret or pathlib.Path(sock + ".hash-secret")
                 for j in range(self.per_node):
                     instance += 1

@@ -188,7 +188,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     results = []
     for _ in range(rounds):     # a daemon per round: each starts with no kept cache
         with tempfile.TemporaryDirectory(prefix="kvelastic-bench-warm-") as folder, \
-                daemon(pathlib.Path(folder), 64 << 20) as (socket, _port, _log):
+                daemon(pathlib.Path(folder), 64 << 20) as (socket, _port, _log, _pid):
             results.append(one_round(model, socket))
 
     def median(side: str, key: str) -> float:
