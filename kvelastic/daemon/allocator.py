@@ -357,7 +357,7 @@ class Allocator:
         for device, pages in adoption.pages.items():
             pool = self.books.pools[device]
             require(len(pages) <= pool.creatable(), f"device {device}: adopted kept cache over budget")
-            pool.created += len(pages)
+            pool.took_over(len(pages))
         self.books.orphans.adopt(adoption.kept)
         for o in adoption.kept:
             log.info("namespace %s: kept cache slab with %d cached block(s) of %s adopted from the last daemon",
@@ -386,14 +386,12 @@ class Allocator:
                 if not books.channels.alive(engine, -1):
                     self._drop(engine, f"no heartbeat for {now - engine.last_seen:.1f} s and no lifeline")
                     continue
-                if not engine.unresponsive:
-                    engine.unresponsive = True
+                if engine.silent(True):
                     log.warning("engine %s: no heartbeat for %.1f s, but its process is alive (lifeline open): "
                                 "kept, with its memory", engine.engine_id, now - engine.last_seen)
             if engine.overdue(now):
                 self._fail(engine, f"no map/unmap acknowledgement within {t.ack_timeout:g} s")
-            if engine.starved_since is not None and now - engine.last_unmet > STARVED_RESET:
-                engine.starved_since = None   # it stopped asking: its demand went away
+            engine.stopped_asking(now, STARVED_RESET)
         for gone in list(books.departing.values()):
             if not gone.failed and gone.overdue(now):
                 self.unmapping.quarantine(gone, f"no unmap acknowledgement within {t.ack_timeout:g} s")

@@ -76,7 +76,7 @@ class Growth:
         if engine.pending_grows >= MAX_PENDING_GROWS:
             raise Rejected(p.Reason.BUSY, f"engine {engine.engine_id} has {MAX_PENDING_GROWS} grows pending")
         if m.demand:
-            engine.active_at = books.now
+            engine.touched(books.now)
         elif is_idle(engine, books.now, books.rules):
             # An idle engine keeps no reserve: a late refill is answered with nothing.
             log.info("engine %s: reserve grow refused: idle for %.1f s", engine.engine_id,
@@ -91,14 +91,8 @@ class Growth:
 
     def pages_created(self, device: str, asked: int, page_ids: list[int]) -> None:
         """The loop created ``page_ids`` (``asked`` were asked for; fewer: creation failed)."""
-        pool = self.books.pools[device]
-        pool.creating -= asked
-        pool.created += len(page_ids)
-        for page_id in page_ids:
-            pool.free[page_id] = ""
-        if len(page_ids) < asked:
+        if not self.books.pools[device].created_pages(asked, page_ids, self.books.now):
             log.error("device %s: created %d of %d page(s)", device, len(page_ids), asked)
-            pool.creation_failed_at = self.books.now
         self.progress()
 
     def pages_unsent(self, engine_id: str, rank: int, slab_id: int, why: str) -> None:
@@ -243,15 +237,13 @@ class Growth:
         """A demand grow was answered: the engine is starved while its hard demand goes unmet."""
         now = self.books.now
         if short <= 0 or req.slabs:
-            if engine.starved_since is not None:
-                log.info("engine %s: demand met again after %.1f s", engine.engine_id, now - engine.starved_since)
-            engine.starved_since = None
+            since = engine.demand_met()
+            if since is not None:
+                log.info("engine %s: demand met again after %.1f s", engine.engine_id, now - since)
         elif is_hard(engine, short):
-            if engine.starved_since is None:
-                engine.starved_since = req.started
+            if engine.demand_unmet(req.started, now):
                 log.warning("engine %s: starved: demand for %d slab(s) unmet", engine.engine_id, short)
-            engine.last_unmet = now
-            if now - engine.starved_since >= self.books.rules.hold_down:
+            if engine.starved_since is not None and now - engine.starved_since >= self.books.rules.hold_down:
                 self.reclaimer.drain_for(engine, short)   # starved for a while: the others yield to their shares
 
     def _others_starved(self, engine: EngineRecord) -> bool:
@@ -332,7 +324,7 @@ class Growth:
             self.cache.yield_pages(device, n - pool.creatable(), demand_of)
         n = min(n, pool.creatable(), CREATE_BATCH)
         if n > 0:
-            pool.creating += n
+            pool.asked_to_create(n)
             books.emit(fx.CreatePages(device, n))
 
     # ------------------------------------------------------------ mapping
@@ -342,7 +334,7 @@ class Growth:
         self._start_map(engine, slab_id, pages, page_devices, req)
         slab = engine.slabs.get(slab_id)
         if slab is not None:
-            slab.handoff = cached
+            slab.adopting(tuple(cached))
 
     def _start_map(self, engine: EngineRecord, slab_id: int, pages: list[int], page_devices: list[str],
                    req: GrowRequest | None) -> None:

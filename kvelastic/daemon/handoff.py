@@ -62,9 +62,9 @@ class CacheHandoff:
         out: dict[int, list[p.CachedBlock]] = {}
         for slab_id in slab_ids:
             slab = engine.slabs.get(slab_id)
-            if slab is not None and slab.handoff:
-                out[slab_id] = list(slab.handoff)
-                slab.handoff = ()
+            blocks = slab.take_adopted() if slab is not None else ()
+            if blocks:
+                out[slab_id] = list(blocks)
         return out
 
     # ------------------------------------------------------ orphaned cache
@@ -154,7 +154,7 @@ class CacheHandoff:
             for page, device in zip(o.pages, o.page_devices):
                 by_device.setdefault(device, []).append(page)
         for device, pages in by_device.items():
-            books.pools[device].created -= len(pages)
+            books.pools[device].released(len(pages))
             books.emit(fx.ReleasePages(device, tuple(pages)))
         by_ns: dict[str, int] = {}
         for o in slabs:

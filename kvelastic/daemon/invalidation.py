@@ -18,7 +18,7 @@ from kvelastic.daemon.handoff import CacheHandoff
 from kvelastic.daemon.parts import GrowPass
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.requests import Handoff
-from kvelastic.daemon.state import EngineRecord
+from kvelastic.daemon.state import EngineRecord, Way
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -111,8 +111,8 @@ class CacheScope:
             req.handoffs = [Handoff(h.pages, h.page_devices, ()) for h in req.handoffs]
         for other in (*self.books.engines.values(), *self.books.departing.values()):
             for slab in other.slabs.values():
-                if other is engine or slab.handoff_to in seqs:
-                    slab.handoff = ()
+                if other is engine or (slab.route.way is Way.REPLICA and slab.route.grow in seqs):
+                    slab.forget_blocks()
 
     def _invalidate_kept(self, target: str) -> int:
         """Drop the kept cache of namespace ``target``, or left by engine

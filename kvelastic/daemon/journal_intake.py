@@ -50,7 +50,7 @@ def accept(engine: EngineRecord, m: p.Journal, now: float) -> None:
                                                  f"{engine.blocks_per_slab} blocks")
     ops = [op.core() for op in m.ops]
     if m.stats.get("block_ops", engine.stats["block_ops"]) != engine.stats["block_ops"]:
-        engine.active_at = now      # blocks allocated, touched or freed: not slabs coming and going
+        engine.touched(now)         # blocks allocated, touched or freed: not slabs coming and going
     engine.apply_journal(JournalBatch(ops, m.occupancy), now)
     engine.clears_heard = max(engine.clears_heard, min(m.scope, engine.clears_sent))
     engine.stats.update(m.stats)

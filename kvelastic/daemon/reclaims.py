@@ -6,7 +6,7 @@ It owns the reclaims pending; a slab given up is unmapped by
 ``unmapping.py``, and with its cached blocks it may go on to a replica of
 the same namespace (``handoff.py``), or else, with a node tier, its blocks
 valid when it was asked for and still cached when given up are demoted
-into the tier once unmapped (``tiering.py``: ``TO_TIER``). Nothing here
+into the tier once unmapped (``state.Way.TIER``). Nothing here
 does I/O.
 """
 
@@ -21,8 +21,7 @@ from kvelastic.daemon.handoff import CacheHandoff
 from kvelastic.daemon.parts import GrowPass, Unmapper
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.requests import GrowRequest, ReclaimRequest
-from kvelastic.daemon.state import EngineRecord, Phase
-from kvelastic.daemon.tiering import TO_TIER
+from kvelastic.daemon.state import EngineRecord, Phase, Way
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -51,9 +50,9 @@ class Reclaims:
             if tiering is not None and tiering.takes_reclaimed(engine) and engine.keys_current:
                 # What the tier may take of each once given up: its valid
                 # blocks now. An invalidation of the engine's namespace before
-                # the answer clears it (``invalidation.py``: ``slab.handoff``).
+                # the answer clears it (``invalidation.py``: ``forget_blocks``).
                 for slab_id, valid in tiering.valid_blocks(engine, slabs).items():
-                    engine.slabs[slab_id].handoff, engine.slabs[slab_id].handoff_to = valid, -1
+                    engine.slabs[slab_id].note(tuple(valid))
         for engine_id, slabs in by_engine.items():
             rid = books.command(books.engines[engine_id].identity, p.Reclaim(slabs=slabs))
             self.pending[rid] = ReclaimRequest(engine_id, slabs, req, books.now + books.timing.reclaim_timeout,
@@ -107,13 +106,15 @@ class Reclaims:
                 engine.reclaims += 1
                 rec.grow.incoming.add((engine.engine_id, slab_id))
                 self._moved(engine, rec.grow.engine_id)
-                valid, slab.handoff = slab.handoff, ()
+                valid = slab.noted
                 cached = m.cached.get(slab_id) if current else None
                 if cached and requester is not None and self.cache.may_hand_on(engine, requester, cached):
-                    slab.handoff, slab.handoff_to = tuple(cached), rec.grow.seq
+                    slab.given_up(Way.REPLICA, tuple(cached), rec.grow.seq)
                 elif cached and valid and self.cache.tiering is not None:
                     # No replica takes its KV: into the tier once unmapped.
-                    slab.handoff, slab.handoff_to = self.cache.tiering.reclaimed(valid, cached), TO_TIER
+                    slab.given_up(Way.TIER, self.cache.tiering.reclaimed(valid, cached))
+                else:
+                    slab.given_up(Way.NOWHERE)
                 self.unmapper.start_unmap(engine, slab)
         self._unmark(engine, rec.slabs)        # refused (or not answered for): held on, nothing to demote
         if m.refused:
@@ -145,8 +146,8 @@ class Reclaims:
         tier is forgotten (their blocks may change before any next reclaim)."""
         for slab_id in slabs:
             slab = engine.slabs.get(slab_id)
-            if slab is not None and slab.phase is Phase.HELD:
-                slab.handoff, slab.handoff_to = (), -1
+            if slab is not None:
+                slab.unnote()
 
     def _moved(self, source: EngineRecord, to_id: str) -> None:
         """A slab of ``source`` goes to engine ``to_id``: counted, and thrash if it

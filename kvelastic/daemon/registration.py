@@ -129,7 +129,7 @@ class Registration:
             # daemon's once every worker re-registered with the slab mapped
             # (``_confirm``); unmapped before that, no worker could still map them.
             engine.slabs[slab_id] = SlabRecord(slab_id, [], [], Phase.HELD, set(), adopted_pages=slab_pages)
-            pool.adopted += slab_pages
+            pool.engine_held(slab_pages)
             engine.mirror.hold(slab_id, m.occupancy.get(slab_id, (0, 0, m.blocks_per_slab)))
         self._settle_claims(engine, claims)
         books.engines[m.engine_id] = engine
@@ -202,7 +202,7 @@ class Registration:
         for rec in records:
             self.lent.setdefault(rec.engine_id, {})[rec.slab_id] = rec
             for device in rec.page_devices:
-                self.books.pools[device].held_lent += 1
+                self.books.pools[device].hold_lent(1)
         self.lent_gone.update(dropped)
         self.lent_until = until
         self.lent_version += 1
@@ -293,7 +293,7 @@ class Registration:
         matched = {slab_id: rec for slab_id, rec in claims.items() if isinstance(rec, SavedLent)}
         for rec in matched.values():
             for device in rec.page_devices:
-                self.books.pools[device].held_lent -= 1   # counted as the adopted slab's pages now
+                self.books.pools[device].lent_settled(1)   # counted as the adopted slab's pages now
         if matched:
             self.awaiting[engine_id] = (engine.serial, matched, {slab_id: set() for slab_id in matched})
         unused = [rec for slab_id, rec in (mine or {}).items() if claims.get(slab_id) is not rec]
@@ -334,11 +334,11 @@ class Registration:
                     or ranks[slab_id] != set(range(engine.num_workers)) or any(need[d] > room[d] for d in need):
                 dropped.append(rec)
                 continue
-            books.pools[engine.device].adopted -= slab.adopted_pages
+            books.pools[engine.device].engine_let_go(slab.adopted_pages)
             slab.adopted_pages = 0
             slab.pages, slab.page_devices = list(rec.pages), list(rec.page_devices)
             for device, n in need.items():
-                books.pools[device].created += n
+                books.pools[device].took_over(n)
             engine.lent_changes += 1
             adopted += 1
         if adopted:
@@ -380,7 +380,7 @@ class Registration:
                 by_device.setdefault(device, []).append(page)
         for device, pages in by_device.items():
             if pending:
-                self.books.pools[device].held_lent -= len(pages)
+                self.books.pools[device].lent_settled(len(pages))
             self.books.emit(fx.ReleasePages(device, tuple(pages)))
         restart = self.books.restart
         if restart is not None:
@@ -418,8 +418,7 @@ class Registration:
     def on_heartbeat(self, identity: bytes, m: p.Heartbeat) -> None:
         engine = self.books.own_engine(identity, m.engine_id)
         engine.last_seen = self.books.now
-        if engine.unresponsive:
-            engine.unresponsive = False
+        if engine.silent(False):
             log.info("engine %s: heartbeats again", engine.engine_id)
 
     def on_set_limit(self, identity: bytes, m: p.SetLimit) -> p.Msg:

@@ -37,6 +37,28 @@ class Phase(enum.Enum):
     UNMAPPING = "unmapping"   # taken back, waiting for every worker's unmap ack
 
 
+class Way(enum.Enum):
+    """Where a slab's cached blocks go with its pages (``Route``)."""
+    NOWHERE = "nowhere"       # its pages go back fresh for anyone else
+    NOTED = "noted"           # asked for by a reclaim: its valid blocks now, the tier's if it is given up
+    REPLICA = "replica"       # given up for a grow of an engine of its namespace: pages and KV go to it
+    TIER = "tier"             # given up, no replica takes it: its blocks go into the tier once unmapped
+    ADOPTED = "adopted"       # on the receiver: mapped with its KV, its blocks adopted at the grant
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """A slab's route: where its cached blocks go (``blocks``; ``grow``: the
+    seq of the grow a REPLICA route serves). Set only through ``SlabRecord``'s
+    transitions below, each checking where it may come from."""
+    way: Way = Way.NOWHERE
+    blocks: tuple[p.CachedBlock, ...] = ()
+    grow: int = -1
+
+
+NO_ROUTE = Route()
+
+
 @dataclasses.dataclass
 class SlabRecord:
     slab_id: int
@@ -51,12 +73,52 @@ class SlabRecord:
     deadline: float = 0.0              # mapping/unmapping: every ack due by then
     busy_until: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> its ack due (``Busy``)
     late_grant: bool = False           # its grow was answered before it was mapped
-    # Cached blocks that travel with the slab's pages to an engine of the same
-    # namespace: on the giver's record, for the grow (``handoff_to``: its seq)
-    # the slab was given up for; on the receiver's, until it is granted.
-    handoff: tuple[p.CachedBlock, ...] = ()
-    handoff_to: int = -1
+    # Where its cached blocks go with its pages (``Route``): on the giver's
+    # record, to a replica's grow or the tier; on the receiver's, adopted at
+    # the grant. Written only by the transitions below.
+    route: Route = NO_ROUTE
     orphan: bool = False               # its engine left: once unmapped, its valid blocks stay as cache
+
+    # Routes: NOWHERE -> NOTED (a reclaim asked) -> REPLICA | TIER | NOWHERE
+    # (given up) or -> NOWHERE (refused); NOWHERE -> ADOPTED (mapped with KV)
+    # -> NOWHERE (granted). An invalidation empties the blocks, not the way.
+    def note(self, valid: tuple[p.CachedBlock, ...]) -> None:
+        """A reclaim asked for this held slab: its valid blocks now."""
+        require(self.phase is Phase.HELD, f"slab {self.slab_id}: noted while {self.phase.value}")
+        self.route = Route(Way.NOTED, valid)
+
+    @property
+    def noted(self) -> tuple[p.CachedBlock, ...]:
+        return self.route.blocks if self.route.way is Way.NOTED else ()
+
+    def unnote(self) -> None:
+        """Refused, or not answered: held on, nothing noted."""
+        if self.phase is Phase.HELD:
+            self.route = NO_ROUTE
+
+    def given_up(self, way: Way, blocks: tuple[p.CachedBlock, ...] = (), grow: int = -1) -> None:
+        """Given up by a reclaim: its route from here (REPLICA to ``grow``, TIER or NOWHERE)."""
+        require(self.phase is Phase.HELD and way in (Way.REPLICA, Way.TIER, Way.NOWHERE)
+                and (way is Way.REPLICA) == (grow >= 0), f"slab {self.slab_id}: given up to {way.value} "
+                f"for grow {grow} while {self.phase.value}")
+        self.route = Route(way, blocks, grow) if way is not Way.NOWHERE else NO_ROUTE
+
+    def adopting(self, blocks: tuple[p.CachedBlock, ...]) -> None:
+        """Mapped with its KV (handed on, or kept cache): adopted at the grant."""
+        require(self.phase is Phase.MAPPING, f"slab {self.slab_id}: adopting while {self.phase.value}")
+        self.route = Route(Way.ADOPTED, blocks) if blocks else NO_ROUTE
+
+    def take_adopted(self) -> tuple[p.CachedBlock, ...]:
+        """The grant carries its blocks: they are the engine's now."""
+        blocks = self.route.blocks if self.route.way is Way.ADOPTED else ()
+        if self.route.way is Way.ADOPTED:
+            self.route = NO_ROUTE
+        return blocks
+
+    def forget_blocks(self) -> None:
+        """An invalidation: its blocks may be of before, none travels (its pages still do)."""
+        if self.route.blocks:
+            self.route = dataclasses.replace(self.route, blocks=())
 
     # Lifecycle: MAPPING -> HELD -> UNMAPPING -> (gone: pages back to the pool);
     # a slab that failed to map goes MAPPING -> UNMAPPING.
@@ -152,6 +214,35 @@ class EngineRecord:
     @property
     def slab_bytes(self) -> int:
         return self.pages_per_slab * self.page_size
+
+    # Activity, starvation, silence: what the grows, the journals, the
+    # heartbeats and the tick each learn of an engine, changed only here.
+    def touched(self, now: float) -> None:
+        """It did block work (a journal says so) or asked on demand."""
+        self.active_at = now
+
+    def demand_met(self) -> float | None:
+        """A demand was met: no longer starved. Returns since when it was, if it was."""
+        since, self.starved_since = self.starved_since, None
+        return since
+
+    def demand_unmet(self, started: float, now: float) -> bool:
+        """A hard demand went unmet (asked at ``started``). True: it starves from now on."""
+        self.last_unmet = now
+        if self.starved_since is None:
+            self.starved_since = started
+            return True
+        return False
+
+    def stopped_asking(self, now: float, after: float) -> None:
+        """No unmet demand for ``after`` seconds: its demand went away."""
+        if self.starved_since is not None and now - self.last_unmet > after:
+            self.starved_since = None
+
+    def silent(self, unresponsive: bool) -> bool:
+        """Heartbeats stopped (or came again). True when that changed."""
+        changed, self.unresponsive = self.unresponsive != unresponsive, unresponsive
+        return changed
 
     def owned_slabs(self) -> int:
         """Slabs that count against the engine's limits (not those on their way out)."""
@@ -330,6 +421,51 @@ class PagePool:
     @property
     def in_use(self) -> int:
         return self.created + self.creating + self.adopted + self.held_lent
+
+    # The budget's counters change only here, one method per event, each
+    # keeping every counter at or above zero (invariant 2 is ``in_use`` <=
+    # ``budget_pages``; where pages may come over it is checked by the caller).
+    def asked_to_create(self, n: int) -> None:
+        self.creating += n
+
+    def created_pages(self, asked: int, page_ids: list[int], now: float) -> bool:
+        """The loop created ``page_ids`` of ``asked``; False: some failed (noted at ``now``)."""
+        require(0 <= asked <= self.creating and len(page_ids) <= asked, f"created {len(page_ids)} of {asked} "
+                f"with {self.creating} being created")
+        self.creating -= asked
+        self.created += len(page_ids)
+        for page_id in page_ids:
+            self.free[page_id] = ""
+        if len(page_ids) < asked:
+            self.creation_failed_at = now
+        return len(page_ids) == asked
+
+    def took_over(self, n: int) -> None:
+        """``n`` pages that already exist became the daemon's (kept cache, a lent slab adopted)."""
+        self.created += n
+
+    def released(self, n: int) -> None:
+        """``n`` of the daemon's pages are let go (not put back in ``free``)."""
+        require(n <= self.created, f"released {n} of {self.created} pages")
+        self.created -= n
+
+    def engine_held(self, n: int) -> None:
+        """``n`` pages exist only in a re-registered engine's workers (after a restart)."""
+        self.adopted += n
+
+    def engine_let_go(self, n: int) -> None:
+        """An engine-held slab's ``n`` pages: unmapped, or now the daemon's."""
+        require(n <= self.adopted, f"let go of {n} of {self.adopted} engine-held pages")
+        self.adopted -= n
+
+    def hold_lent(self, n: int) -> None:
+        """``n`` pages of a predecessor's lent records are held for their engines' claims."""
+        self.held_lent += n
+
+    def lent_settled(self, n: int) -> None:
+        """``n`` held lent pages were claimed (counted as adopted now) or let go."""
+        require(n <= self.held_lent, f"settled {n} of {self.held_lent} held lent pages")
+        self.held_lent -= n
 
     def creatable(self) -> int:
         return max(0, self.budget_pages - self.in_use)

@@ -82,11 +82,6 @@ MAX_LEASES = 64              # leases one engine may hold at once
 MAX_TENANT_LEASES = 256
 LEASE_TIMEOUT = 30.0         # a lease not released by then is ended (its blocks unpinned, counted as failed loads)
 CHUNK = p.MAX_MESSAGE_BYTES - (64 << 10)   # bytes of a block per TierData (room for the envelope)
-# ``SlabRecord.handoff_to`` of a slab reclaimed from a running engine whose
-# cached blocks (``handoff``) go into the tier once unmapped, not to a replica
-# (a grow's seq) nor nowhere (-1). Kept in ``handoff`` so that an invalidation
-# of the engine's namespace meanwhile clears it (``invalidation.py``).
-TO_TIER = -2
 
 Run = tuple[str, int, int, int]   # (device, page id, offset in the page, length)
 
@@ -208,13 +203,13 @@ class Tiering:
     def demote_reclaimed(self, engine: EngineRecord, slab: SlabRecord) -> None:
         """Every worker of a running engine let go of a slab reclaimed for
         another engine: the daemon holds its pages alone, so its cached
-        blocks (``slab.handoff``, ``TO_TIER``) are written to the tier before
+        blocks (``slab.route``, ``Way.TIER``) are written to the tier before
         the pages are reused (``fx.DemoteBlocks`` ahead of any effect that
         re-grants or releases them)."""
-        if not self.takes_reclaimed(engine) or not slab.handoff or not slab.pages:
+        if not self.takes_reclaimed(engine) or not slab.route.blocks or not slab.pages:
             return
         reserved = [slot for slot, _ in self.reserve(engine.namespace, shape_of(engine), slab.pages,
-                                                     slab.page_devices, slab.handoff)]
+                                                     slab.page_devices, slab.route.blocks)]
         self.counted_as.update(dict.fromkeys(reserved, "demotions_reclaimed"))
         if reserved:
             log.info("engine %s: %d cached block(s) of reclaimed slab %d go to the tier", engine.engine_id,

@@ -22,8 +22,7 @@ from kvelastic.daemon.handoff import CacheHandoff
 from kvelastic.daemon.parts import GrowPass
 from kvelastic.daemon.rejected import Rejected
 from kvelastic.daemon.requests import Handoff, ReturnRequest
-from kvelastic.daemon.state import EngineRecord, Phase, SlabRecord, owner_tag
-from kvelastic.daemon.tiering import TO_TIER
+from kvelastic.daemon.state import EngineRecord, Phase, SlabRecord, Way, owner_tag
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -112,15 +111,16 @@ class Unmapping:
                 del self.returns[(ret.identity, ret.req_id)]
                 books.emit(fx.Send(ret.identity, p.Ok(req_id=ret.req_id)))
         owner = owner_tag(engine)
-        req = self.grows.request(slab.handoff_to)
+        route = slab.route
+        req = self.grows.request(route.grow) if route.way is Way.REPLICA else None
         taker = books.engines.get(req.engine_id) if req is not None else None
         # Checked again: either side may have left the namespace meanwhile
         # (``invalidation.py``); then the pages are not handed on at all.
         if req is not None and taker is not None and slab.pages and not engine.failed \
-                and self.cache.may_hand_on(engine, taker, list(slab.handoff)):
+                and self.cache.may_hand_on(engine, taker, list(route.blocks)):
             owner = owner_tag(taker)   # handed on: free under the taker's tag until its grow maps them
-            req.handoffs.append(Handoff(list(slab.pages), list(slab.page_devices), slab.handoff))
-        elif slab.handoff_to == TO_TIER and self.cache.tiering is not None and not engine.failed \
+            req.handoffs.append(Handoff(list(slab.pages), list(slab.page_devices), route.blocks))
+        elif route.way is Way.TIER and self.cache.tiering is not None and not engine.failed \
                 and books.engines.get(engine.engine_id) is engine and len(slab.asked) == engine.num_workers:
             # Reclaimed from a running engine, every worker asked and none
             # left (a running engine's unmap ends only with each one's ack):
@@ -130,7 +130,7 @@ class Unmapping:
         if not self.cache.keep_orphan(engine, slab):
             for page_id, device in zip(slab.pages, slab.page_devices):
                 books.pools[device].put_back([page_id], owner)
-        books.pools[engine.device].adopted -= slab.adopted_pages
+        books.pools[engine.device].engine_let_go(slab.adopted_pages)
         if books.departing.get(engine.serial) is engine and not engine.slabs:
             del books.departing[engine.serial]
             log.info("engine %s: all memory back in the pool", engine.engine_id)

@@ -9,7 +9,8 @@ wheel carries none of them; every link of the README and of docs/ leads to
 a file that exists; no runtime module past 600 lines (a file that long
 mixes jobs: split it by job); and the project speaks of features, not of
 its plan: no "Step N" or issue number in code, tests, tools, CLI help or
-docs; no module outside the tier names its disk medium.
+docs; no module outside the tier names its disk medium; a slab's phase
+and route and a device's page budget have one writer (``daemon/state.py``).
 
 A package's ``__init__`` importing its own submodules is its face, not a
 circle: those edges are left out.
@@ -175,6 +176,45 @@ def test_no_module_outside_the_tier_names_a_medium() -> None:
     inside = [name for name, path in modules(RUNTIME).items() if name.startswith("kvelastic.tier.")
               and names.search(path.read_text())]
     assert outside == [] and "kvelastic.tier.media" in inside
+
+
+# What several parts of the daemon read but one module writes: a slab's phase
+# and route (where its cached blocks go), a device's page budget counters, an
+# engine's activity, starvation and silence. ``daemon/state.py`` defines the
+# records and their transitions (each checks where it may come from);
+# everyone else calls those.
+ONE_WRITER = {"phase", "route", "created", "creating", "adopted", "held_lent", "creation_failed_at",
+              "active_at", "starved_since", "last_unmet", "unresponsive"}
+WRITER = "kvelastic.daemon.state"
+
+
+def writes_of(tree: ast.AST, fields: set[str]) -> list[tuple[int, str]]:
+    """(line, field) of every assignment to ``x.field`` in ``tree``."""
+    out = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for t in ast.walk(target):
+                if isinstance(t, ast.Attribute) and t.attr in fields and isinstance(t.ctx, ast.Store):
+                    out.append((t.lineno, t.attr))
+    return out
+
+
+# Records of their own with a field of the same name (the client's reserve: its engine's activity).
+OWN_RECORDS = {"kvelastic.client.reserve": {"active_at"}}
+
+
+def test_a_slabs_phase_and_route_and_the_budget_have_one_writer() -> None:
+    found = {name: [(line, f) for line, f in writes_of(ast.parse(path.read_text()), ONE_WRITER)
+                    if f not in OWN_RECORDS.get(name, set())] for name, path in modules(PACKAGES).items()}
+    assert {name: w for name, w in found.items() if w and name != WRITER} == {}
+    assert {field for _, field in found[WRITER]} == ONE_WRITER      # the check reads real writes
+
+
+def test_the_one_writer_check_finds_a_write() -> None:
+    tree = ast.parse("slab.route = r\npool.created += 1\nslab.route.way == x\na, b.phase = 1, 2\n")
+    assert writes_of(tree, ONE_WRITER) == [(1, "route"), (2, "created"), (4, "phase")]
 
 
 def test_the_runtimes_wheels_carry_no_tool(tmp_path: pathlib.Path) -> None:

@@ -52,8 +52,8 @@ import pytest
 from kvelastic.daemon.handoff import CacheHandoff
 from kvelastic.daemon.invalidation import CacheScope
 from kvelastic.daemon.staging import Staging
-from kvelastic.daemon.state import EngineRecord
-from kvelastic.daemon.tiering import TO_TIER, Tiering
+from kvelastic.daemon.state import EngineRecord, Way
+from kvelastic.daemon.tiering import Tiering
 from kvelastic.tier.books import TierBooks
 from kvelastic.tier.index import TierIndex
 from kvelastic.tier.pins import PinBooks
@@ -165,19 +165,18 @@ def pins_past_the_share(monkeypatch):
 
 def reclaimed_cache_survives_invalidation(monkeypatch):
     """What a reclaim noted for the tier is not cleared by an invalidation of
-    the engine's namespace (as if kept anywhere but ``slab.handoff``), and the
+    the engine's namespace (as if kept anywhere but ``slab.route``), and the
     reclaim's answer is not checked against the invalidation either (the
     engine's ``scope_changes`` left as they were): both defences gone."""
     forget = CacheScope._forget_handoffs
 
     def keep_tier_notes(self, engine):
-        notes = [(slab, slab.handoff, slab.handoff_to) for other in (*self.books.engines.values(),
-                                                                     *self.books.departing.values())
-                 for slab in other.slabs.values() if slab.handoff_to in (-1, TO_TIER)]
+        notes = [(slab, slab.route) for other in (*self.books.engines.values(), *self.books.departing.values())
+                 for slab in other.slabs.values() if slab.route.way in (Way.NOTED, Way.TIER)]
         forget(self, engine)
         engine.scope_changes -= 1
-        for slab, handoff, to in notes:
-            slab.handoff, slab.handoff_to = handoff, to
+        for slab, route in notes:
+            slab.route = route      # the fault: the routes' one writer bypassed
     monkeypatch.setattr(CacheScope, "_forget_handoffs", keep_tier_notes)
 
 

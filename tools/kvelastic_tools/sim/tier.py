@@ -69,7 +69,7 @@ from kvelastic import protocol as p
 from kvelastic.daemon import effects as fx
 from kvelastic.daemon import staging, tiering
 from kvelastic.daemon.allocator import Allocator
-from kvelastic.daemon.state import Phase
+from kvelastic.daemon.state import Phase, Way
 from kvelastic.errors import InvariantViolation
 from kvelastic.tier.index import TierIndex
 from kvelastic.tier.restart import rebuild
@@ -481,7 +481,7 @@ class SimTier:
         for engine in alloc.engines.values():
             if target in (engine.namespace, engine.engine_id):
                 going.update(page for slab in engine.slabs.values()
-                             if slab.phase is Phase.UNMAPPING and slab.handoff_to == tiering.TO_TIER
+                             if slab.phase is Phase.UNMAPPING and slab.route.way is Way.TIER
                              for page in slab.pages)
         marked: dict[bytes, list[int]] = {CLI: []}   # what this one marks, by whom told (CLI: the daemon)
         for page in going:
