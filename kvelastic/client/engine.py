@@ -280,8 +280,8 @@ class EngineClient:
             # The daemon judges the demand by its mirror (is the cache ours to
             # evict first?): bring it up to date ahead of the grow.
             self._flush_journal()
-        if want <= 0 or not self.conn.connected.is_set():
-            return False  # the engine's whole virtual range is held, or no daemon to ask
+        if want <= 0:
+            return False  # the engine's whole virtual range is held
         self._demand = answer = DemandAnswer(self._late_demand)
         self.conn.call_async(p.Grow(engine_id=self.engine_id, slabs=want, demand=True), answer.on_reply)
         reply = answer.take(max(0.0, min(wait, deadline - time.monotonic())))

@@ -104,8 +104,9 @@ class SlabRecord:
         self.route = Route(way, blocks, grow) if way is not Way.NOWHERE else NO_ROUTE
 
     def adopting(self, blocks: tuple[p.CachedBlock, ...]) -> None:
-        """Mapped with its KV (handed on, or kept cache): adopted at the grant."""
-        require(self.phase is Phase.MAPPING, f"slab {self.slab_id}: adopting while {self.phase.value}")
+        """Mapped with its KV (handed on, or kept cache): adopted at the grant
+        (held already when no worker had to acknowledge, granted with the grow)."""
+        require(self.phase is not Phase.UNMAPPING, f"slab {self.slab_id}: adopting while unmapping")
         self.route = Route(Way.ADOPTED, blocks) if blocks else NO_ROUTE
 
     def take_adopted(self) -> tuple[p.CachedBlock, ...]:

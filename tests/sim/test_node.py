@@ -41,7 +41,11 @@ def test_the_books_hold_and_every_demand_grow_is_answered(report):
     assert report["invariant_violations"] == 0, report["violation_examples"]
     assert report["demand"]["unanswered"] == 0
     assert report["rejected"] == {}                                     # no message refused (busy, bad journal)
-    assert report["demand"]["client_timeouts"] == 0                     # running requests' within the plugin's 2 s
+    # An admission waits 0.05 s and takes its answer late; a running request's
+    # check waits up to the plugin's 2 s, on that answer if one is on its way:
+    # rarely longer (then vLLM preempts), never for most.
+    assert report["demand"]["admissions_answered_late"] > 0
+    assert report["demand"]["client_timeouts"] <= 0.01 * report["demand"]["grows"]
     assert report["demand"]["handoff_latency_s"]["max"] < 2.0
     assert report["status_slab_moves"] == report["slab_moves"]           # status() reports what the books say
 
