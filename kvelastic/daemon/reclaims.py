@@ -73,16 +73,17 @@ class Reclaims:
             if now >= engine.drain_until:
                 engine.draining.clear()      # lapsed: the engine uses them again (``Drain.seconds``)
             else:
-                engine.draining &= {s for s, slab in engine.slabs.items() if slab.phase is Phase.HELD}
+                engine.draining = {s for s in engine.draining
+                                   if (slab := engine.slabs.get(s)) is not None and slab.phase is Phase.HELD}
             draining[engine.engine_id] = engine.draining
-        for engine, slabs in pick_drains(list(books.engines.values()), requester, short,
-                                         self.fair_share(requester), draining):
+        fair = self.fair_share(requester)
+        for engine, slabs in pick_drains(list(books.engines.values()), requester, short, fair, draining):
             engine.draining.update(slabs)
             engine.drain_until = now + p.DRAIN_SECONDS
             books.command(engine.identity, p.Drain(slabs=slabs, seconds=p.DRAIN_SECONDS))
             log.info("engine %s: asked to drain %d slab(s) for engine %s (holds %d MiB, a fair share is %d MiB)",
                      engine.engine_id, len(slabs), requester.engine_id,
-                     engine.owned_slabs() * engine.slab_bytes >> 20, self.fair_share(requester) >> 20)
+                     engine.owned_slabs() * engine.slab_bytes >> 20, fair >> 20)
 
     def on_reclaim_done(self, identity: bytes, m: p.ReclaimDone) -> None:
         books = self.books

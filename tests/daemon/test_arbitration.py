@@ -86,7 +86,6 @@ def test_an_engine_holding_everything_live_drains_to_its_fair_share_for_a_starve
     hog.do("alloc", n=16)                                          # every block of the node live
     starved = engines(daemon, "starved", grace=60)
     assert not starved.do("ensure", n=4, timeout=1)["ok"]           # nothing to reclaim: all live
-    assert hog.state()["draining"] == []                           # not yet: starved for less than the hold-down
     # Starved past the hold-down (2 s), the daemon asks the hog to drain what
     # the starved engine is due (one slab asked, two over the share): no block
     # of it is the hog's to hand out now.
