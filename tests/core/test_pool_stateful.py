@@ -150,6 +150,9 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.expect_failure(lambda: self.pool.allocate(n))
             return
         got = [b.block_id for b in self.pool.allocate(n)]
+        self.allocated(got, free, n)
+
+    def allocated(self, got, free, n):
         n_free = min(n, len(free))
         assert set(got[:n_free]) <= set(free)           # free blocks first
         assert got[n_free:] == self.lru[:n - n_free]    # then LRU order
@@ -244,12 +247,14 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 4), data=st.data())
     def request(self, n, data):
-        """A request's life: allocate, fill and cache its blocks, free tail first."""
-        free = sum(1 for i, r in self.ref.items() if r == 0 and i not in self.key)
-        if n > free + len(self.lru):
+        """A request's life: allocate, fill and cache its blocks, free tail first
+        (the blocks it was given: not others that happen to be live and unkeyed,
+        which may sit in a draining slab)."""
+        free = [i for i, r in self.ref.items() if r == 0 and i not in self.key and i // BPS not in self.draining]
+        if n > len(free) + len(self.lru):
             return
-        self.allocate(n)
-        got = [i for i in self.live_ids() if self.ref[i] == 1 and i not in self.key][:n]
+        got = [b.block_id for b in self.pool.allocate(n)]
+        self.allocated(got, free, n)
         ks = data.draw(st.lists(KEYS, min_size=len(got), max_size=len(got)))
         self.pool.cache(self.blocks(got), ks)
         self.stored(got, ks)
