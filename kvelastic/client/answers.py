@@ -1,6 +1,7 @@
 """What an engine's pool answers the daemon with, in the protocol's terms:
-its keys on the wire, its journal as frames, the slabs a reclaim takes back
-(and the cached blocks they carry on to a replica), and a namespace of its
+its keys on the wire, its journal as frames, the slabs a reclaim or a
+return takes back (with the cached blocks they carry on to a replica, and
+the ones whose pages may go while a step runs), and a namespace of its
 own after its weights changed. Pure functions of the pool: the client calls them under its lock,
 and the simulator's engines call the same ones."""
 
@@ -41,16 +42,18 @@ def journal_frames(engine_id: str, batch: JournalBatch, counters: dict[str, int]
     return frames
 
 
-def give_up(pool: SlabPool, slab_ids: list[int]) -> tuple[list[int], list[int], dict[int, list[p.CachedBlock]]]:
-    """Answer a reclaim: take each slab back from ``pool`` if it can go.
-    Returns (given, refused, cached): a slab whose block turned live
-    meanwhile, or that the pool does not hold, is refused; ``cached`` holds
-    the given slabs' cached blocks as they were (oldest first), which the
-    daemon hands on with the pages to an engine of the same namespace."""
-    entries = pool.cached_entries(slab_ids)
+def give_up(pool: SlabPool, engine_id: str, msg: p.Reclaim) -> p.ReclaimDone:
+    """Answer a reclaim: take each slab back from ``pool`` if it can go. A
+    slab whose block turned live meanwhile, or that the pool does not hold,
+    is refused; ``cached`` holds the given slabs' cached blocks as they were
+    (oldest first), which the daemon hands on with the pages to an engine of
+    the same namespace; ``settled``, those no step can still write (read
+    before they go: the pool forgets a slab it gave back)."""
+    entries = pool.cached_entries(msg.slabs)
+    settled = set(pool.settled(msg.slabs))
     given, refused = [], []
     cached: dict[int, list[p.CachedBlock]] = {}
-    for slab_id in slab_ids:
+    for slab_id in msg.slabs:
         try:
             pool.take_slab_back(slab_id, reason="reclaim")
         except PoolError:
@@ -60,7 +63,17 @@ def give_up(pool: SlabPool, slab_ids: list[int]) -> tuple[list[int], list[int], 
         if entries.get(slab_id):
             cached[slab_id] = [p.CachedBlock(offset, wire_key(key), label)
                                for offset, key, label in entries[slab_id]]
-    return given, refused, cached
+    return p.ReclaimDone(req_id=msg.req_id, engine_id=engine_id, given=given, refused=refused, cached=cached,
+                         settled=[s for s in given if s in settled])
+
+
+def hand_back(pool: SlabPool, engine_id: str, slab_ids: list[int]) -> p.Return:
+    """Return slabs the pool may let go of (idle, or drained: no block
+    live), with the ones no step can still write."""
+    settled = pool.settled(slab_ids)
+    for slab_id in slab_ids:
+        pool.take_slab_back(slab_id, reason="return")
+    return p.Return(engine_id=engine_id, slabs=slab_ids, settled=settled)
 
 
 def private_namespace(namespace: str) -> str:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import msgspec
 
 from kvelastic import protocol as p
-from kvelastic.client.answers import JOURNAL_MAX_OPS, give_up, journal_frames, private_namespace, wire_key
+from kvelastic.client.answers import JOURNAL_MAX_OPS, give_up, hand_back, journal_frames, private_namespace, wire_key
 from kvelastic.client.connection import Connection, DaemonError, DaemonUnavailable, expect
 from kvelastic.client.demand import DemandAnswer
 from kvelastic.client.reserve import ReservePolicy
@@ -470,10 +470,9 @@ class EngineClient:
             self._resync_due = True
 
     def _reclaim(self, msg: p.Reclaim) -> None:
-        given, refused, cached = give_up(self.pool, msg.slabs)
+        answer = give_up(self.pool, self.engine_id, msg)
         self._flush_journal()
-        self.conn.send(p.ReclaimDone(req_id=msg.req_id, engine_id=self.engine_id, given=given, refused=refused,
-                                     cached=cached))
+        self.conn.send(answer)
 
     def _drain(self, msg: p.Drain) -> None:
         """Another engine's demand went unmet while this one holds more than
@@ -529,7 +528,7 @@ class EngineClient:
                 self._last_flush = now
                 self._flush_journal()
             if returned:
-                self.conn.send(p.Return(engine_id=self.engine_id, slabs=returned))
+                self.conn.send(returned)
             if want:
                 self._grow_answered.clear()   # before the flag: ensure() must never see a stale answer
                 self._grow_in_flight = True
@@ -539,12 +538,11 @@ class EngineClient:
         finally:
             self.lock.release()
 
-    def _shrink(self, now: float) -> list[int]:
-        returned = self.reserve.to_return(self.pool, now)
-        for slab_id in returned:
-            self.pool.take_slab_back(slab_id, reason="return")
-        self.reserve.forget(returned)
-        return returned
+    def _shrink(self, now: float) -> p.Return | None:
+        """Slabs to give back (taken back here: the journal that says so goes before the ``Return``)."""
+        slabs = self.reserve.to_return(self.pool, now)
+        self.reserve.forget(slabs)
+        return hand_back(self.pool, self.engine_id, slabs) if slabs else None
 
     def _flush_journal(self, sync: bool = False, seal: bool = False, demote: bool = True) -> None:
         """Ship the journal on the lifeline (any thread, with ``lock`` held:

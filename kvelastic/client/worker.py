@@ -166,7 +166,9 @@ class WorkerClient:
                                     error="MapSlab came without its pages (they come with it on the page channel)"))
         elif isinstance(msg, p.UnmapSlab):
             with self._mu:
-                if self._steps:
+                # A settled slab (``at_once``): the step that runs writes none
+                # of its pages, and the last that did has finished.
+                if self._steps and not msg.at_once:
                     self._deferred.append(msg)
                     self._busy_at = 0.0      # say so now: the step may outlast the ack deadline
                     return
@@ -236,10 +238,13 @@ class WorkerClient:
     def _unmap(self, msg: p.UnmapSlab) -> None:
         with self._mu:
             offsets = self.slabs.pop(msg.slab, msg.offsets)
-            self.backend.synchronize()  # kernels launched by the last step may still read the pages
+            # Kernels launched by the last step may still read the pages. For
+            # a settled slab (``at_once``) that step finished, yet on CUDA this
+            # still waits for the device's queued work: kept until measured there.
+            self.backend.synchronize()
             arena = self.reserved_arena()
             for offset in offsets:
                 if arena.is_mapped(offset):
                     arena.unmap(offset)
-        # On the I/O thread (between steps) or the thread that ended the step.
+        # On the I/O thread (between steps, or a settled slab's during one) or the thread that ended the step.
         self.conn.tell(p.Unmapped(req_id=msg.req_id, engine_id=self.engine_id, rank=self.rank, slab=msg.slab))

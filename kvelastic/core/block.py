@@ -63,7 +63,7 @@ class Slab:
     warm in the cache), ``cached`` counts those with ``ref_cnt == 0`` and a key.
     """
 
-    __slots__ = ("slab_id", "blocks", "free", "cached", "owner", "draining")
+    __slots__ = ("slab_id", "blocks", "free", "cached", "owner", "draining", "last_step")
 
     def __init__(self, slab_id: int, blocks: list[BlockRecord], owner: object | None) -> None:
         self.slab_id = slab_id
@@ -79,6 +79,10 @@ class Slab:
         # block is placed in it, none of its blocks stays cached, and its
         # free blocks count in none of the pool's figures of what it can hand out.
         self.draining = False
+        # The step open (``Journal.begun``) when a block of it last stopped
+        # being live: the last step that may still write its pages. Once that
+        # step is done and no block is live, nothing touches them (``settled``).
+        self.last_step = 0
 
     @property
     def live(self) -> int:

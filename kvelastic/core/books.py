@@ -162,6 +162,19 @@ class PoolBooks:
         """Slabs with no live block (returnable after evicting their cache)."""
         return [sid for sid, slab in self._slabs.items() if slab.live == 0]
 
+    def settled(self, slab_ids: Sequence[int]) -> list[int]:
+        """Of ``slab_ids``, the held slabs no step can still write: no block
+        live, and the step open when the last one stopped being live has
+        finished (vLLM may free a request's blocks while a step scheduled
+        before it knew the request was done still runs over them). Their
+        pages may be unmapped while another step runs. None while steps are
+        not numbered (``begin_step``): nothing says which step ran when."""
+        journal = self.journal
+        if not journal.begun:
+            return []
+        return [sid for sid in slab_ids if (slab := self._slabs.get(sid)) is not None
+                and slab.live == 0 and slab.last_step <= journal.done]
+
     def block(self, block_id: int) -> BlockRecord:
         slab = self._slabs.get(block_id // self.blocks_per_slab) if block_id >= 0 else None
         if slab is None:

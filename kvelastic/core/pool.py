@@ -318,10 +318,11 @@ class SlabPool(HandOnPool):
             self._undo_free(blocks[:done], blocks[done])
         self.stats.block_ops += 1
         if grown:   # _rebucket, inline: each slab that released a block, once
-            dirty, by_free, hint, freed = self.journal.dirty, self._by_free, self._min_hint, 0
+            dirty, by_free, hint, freed, step = self.journal.dirty, self._by_free, self._min_hint, 0, self.journal.begun
             for slab, old in grown.items():
                 slab_id = slab.slab_id
                 dirty.add(slab_id)
+                slab.last_step = step
                 if slab.draining:       # promised back: what it freed is withheld, its cache dropped
                     cached -= self._withhold(slab, old)
                     continue

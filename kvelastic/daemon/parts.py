@@ -34,8 +34,9 @@ class GrowPass(Protocol):
 class Unmapper(Protocol):
     """Slabs going back to the daemon (``unmapping.py``)."""
 
-    def start_unmap(self, engine: EngineRecord, slab: SlabRecord) -> None:
-        """Ask every live worker of ``engine`` to unmap ``slab``."""
+    def start_unmap(self, engine: EngineRecord, slab: SlabRecord, at_once: bool = False) -> None:
+        """Ask every live worker of ``engine`` to unmap ``slab`` (``at_once``:
+        without waiting for the step that runs; its engine said none writes it)."""
 
 
 class Reclaimer(Protocol):

@@ -93,6 +93,8 @@ class Reclaims:
             raise Rejected(p.Reason.UNEXPECTED_ACK, f"engine {m.engine_id}: no reclaim {m.req_id} pending")
         if not set(m.given) <= set(rec.slabs) or not set(m.refused) <= set(rec.slabs):
             raise Rejected(p.Reason.BAD_REQUEST, f"engine {m.engine_id} answered for slabs it was not asked for")
+        if not set(m.settled) <= set(m.given):
+            raise Rejected(p.Reason.BAD_REQUEST, f"engine {m.engine_id} called settled a slab it did not give up")
         engine = books.engine(m.engine_id)
         del self.pending[m.req_id]
         requester = books.engines.get(rec.grow.engine_id)
@@ -116,7 +118,7 @@ class Reclaims:
                     slab.given_up(Way.TIER, self.cache.tiering.reclaimed(valid, cached))
                 else:
                     slab.given_up(Way.NOWHERE)
-                self.unmapper.start_unmap(engine, slab)
+                self.unmapper.start_unmap(engine, slab, at_once=slab_id in m.settled)
         self._unmark(engine, rec.slabs)        # refused (or not answered for): held on, nothing to demote
         if m.refused:
             log.info("engine %s: refused %d slab(s) (in use again)", m.engine_id, len(m.refused))

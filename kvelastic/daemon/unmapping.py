@@ -42,6 +42,8 @@ class Unmapping:
                 raise Rejected(p.Reason.NOT_HELD, f"engine {m.engine_id} does not hold slab {slab_id}")
         if len(set(m.slabs)) != len(m.slabs):
             raise Rejected(p.Reason.NOT_HELD, f"engine {m.engine_id} returned a slab twice in one message")
+        if not set(m.settled) <= set(m.slabs):
+            raise Rejected(p.Reason.BAD_REQUEST, f"engine {m.engine_id} called settled a slab it did not return")
         # The reply waits until every worker unmapped: then the memory is really back.
         if not m.slabs:
             return p.Ok()
@@ -50,10 +52,10 @@ class Unmapping:
         for slab_id in m.slabs:
             engine.returns += 1
             engine.slabs[slab_id].return_req = (identity, m.req_id)
-            self.start_unmap(engine, engine.slabs[slab_id])
+            self.start_unmap(engine, engine.slabs[slab_id], at_once=slab_id in m.settled)
         return None
 
-    def start_unmap(self, engine: EngineRecord, slab: SlabRecord) -> None:
+    def start_unmap(self, engine: EngineRecord, slab: SlabRecord, at_once: bool = False) -> None:
         books = self.books
         engine.begin_unmap(slab, {rank for rank in range(engine.num_workers)
                           if rank in engine.workers and books.channels.alive(engine, rank)},
@@ -62,7 +64,8 @@ class Unmapping:
         slab.asked = set(slab.waiting)
         for rank in sorted(slab.waiting):
             books.command(engine.workers[rank],
-                          p.UnmapSlab(slab=slab.slab_id, offsets=engine.worker_offsets(slab.slab_id, rank)),
+                          p.UnmapSlab(slab=slab.slab_id, offsets=engine.worker_offsets(slab.slab_id, rank),
+                                      at_once=at_once),
                           channel=(engine.engine_id, rank, engine.token))
         if not slab.waiting:
             self._unmapped(engine, slab)

@@ -74,6 +74,9 @@ class Grow(Msg):
 class Return(Msg):
     engine_id: Name
     slabs: SlabIds               # already taken back by the engine's pool
+    # Of those, the ones no step can still write (``SlabPool.settled``): their
+    # workers unmap them at once, not at the end of a step (``UnmapSlab.at_once``).
+    settled: SlabIds = []
 
 
 class Heartbeat(Msg):
@@ -125,6 +128,7 @@ class ReclaimDone(Msg):
     # Given slabs' cached blocks, as the engine had them when it let go; the
     # daemon hands them on with the pages to an engine of the same namespace.
     cached: dict[int, SlabCache] = {}
+    settled: SlabIds = []        # given slabs no step can still write (as ``Return.settled``)
 
 
 class Mapped(Msg):
@@ -209,5 +213,9 @@ class MapSlab(Msg):
 
 
 class UnmapSlab(Msg):
+    """To a worker: let go of a slab's pages, at the end of the step that
+    runs (a safe point), or ``at_once`` if its engine said no step can
+    still write them (settled): a grant then waits on no model step."""
     slab: int
     offsets: list[int]
+    at_once: bool = False

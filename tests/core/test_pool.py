@@ -475,3 +475,40 @@ def test_a_key_dropped_in_the_batch_that_stored_it_needs_no_seal():
     pool.allocate(1)                        # a key the daemon knows now
     assert pool.journal.removed
     check_pool(pool, mirror)
+
+
+# ------------------------------------------------------------- settled slabs
+def test_no_slab_is_settled_while_steps_are_not_numbered():
+    pool = make_pool()
+    pool.free(pool.allocate(2))
+    assert pool.settled([0, 1]) == []
+
+
+def test_a_slab_is_settled_once_the_step_open_at_its_last_free_ended():
+    pool = make_pool()
+    first = pool.begin_step()
+    blocks = pool.allocate(4)                         # best fit: all in one slab
+    held = blocks[0].slab.slab_id
+    other = 1 - held
+    assert pool.settled([0, 1]) == [other]            # never live: no step writes it
+    second = pool.begin_step()                        # async scheduling: scheduled before the free
+    pool.free(blocks)
+    pool.end_step(first)
+    assert pool.settled([0, 1]) == [other]            # step 2 may still write the freed blocks
+    pool.end_step(second)
+    assert sorted(pool.settled([0, 1, 7])) == [0, 1]  # a slab not held is never settled
+
+
+def test_a_live_block_or_a_cached_block_freed_late_keeps_its_slab_unsettled():
+    pool = make_pool(slabs=(0,))
+    step = pool.begin_step()
+    blocks = pool.allocate(2)
+    pool.cache(blocks[:1], keys(1))
+    pool.free(blocks[1:])
+    pool.end_step(step)
+    assert pool.settled([0]) == []                    # a block is live
+    later = pool.begin_step()
+    pool.free(blocks[:1])                             # cached now, freed while step ``later`` runs
+    assert pool.settled([0]) == []
+    pool.end_step(later)
+    assert pool.settled([0]) == [0]

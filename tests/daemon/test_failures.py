@@ -80,6 +80,7 @@ BAD_INPUTS = [
     ("bad_request", lambda d, e: e.send(p.Grow(engine_id="e1", slabs=0))),
     ("not_held", lambda d, e: e.send(p.Return(engine_id="e1", slabs=[999]))),
     ("not_held", lambda d, e: e.send(p.Return(engine_id="e1", slabs=[0, 0]))),
+    ("bad_request", lambda d, e: e.send(p.Return(engine_id="e1", slabs=[0], settled=[1]))),   # settled, not returned
     ("malformed", lambda d, e: d.send_raw([msgspec.msgpack.encode(   # an op that is not one: refused at decoding
         {"type": "Journal", "req_id": 1, "engine_id": "e1", "ops": [[7, 1]], "occupancy": {}})])),
     ("bad_journal", lambda d, e: e.send(p.Journal(engine_id="e1", ops=[p.StoreKey(key=b"k", block=4000)],

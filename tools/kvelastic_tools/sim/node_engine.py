@@ -208,12 +208,12 @@ class NodeEngine:
         elif isinstance(msg, p.Drain):
             self.stats["drained_slabs"] += len(self.reserve.drain(self.pool, msg.slabs, sim.now, msg.seconds))
         elif isinstance(msg, p.Reclaim):
-            given, refused, _ = give_up(self.pool, msg.slabs)
-            self.stats["reclaimed_slabs"] += len(given)
-            self.stats["refused_slabs"] += len(refused)
+            answer = give_up(self.pool, self.name, msg)
+            answer.cached = {}
+            self.stats["reclaimed_slabs"] += len(answer.given)
+            self.stats["refused_slabs"] += len(answer.refused)
             self.flush_journal()
-            sim.to_daemon(self.identity, p.ReclaimDone(req_id=msg.req_id, engine_id=self.name, given=given,
-                                                       refused=refused))
+            sim.to_daemon(self.identity, answer)
 
     def on_worker_message(self, rank: int, msg: p.Msg) -> None:
         sim = self.sim
@@ -223,8 +223,8 @@ class NodeEngine:
             ack = p.Mapped(req_id=msg.req_id, engine_id=self.name, rank=rank, slab=msg.slab)
             sim.at(sim.now + len(msg.pages) * MAP_SECONDS_PER_PAGE, sim.to_daemon, wid, ack)
         elif isinstance(msg, p.UnmapSlab):
-            # At the end of the worker's current step (a safe point).
-            sim.at(sim.now + sim.rng.uniform(0.0, STEP), self._unmap, rank, msg)
+            # At the end of the worker's current step (a safe point), or now if settled.
+            sim.at(sim.now + (0.0 if msg.at_once else sim.rng.uniform(0.0, STEP)), self._unmap, rank, msg)
 
     def _unmap(self, rank: int, msg: p.UnmapSlab) -> None:
         occ = self.pool.occupancy(msg.slab)
