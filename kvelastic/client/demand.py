@@ -2,7 +2,8 @@
 
 The scheduler asks for memory and waits at most a short ``wait`` for the
 answer. A daemon that must first reclaim from another engine takes longer:
-that engine's step must end before its pages are unmapped (invariant 5),
+unless the slabs it gives are settled (no step can still write them), that
+engine's step must end before their pages are unmapped (invariant 5),
 hundreds of milliseconds on a loaded CPU. Past the wait the scheduler goes
 on, and its running requests with it; the answer, when it comes, joins the
 engine's grants like any late grant, and the request that asked is admitted

@@ -4,7 +4,8 @@ Maps are applied at once, on the I/O thread: new pages land in virtual
 addresses no running step reads. Unmaps wait for a safe point (invariant 5):
 the caller brackets each model step with ``step()``, and an unmap that
 arrives during a step is applied when the step ends; between steps it is
-applied at once. Every map and unmap is acknowledged to the daemon, which
+applied at once, and so is one of a settled slab (``UnmapSlab.at_once``: its
+engine knows no step in flight writes it). Every map and unmap is acknowledged to the daemon, which
 grants a slab only after every worker mapped it and reuses pages only after
 every worker let go of them. A map comes on the page channel with its
 pages, an unmap on that channel too, and both acks go back on it

@@ -50,14 +50,18 @@ class Node:
         self.daemon.stop()
 
 
-def cache_everything(e: EngineProcess, prefix: str, value: int) -> None:
-    """Both slabs full of cached blocks whose step finished; ``value`` at each page's first byte."""
+def cache_everything(e: EngineProcess, prefix: str, value: int, *, freed_in_step: bool = False) -> None:
+    """Both slabs full of cached blocks whose step finished; ``value`` at each page's first byte.
+    ``freed_in_step``: freed while a later step runs (vLLM's async scheduling), which
+    leaves the slabs unsettled until it ends: their unmap waits for the worker's step."""
     assert e.do("ensure", n=8)["ok"]
     step = e.do("step")["step"]
     assert e.do("alloc", n=8)["ok"]
     e.do("cache", prefix=prefix)
     e.do("seal")
     e.do("write", value=value)
+    if freed_in_step:
+        e.do("step")
     e.do("end_step", n=step)
     e.do("free")
     e.do("flush")
@@ -137,7 +141,7 @@ def test_a_reclaimed_slab_invalidated_before_its_worker_let_go_is_never_demoted(
     node = Node(tmp_path, KVELASTIC_ACK_TIMEOUT="5s", KVELASTIC_GROW_TIMEOUT="15s")
     try:
         a = node.engine("a", "llama-1")
-        cache_everything(a, "sys", 7)
+        cache_everything(a, "sys", 7, freed_in_step=True)
         a.do("worker_step")                                  # a model step: the unmap waits for its end
         b = node.engine("b", "llama-2")
         grow = ensure_in_background(b, 4)

@@ -126,6 +126,9 @@ class SimEngine:
     def __init__(self, world: EngineWorld, name: str, workers: int, demand_share: float) -> None:
         self.world = world
         self.name = name
+        # Engine e0 names no slab settled (a client before ``ReclaimDone.settled``,
+        # or a pool that numbers no steps): its unmaps all wait for a step's end.
+        self.settles = name != "e0"
         # Two namespaces (engines alternate; one may come back in the other):
         # cached slabs change hands within one only. ``checkpoint`` is what a
         # new process loads (its keys are rooted there, as vLLM's block hashes
@@ -432,6 +435,8 @@ class SimEngine:
             if self.clear_due:                 # deferred after the ClearIndex, it runs after it
                 self.clear_index()
             answer = give_up(self.pool, self.name, msg)
+            if not self.settles:
+                answer.settled = []
             self.flush_journal()
             self.world.client_send(self.identity, answer)
 
@@ -517,6 +522,8 @@ class SimEngine:
             idle = self.pool.drained_slabs() + self.pool.idle_slabs()
             if idle:
                 back = hand_back(self.pool, self.name, [rng.choice(idle)])
+                if not self.settles:
+                    back.settled = []
                 self.flush_journal()
                 self.send(back)
         elif op >= 0.9:
