@@ -13,6 +13,10 @@ and the caller waits, bounded). When to refill and which empty slabs go back
 is ``ReservePolicy``'s call (``reserve.py``): an idle engine's reserve decays
 to nothing.
 
+The journal's shipping (what goes with it, the index sent again after a
+reconnect or a refusal) is ``JournalShipper``'s (``shipping.py``); when it
+goes is decided here.
+
 Grants have one path (``_grants``, drained by ``apply_grants``): adding a
 slab is safe at any point of a scheduling step, so a slab that arrived is
 usable in the step it arrived in. Everything else the daemon asks for
@@ -35,33 +39,22 @@ from collections.abc import Callable
 import msgspec
 
 from kvelastic import protocol as p
-from kvelastic.client.answers import JOURNAL_MAX_OPS, give_up, hand_back, journal_frames, private_namespace, wire_key
+from kvelastic.client.answers import give_up, hand_back, private_namespace
 from kvelastic.client.connection import Connection, DaemonError, DaemonUnavailable, expect
 from kvelastic.client.demand import DemandAnswer
 from kvelastic.client.reserve import ReservePolicy
+from kvelastic.client.shipping import JournalShipper
 from kvelastic.core.pool import SlabPool
 from kvelastic.errors import PoolError
 
 log = logging.getLogger("kvelastic.client")
 
-# The journal goes out in batches this far apart: big enough that shipping it
-# costs the engine little, small enough for reclaim decisions and KV events.
-JOURNAL_INTERVAL = 0.05
 # The scheduler's poll ships the journal only once it is this many intervals
 # old: the I/O thread did not find the lock free (``poll``).
 POLL_SHIPS_AFTER = 4
-# Journals demote the next blocks to be evicted for this long after a seal:
-# an engine that evicts under pressure seals about once in this time, one
-# that does not keeps all its cache valid for the daemon.
-DEMOTE_FOR = 10.0
-# ``_flush_journal(sync=True)`` waits at most this for the daemon's Ok.
-SYNC_TIMEOUT = 1.0
 # Messages that hand slabs back to the daemon: the journal goes ahead of them
 # (``EngineClient._journal_first``).
 HANDS_BACK = (p.Return, p.ReclaimDone)
-# After the daemon refused a journal, the whole index goes again, at most
-# once in this many seconds (``_on_refused``).
-RESYNC_INTERVAL = 1.0
 
 
 class EngineClient:
@@ -85,7 +78,6 @@ class EngineClient:
         self.reserve = ReservePolicy(pool.blocks_per_slab if low_watermark is None else low_watermark,
                                      keep_idle_slabs=keep_idle_slabs, shrink_grace=shrink_grace,
                                      active_at=time.monotonic())
-        self.bytes_keys = key_group_suffix  # vLLM's keys are bytes already: no conversion
         self.lock = threading.RLock()
         self.max_slabs = 0
         self.budget_bytes = 0
@@ -99,11 +91,6 @@ class EngineClient:
         # engine has no step that would).
         self.on_tick: Callable[[], None] | None = None
         self.hash_seed = ""                # its namespace's block-hash root, likewise
-        self.orphan_ttl = 0.0              # the daemon keeps this engine's cache after it leaves
-        self.tier = False                  # the daemon's tier takes this engine's evictions (source B)
-        self._tier_ack = 0                 # the last ``TierCopied`` ticket heard (I/O thread)
-        self._tier_ack_sent = 0            # the last one a journal carried back
-        self._scope = 0                    # the last ``ClearIndex.scope`` applied (journals carry it)
         self._registrations = 0            # handshakes so far (a scope is its connection's)
         self.refused_until = 0.0           # after a refused grow, no prefetch for a while
         self._grow_in_flight = False       # a reserve grow awaits its answer
@@ -115,17 +102,14 @@ class EngineClient:
         self._last_heartbeat = 0.0
         self._now = 0.0
         self._closing = False
-        self._last_flush = 0.0
-        self._sealed_at = -math.inf        # the last seal written (demotion follows it: ``_flush_journal``)
-        self.journal_interval = JOURNAL_INTERVAL
         self.conn = Connection(socket_path, engine_id, -1, handshake=self._register,
                                on_command=self._on_command, on_tick=self._tick,
                                tick_interval=tick_interval, name=f"kvelastic-engine-{engine_id}")
         self.conn.token = self.token
         self.conn.before_send = self._journal_first
         self.conn.on_error = self._on_refused
-        self._resync_due = False           # a journal was refused: the index goes again (``_tick``)
-        self._resynced_at = -math.inf
+        self.shipper = JournalShipper(pool, self.conn, engine_id, reserve=self.reserve,
+                                      bytes_keys=key_group_suffix)
 
     @property
     def low_watermark(self) -> int:
@@ -134,6 +118,25 @@ class EngineClient:
     @low_watermark.setter
     def low_watermark(self, blocks: int) -> None:
         self.reserve.low_watermark = blocks
+
+    @property
+    def journal_interval(self) -> float:
+        return self.shipper.interval
+
+    @journal_interval.setter
+    def journal_interval(self, seconds: float) -> None:
+        self.shipper.interval = seconds
+
+    @property
+    def tier(self) -> bool:
+        """The daemon's tier takes this engine's evictions (source B)."""
+        return self.shipper.tier
+
+    def flush_journal(self, sync: bool = False) -> None:
+        """Ship the journal now (any thread); ``sync``: and wait until the
+        daemon applied it. Tests and benchmarks that need the mirror current."""
+        with self.lock:
+            self.shipper.flush(sync=sync)
 
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 10.0) -> EngineClient:
@@ -144,7 +147,7 @@ class EngineClient:
         if unregister and self.conn.connected.is_set() and self.lock.acquire(timeout=1.0):
             try:  # the last steps' completions first: the cache the daemon keeps counts on them
                 self.pool.restore_demoted()   # and all of it may be kept: nothing will be rewritten now
-                self._flush_journal(demote=False)
+                self.shipper.flush(demote=False)
             finally:
                 self.lock.release()
         self._closing = True  # no journal after the daemon forgot us
@@ -180,39 +183,15 @@ class EngineClient:
         # NONE_HASH with it (the first registration's: hashes never change
         # under a running engine).
         self.hash_seed = self.hash_seed or reply.hash_seed
-        self.orphan_ttl = reply.orphan_ttl
-        self.tier = reply.tier
-        # A ticket or a scope is of the daemon that sent it: a restarted one
-        # counts from the start again (and a reconnect's lost tickets are lost).
-        self._tier_ack = self._tier_ack_sent = 0
-        self._scope = reply.scope
+        self.shipper.registered(scope=reply.scope, tier=reply.tier, orphan_ttl=reply.orphan_ttl)
         self._registrations += 1
         if self.private:   # a reconnect keeps the daemon's record, which a lost Diverge never reached
             expect(conn.call(self._diverge_message("re-registered"), timeout=5.0), p.Ok)
         self._grow_in_flight = False
         self._grow_answered.set()
         if held:  # a restarted daemon has an empty mirror: send the whole index
-            self._run_or_defer(self._resend_index)
+            self._run_or_defer(self.shipper.resend_index)
             log.info("engine %s: re-registered with %d slab(s) held", self.engine_id, len(held))
-
-    def _resend_index(self) -> None:
-        self.pool.take_journal()
-        self.pool.forget_demotions()   # every key goes again
-        # A mirror the daemon kept (the same daemon, a new connection) may
-        # miss drops that were on their way: it starts over. Then the step
-        # state: a key of a step still running must not count as written.
-        ops: list[p.JournalOp] = [p.ClearKeys(), *p.journal_ops(self.pool.journal.resync())]
-        ops += [p.StoreKey(key=wire_key(k), block=b) for k, b in self.pool.cached_keys()]
-        ops += [p.LabelBlock(block=b, label=label) for b, label in self.pool.labelled_keys()]
-        occupancy = self.pool.occupancies()
-        for start in range(0, max(len(ops), 1), JOURNAL_MAX_OPS):   # the daemon takes journals in parts
-            last = start + JOURNAL_MAX_OPS >= len(ops)
-            # On the lifeline like every journal (the I/O thread in its
-            # handshake, or whoever frees the lock after it).
-            if not self.conn.write_lifeline(p.encode(p.Journal(
-                    engine_id=self.engine_id, ops=ops[start:start + JOURNAL_MAX_OPS],
-                    occupancy=occupancy if last else {}, scope=self._scope)), handshake=True):
-                return     # the lifeline broke: the next registration sends the index again
 
     # ---------------------------------------------------- scheduler thread
     def diverge(self, reason: str) -> None:
@@ -279,7 +258,7 @@ class EngineClient:
             want = min(math.ceil(short / pool.blocks_per_slab), self.max_slabs - pool.num_slabs)
             # The daemon judges the demand by its mirror (is the cache ours to
             # evict first?): bring it up to date ahead of the grow.
-            self._flush_journal()
+            self.shipper.flush()
         if want <= 0:
             return False  # the engine's whole virtual range is held
         self._demand = answer = DemandAnswer(self._late_demand)
@@ -311,16 +290,17 @@ class EngineClient:
         found the lock free for ``POLL_SHIPS_AFTER`` journal intervals (a
         scheduler that runs back to back). The I/O thread ships it otherwise,
         between steps: while a model step runs, not on the scheduler's path."""
+        shipper = self.shipper
         if self._grants or self._deferred or \
-                time.monotonic() - self._last_flush >= POLL_SHIPS_AFTER * self.journal_interval:
+                time.monotonic() - shipper.last_flush >= POLL_SHIPS_AFTER * shipper.interval:
             with self.lock:
                 self.apply_grants()
                 self._run_deferred()
                 now = time.monotonic()
-                if now - self._last_flush >= POLL_SHIPS_AFTER * self.journal_interval and \
+                if now - shipper.last_flush >= POLL_SHIPS_AFTER * shipper.interval and \
                         (self.pool.journal.ops or self.pool.journal.dirty):
-                    self._last_flush = now
-                    self._flush_journal()
+                    shipper.last_flush = now
+                    shipper.flush()
 
     def seal_step(self) -> None:
         """The scheduler is about to run a model step (scheduler thread, after
@@ -335,12 +315,11 @@ class EngineClient:
 
         Most steps need none, even with a full cache that evicts every step:
         for ``DEMOTE_FOR`` after a seal, each journal shipped demotes the next
-        blocks to be evicted (``_flush_journal``), which evictions then reuse
+        blocks to be evicted (``JournalShipper.flush``), which evictions then reuse
         with nothing to seal."""
-        if self.orphan_ttl and self.pool.journal.removed and self.conn.connected.is_set():
+        if self.shipper.needs_seal() and self.conn.connected.is_set():
             with self.lock:
-                self._sealed_at = time.monotonic()
-                self._flush_journal(seal=True)
+                self.shipper.seal()
 
     def wake(self) -> None:
         """Tell the I/O thread to look at the watermarks now (cheap)."""
@@ -428,9 +407,7 @@ class EngineClient:
             registration = self._registrations
             self._run_or_defer(lambda: self._clear_index(msg.scope, registration))
         elif isinstance(msg, p.TierCopied):
-            # Carried back by the next journal, taken after this was heard
-            # (the tick ships one for it even with no ops).
-            self._tier_ack = max(self._tier_ack, msg.ticket)
+            self.shipper.heard_tier_copied(msg.ticket)
             self.wake()
         elif isinstance(msg, p.Failed):
             self.failed = msg.reason
@@ -456,22 +433,19 @@ class EngineClient:
         if not self.lock.acquire(blocking=not self.conn._on_io_thread()):
             return
         try:
-            self._flush_journal()
+            self.shipper.flush()
         finally:
             self.lock.release()
 
     def _on_refused(self, msg: p.Error) -> None:
-        """I/O thread: the daemon refused a notification. A refused journal
-        was dropped whole, so the daemon's mirror of this engine may lack
-        what it said, a dropped key above all (the cache kept after this
-        engine leaves would name a block it may have rewritten): the whole
-        index goes again on the next tick, as after a reconnect."""
+        """I/O thread: the daemon refused a notification; a refused journal
+        has the whole index go again on the next tick."""
         if msg.reason == p.Reason.BAD_JOURNAL.value:
-            self._resync_due = True
+            self.shipper.refused()
 
     def _reclaim(self, msg: p.Reclaim) -> None:
         answer = give_up(self.pool, self.engine_id, msg)
-        self._flush_journal()
+        self.shipper.flush()
         self.conn.send(answer)
 
     def _drain(self, msg: p.Drain) -> None:
@@ -489,7 +463,7 @@ class EngineClient:
         would make journals look current for an invalidation not applied."""
         dropped = self.pool.clear_index()
         if registration in (None, self._registrations):
-            self._scope = max(self._scope, scope)
+            self.shipper.cleared(scope)
         log.info("engine %s: prefix cache invalidated by the daemon (%d cached blocks dropped)",
                  self.engine_id, dropped)
 
@@ -514,19 +488,14 @@ class EngineClient:
                 want = 0
             if pool.ttl or pool.max_cached_blocks is not None:
                 pool.expire()
-            if self._resync_due and now - self._resynced_at >= RESYNC_INTERVAL:
-                self._resync_due = False
-                self._resynced_at = now
-                log.warning("engine %s: the daemon refused a journal: its whole index goes again", self.engine_id)
-                self._resend_index()
+            self.shipper.resync_if_due(now)
             returned = self._shrink(now)
             # The journal goes first: the daemon judges a grow (is this engine
             # idle?) on the activity the journal carries. With the lock free,
             # no step is being scheduled: this costs the scheduler nothing.
-            if returned or want or now - self._last_flush >= self.journal_interval \
-                    or self._tier_ack != self._tier_ack_sent:
-                self._last_flush = now
-                self._flush_journal()
+            if returned or want or self.shipper.due(now):
+                self.shipper.last_flush = now
+                self.shipper.flush()
             if returned:
                 self.conn.send(returned)
             if want:
@@ -543,49 +512,3 @@ class EngineClient:
         slabs = self.reserve.to_return(self.pool, now)
         self.reserve.forget(slabs)
         return hand_back(self.pool, self.engine_id, slabs) if slabs else None
-
-    def _flush_journal(self, sync: bool = False, seal: bool = False, demote: bool = True) -> None:
-        """Ship the journal on the lifeline (any thread, with ``lock`` held:
-        taking it and writing it is one step, so journals arrive in the order
-        they were taken, ahead of any later message on the control socket:
-        the daemon reads an engine's lifeline before its messages). Not
-        registered, it is dropped: the next registration sends the whole
-        index. ``sync``: then wait until the daemon applied it (its Ok to an
-        empty journal on the control socket covers every frame before it).
-        ``seal``: the ops alone, on the scheduler's path before a step; the
-        slabs' occupancy and the counters wait for the next flush, at most
-        ``journal_interval`` later (the daemon needs them for its reclaim and
-        idleness decisions, not for what a dead engine's cache holds).
-
-        Where the daemon keeps departed engines' cache, and a step had to be
-        sealed in the last ``DEMOTE_FOR`` (evictions under pressure), the
-        journal first demotes (``SlabPool.demote``) the least recently used
-        cached blocks until free and demoted blocks make ``low_watermark`` (a
-        step's worth and a slab): the next to be evicted, so the steps until
-        the next journal evict them with no seal, at the price of at most
-        that many blocks left out of what the daemon keeps of a crashed engine.
-        Where the node's tier takes running engines' evictions (``tier``),
-        every journal demotes so, whatever the TTL and before any pressure
-        (the first evictions are of the oldest blocks, a prefix's own): the
-        daemon copies each demoted block into the tier while it is still
-        cached (docs/tier.md, "Source B"), and this journal carries back the
-        last ``TierCopied`` ticket heard (on its last frame: every drop made
-        before the ticket was heard is in it or an earlier journal)."""
-        if demote and (self.tier or self.orphan_ttl and time.monotonic() - self._sealed_at < DEMOTE_FOR):
-            self.pool.demote(self.reserve.low_watermark)
-        ack, scope = self._tier_ack, self._scope
-        batch = self.pool.take_journal(occupancy=not seal)
-        if batch or ack != self._tier_ack_sent:
-            counters = {} if seal else self.pool.stats.counters()
-            for msg in journal_frames(self.engine_id, batch, counters, bytes_keys=self.bytes_keys, tier_ack=ack,
-                                      scope=scope):
-                if not self.conn.write_lifeline(p.encode(msg)):
-                    # Not registered, or the lifeline broke: the next
-                    # registration resends the index. The daemon may not have
-                    # heard of a demotion in this batch: none counts.
-                    self.pool.forget_demotions()
-                    return
-            self._tier_ack_sent = ack
-        if sync:
-            expect(self.conn.call(p.Journal(engine_id=self.engine_id, ops=[], occupancy={}, sync=True),
-                                  SYNC_TIMEOUT), p.Ok)

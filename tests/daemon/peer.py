@@ -172,7 +172,7 @@ def main() -> None:
                 engine.lock.release()
         elif op == "flush":
             with engine.lock:
-                engine._flush_journal(sync=True)
+                engine.flush_journal(sync=True)
         elif op == "send":       # a message on the engine's own connection (hex msgpack), its reply likewise
             try:
                 reply = engine.conn.call(p.decode(bytes.fromhex(cmd["msg"])), cmd.get("timeout", 2.0))

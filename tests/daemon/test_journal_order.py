@@ -51,7 +51,7 @@ def refused_journals(daemon: Daemon) -> float:
 def sync(engine: EngineClient) -> None:
     """Ship what is left of the journal and wait until the daemon applied it."""
     with engine.lock:
-        engine._flush_journal(sync=True)
+        engine.flush_journal(sync=True)
 
 
 def mirrored_keys(daemon: Daemon) -> dict[int, bytes]:

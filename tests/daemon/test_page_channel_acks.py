@@ -102,7 +102,7 @@ def test_an_engine_journal_on_its_lifeline_is_applied_and_nothing_else_is(served
     with engine.lock:
         [block] = engine.pool.allocate(1)
         engine.pool.cache([block], [b"k" * 8])
-        engine._flush_journal()                     # on the lifeline, no reply
+        engine.flush_journal()                     # on the lifeline, no reply
     wait_for(lambda: mirror.key_of.get(block.block_id) == b"k" * 8, what="the journal applied")
     before = {r: rejected(daemon, r) for r in ("malformed", "unexpected", "not_owner")}
     kept = (dict(mirror.key_of), books(daemon))

@@ -226,8 +226,8 @@ def test_the_audits_case_is_caught_after_a_graceful_stop_and_after_a_kill(monkey
 def test_a_clear_deferred_across_a_restart_lends_the_next_daemon_no_scope(seed):
     """Seed 9783: ns0 invalidated (ClearIndex scope 2), the daemon killed at
     once; e0 had deferred the clear, and runs it after the new daemon's
-    handshake (``_run_or_defer``: before ``_resend_index``), which raises its
-    ``_scope`` to 2 past the new daemon's 0 (``_clear_index``: max). The new
+    handshake (``_run_or_defer``: before ``resend_index``), which raises its
+    scope to 2 past the new daemon's 0 (``_clear_index``: max). The new
     daemon invalidates ns0 twice; at its second ``ClearIndex`` (scope 2),
     e0's journals already say scope 2: its keys count as current before it
     cleared them, and its slabs are kept with KV of before the invalidation

@@ -77,7 +77,7 @@ def handoff_loop(socket_path: str, rounds: int, backend: str) -> dict[str, list[
                 blocks = a.pool.allocate(BLOCKS_PER_SLAB)
                 a.pool.cache(blocks, [f"r{i}-b{blk.block_id}".encode() for blk in blocks])
                 a.pool.free(blocks)
-                a._flush_journal(sync=True)   # B's grow goes on another connection: the mirror first
+                a.flush_journal(sync=True)   # B's grow goes on another connection: the mirror first
             t2 = time.perf_counter()
             reply = expect(b.conn.call(p.Grow(engine_id=b.engine_id, slabs=1, demand=True), 20.0), p.Granted)
             t3 = time.perf_counter()

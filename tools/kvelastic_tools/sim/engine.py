@@ -51,7 +51,7 @@ DIVERGE = 0.002                    # per unit of work: the engine's weights chan
 # weights change (the scheduler schedules nothing meanwhile); a lost
 # connection ends the wait at once (the next registration says it).
 DIVERGE_TIMEOUT = 5.0
-# Demotion source B (``EngineClient._flush_journal``): where the daemon's tier
+# Demotion source B (``JournalShipper.flush``): where the daemon's tier
 # takes running engines' evictions (``Registered.tier``), every journal first
 # demotes the next DEMOTE_LEAD blocks to be evicted (the client's
 # ``low_watermark``: a slab's worth).
@@ -201,7 +201,7 @@ class SimEngine:
         # cache was invalidated), but its scope was the last daemon's: it
         # leaves the new daemon's alone (``_clear_index``'s registration).
         # With slabs held it runs before the index goes again (the client's
-        # deferred work runs in order: its ``_resend_index`` after it).
+        # deferred work runs in order: its ``JournalShipper.resend_index`` after it).
         self.clear_stale = bool(self.clear_due)
         if self.clear_due and self.pool.slab_ids():
             self.clear_index()
@@ -335,7 +335,7 @@ class SimEngine:
         return self.next_req
 
     def flush_journal(self, demote: bool = True, deferred: bool = True) -> None:
-        """As ``EngineClient._flush_journal``: under pressure the next blocks
+        """As ``JournalShipper.flush``: under pressure the next blocks
         to be evicted are demoted first (``demote_ahead``); the ack is read
         before the journal is taken, and a journal goes for a new ticket even
         with no ops. ``deferred``: what the I/O thread deferred runs first (a

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from kvelastic.daemon.allocator import Allocator
 
 STEP = 0.05                           # a scheduling step (and the client's I/O tick)
-JOURNAL_INTERVAL = 0.05               # EngineClient.JOURNAL_INTERVAL
+JOURNAL_INTERVAL = 0.05               # kvelastic.client.shipping.JOURNAL_INTERVAL
 DEMAND_TIMEOUT = 2.0                  # kvelastic_vllm.block_pool.DEMAND_TIMEOUT: a running request's
 DEMAND_WAIT = 0.05                    # ...DEMAND_WAIT: an admission's, then a late grant
 REFUSAL_BACKOFF = 0.2                 # kvelastic_vllm.block_pool.REFUSAL_BACKOFF
@@ -235,7 +235,7 @@ class NodeEngine:
                                                              slab=msg.slab))
 
     def flush_journal(self) -> None:
-        """EngineClient._flush_journal: the ops, occupancy and the pool's counters."""
+        """JournalShipper.flush: the ops, occupancy and the pool's counters."""
         batch = self.pool.take_journal()
         if not batch:
             return

@@ -308,7 +308,7 @@ def _elastic(socket_path: str, model: pathlib.Path, round_: int, pressure: bool,
                  low_watermark=low, max_bytes=cap_slabs * PAGE, key_group_suffix=True) as link:
         if not ship:   # the control: what shipping the journal costs (docs/benchmarks.md)
             client = link.client
-            client._flush_journal = lambda *_args, **_kw: client.pool.take_journal()
+            client.shipper.flush = lambda *_args, **_kw: client.pool.take_journal()
         sched = scheduler(vllm_config(model, cap_slabs * BLOCKS_PER_SLAB))
         # Every slab granted before timing, or the steps would time the daemon's grants.
         if not link.client.ensure(NUM_BLOCKS - 1, timeout=30):

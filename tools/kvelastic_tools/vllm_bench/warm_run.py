@@ -47,7 +47,7 @@ def arm_poison() -> None:
 
             client = state().link.client
             with client.lock:
-                client._flush_journal(sync=True)   # the daemon has this step's keys, not its end
+                client.flush_journal(sync=True)   # the daemon has this step's keys, not its end
             os.kill(os.getpid(), signal.SIGKILL)
         return original(self, scheduler_output, *args, **kwargs)
 
