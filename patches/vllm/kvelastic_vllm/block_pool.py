@@ -17,10 +17,10 @@ large it is, and a new block comes from a new slab before a cached block is
 evicted while the daemon has memory. When the daemon cannot supply it the
 answer counts cached blocks too, and vLLM evicts them or waits, as stock.
 
-KV events (``--kv-events-config``): the events vLLM publishes, plus
-kvelastic's own moves. Keys the daemon drops between steps (reclaim, expiry,
-invalidation) are published on the client's tick. A block adopted from
-another engine (hand-on, kept cache after a restart) is announced as
+KV events (``--kv-events-config``): the events vLLM publishes, built here
+as stock builds them, plus kvelastic's own moves, which ``PoolEvents``
+(``pool_events.py``) queues and publishes. A block adopted from another
+engine (hand-on, kept cache after a restart) is announced as
 ``BlockStored``: each cached key carries a *label*, its own single-block
 ``BlockStored`` in msgpack, which travels with the key through the daemon.
 
@@ -32,24 +32,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import msgspec
-from vllm.distributed.kv_events import (
-    MEDIUM_GPU,
-    AllBlocksCleared,
-    BlockRemoved,
-    KVCacheEvent,
-    KVEventBatch,
-)
+from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, KVCacheEvent
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
     BlockHashWithGroupId,
     KVCacheBlock,
-    get_block_hash,
-    get_group_id,
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
     resolve_block_hashes,
@@ -57,8 +49,8 @@ from vllm.v1.core.kv_cache_utils import (
 
 from kvelastic.errors import OutOfBlocks
 from kvelastic.protocol import MAX_LABEL_BYTES
-from kvelastic_vllm.announce import Announcer
 from kvelastic_vllm.demand import Demand
+from kvelastic_vllm.pool_events import PoolEvents
 from kvelastic_vllm.state import state
 
 log = logging.getLogger("kvelastic.vllm")
@@ -97,7 +89,8 @@ class ElasticBlockPool(BlockPool):
     # the pool), only while its class has met fewer than 30 names; past that
     # every ``pool.x`` is a dict lookup, which the hot path feels
     # (docs/benchmarks.md). State that belongs together gets an object of
-    # its own (``Demand``); ``tests/vllm/test_block_pool.py`` checks the loads.
+    # its own (``Demand``, ``PoolEvents``); ``tests/vllm/test_block_pool.py``
+    # checks the loads.
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, metrics_collector: Any = None,
                  medium: str = MEDIUM_GPU, num_hash_lookahead_tokens: int = 0) -> None:
@@ -109,15 +102,12 @@ class ElasticBlockPool(BlockPool):
         self.enable_kv_cache_events = enable_kv_cache_events
         self.metrics_collector = metrics_collector
         self.medium = medium
-        self.kv_event_queue: list[KVCacheEvent] = []
-        self.publisher: Any = None   # the scheduler's KV event publisher (``engine.wrap_scheduler_init``)
+        self.events = PoolEvents(medium)   # kvelastic's own moves, and vLLM's queue (``kv_event_queue``)
         self._reuse_watchers: dict = {}
         # Group id -> its key suffix, a list: vLLM's group ids are indices
         # into its cache groups (0, 1, ...), and an index is a cheaper load
         # than a dict's ``get`` in the scheduler's most frequent call.
         self._group_suffix: list[bytes] = []
-        self.announcer = Announcer(medium)   # adopted blocks, announced once reachable (``announce.py``)
-        self._quiet = False   # ``move_block_hashes`` in progress: its removals are no news
         self.link = state().engine()
         self.core = self.link.pool
         self.client = self.link.client
@@ -136,16 +126,17 @@ class ElasticBlockPool(BlockPool):
                 raise RuntimeError("kvelastic: the engine's pool already holds slabs of another block pool")
             self.core.block_factory = (lambda block_id: ElasticBlock(block_id, pool=self)) \
                 if BLOCKS_NAME_THEIR_POOL else ElasticBlock
-            self.core.on_cleared = self._cleared
             self.client.low_watermark = self.link.low_watermark
             if enable_kv_cache_events:
-                self.core.on_key_removed = self._key_removed
-                self.core.on_adopted = self._adopted
-                self.client.on_tick = self._publish_queued
+                events = self.events
+                self.core.on_cleared = events.cleared
+                self.core.on_key_removed = events.key_removed
+                self.core.on_adopted = events.adopted
+                self.client.on_tick = events.publish_queued
                 # A router may still hold blocks of this engine's earlier life
                 # (same endpoint, killed): they are gone, unless adopted, and
                 # then announced again below.
-                self.kv_event_queue.append(AllBlocksCleared())
+                events.queue.append(AllBlocksCleared())
         if not self.client.ensure(1, timeout=30.0):
             raise RuntimeError("kvelastic: the daemon granted no memory to this engine; "
                                "check KVELASTIC_MEMORY and `kvelastic status`")
@@ -427,7 +418,7 @@ class ElasticBlockPool(BlockPool):
             block_size=block_size, kv_cache_group_id=group_id, extra_keys_list=extra_keys,
             **self._lookahead(request, [first + i for i in stored], block_size))
         with self.lock:
-            self.kv_event_queue.append(event)
+            self.events.queue.append(event)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         with self.lock:
@@ -457,48 +448,16 @@ class ElasticBlockPool(BlockPool):
         if not self.enable_kv_cache_events:
             return []
         with self.lock:
-            self._announce_adopted()
-            events, self.kv_event_queue = self.kv_event_queue, []
-        return events
+            return self.events.take()
 
-    def _publish_queued(self) -> None:
-        """On the I/O thread's tick, with the client's lock held: publish the
-        events queued since the last step. vLLM publishes only at the end of
-        a step, but kvelastic drops keys between steps (a reclaim, an expiry,
-        an invalidation): an idle engine would leave routers believing in
-        blocks it no longer has. The lock orders this with the scheduler's own
-        take-and-publish (``engine.wrap_update_from_output`` holds it)."""
-        self._announce_adopted()
-        if self.publisher is not None and self.kv_event_queue:
-            events, self.kv_event_queue = self.kv_event_queue, []
-            self.publisher.publish(KVEventBatch(ts=time.time(), events=events))  # type: ignore[arg-type]
+    @property
+    def kv_event_queue(self) -> list[KVCacheEvent]:
+        """vLLM's name for the queue (its ``emit_cached_block_events`` appends to it)."""
+        return self.events.queue
 
-    # ------------------------------------------------- core pool callbacks
-    def _adopted(self, entries: list[tuple[Hashable, bytes]]) -> None:
-        # Announced when the queue is next taken or a key leaves, once reachable:
-        # a grant adopts slab by slab, and a block's parent may come in a later slab.
-        for key, label in entries:
-            self.announcer.adopted(maybe_convert_block_hash(get_block_hash(cast(BlockHashWithGroupId, key))), label)
-
-    def _announce_adopted(self) -> None:
-        """Queue a ``BlockStored`` per adopted block that became reachable. With the lock held."""
-        self.announcer.flush(self.kv_event_queue)
-
-    def _key_removed(self, key: Hashable) -> None:
-        if self._quiet:
-            return   # an entry moving to another block (``move_block_hashes``): still live
-        self._announce_adopted()   # a block announced after its removal would live on in routers
-        # The core pool is generic in its keys; this one's are what cache_full_blocks stored.
-        hashed = cast(BlockHashWithGroupId, key)
-        published, group = maybe_convert_block_hash(get_block_hash(hashed)), get_group_id(hashed)
-        if self.announcer.withdraw((published, group)):
-            return   # adopted, never announced: no router knows it
-        self.kv_event_queue.append(BlockRemoved(block_hashes=[published], medium=self.medium, group_idx=group))
-
-    def _cleared(self) -> None:
-        if self.enable_kv_cache_events:
-            self.announcer.clear()
-            self.kv_event_queue.append(AllBlocksCleared())
+    @kv_event_queue.setter
+    def kv_event_queue(self, events: list[KVCacheEvent]) -> None:
+        self.events.queue = events
 
     # ------------------------------------------------- state-block caching
     # vLLM caches Mamba and linear-attention state blocks ("align" mode, the
@@ -532,7 +491,7 @@ class ElasticBlockPool(BlockPool):
                 start_token_idx=start, end_token_idx=num_tokens, block_size=num_tokens - start,
                 kv_cache_group_id=kv_cache_group_id, extra_keys_list=[extra])
             with self.lock:
-                self.kv_event_queue.append(event)
+                self.events.queue.append(event)
         return key
 
     def _enter_partial(self, block: KVCacheBlock, key: BlockHashWithGroupId, hashed: int, replace: bool) -> bool:
@@ -562,11 +521,11 @@ class ElasticBlockPool(BlockPool):
         keys, num_tokens = core.keys_of(src_block), src_block.block_hash_num_tokens
         if not keys:
             return
-        self._quiet = True
+        self.events.quiet = True
         try:
             core.uncache([src_block])
         finally:
-            self._quiet = False
+            self.events.quiet = False
         core.cache([dst_block], [keys[0]], num_tokens=None if num_tokens is None else [num_tokens])
         for key in keys[1:]:
             core.alias(dst_block, key)

@@ -296,7 +296,7 @@ def wrap_update_from_output(original):
         step = getattr(scheduler_output, "kvelastic_step", 0)
         # Held throughout: vLLM takes the pool's events and publishes them in
         # here, and the I/O thread publishes what a reclaim queued between
-        # steps (``ElasticBlockPool._publish_queued``): one order for both.
+        # steps (``PoolEvents.publish_queued``): one order for both.
         pool = link.block_pool
         with link.client.lock:
             _begin_step(pool)
@@ -340,9 +340,9 @@ def wrap_scheduler_init(original):
         pool = getattr(getattr(self, "kv_cache_manager", None), "block_pool", None)
         if hasattr(pool, "call_blocks"):
             pool.call_blocks = call_blocks(self) or pool.call_blocks
-        if hasattr(pool, "publisher"):
+        if hasattr(pool, "events"):
             publisher = getattr(self, "kv_event_publisher", None)
-            pool.publisher = publisher
+            pool.events.publisher = publisher
             if hasattr(publisher, "_seq_gen"):   # vLLM's ZmqEventPublisher (itertools.count from 0)
                 publisher._seq_gen = itertools.count(time.time_ns() // 1000)
 
