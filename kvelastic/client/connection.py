@@ -42,6 +42,8 @@ log = logging.getLogger("kvelastic.client")
 BACKOFF_MIN, BACKOFF_MAX = 0.05, 2.0
 ACK_SEND_TIMEOUT = 2   # seconds
 NO_SOCKET_GRACE = 3.0
+# A call on the I/O thread (a handshake) looks at ``close`` this often.
+CALL_POLL_MS = 100
 # A registration refused for one of these will be refused again: fail at start.
 FATAL_REASONS = ("version", "geometry", "engine_exists", "limit", "unknown_device", "bad_rank", "bad_token",
                  "not_operator")
@@ -301,15 +303,20 @@ class Connection:
 
     def _call_here(self, msg: p.Msg, timeout: float) -> p.Msg:
         """``call`` on the I/O thread: poll the socket for the reply, keeping
-        any other message in ``_read_ahead`` for the loop."""
+        any other message in ``_read_ahead`` for the loop. It gives up at
+        ``close`` too: a listener that accepts but never answers (a keeper
+        holding a dead daemon's sockets) must not hold a closing engine for
+        the whole timeout."""
         if self._dealer is None:
             raise DaemonUnavailable("not connected to the daemon")
         self._write(msg)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._dealer.poll(int(left * 1000)):
+            if left <= 0 or self._stop.is_set():
                 raise DaemonUnavailable(f"no answer to {type(msg).__name__} within {timeout:.1f} s")
+            if not self._dealer.poll(max(1, min(CALL_POLL_MS, math.ceil(left * 1000)))):
+                continue
             reply = p.decode(self._dealer.recv())
             if reply.req_id == msg.req_id:
                 return reply

@@ -235,6 +235,31 @@ def test_a_hung_keeper_is_dropped_with_the_state_file_and_the_daemon_serves_on(t
         keeper.stop()
 
 
+def test_an_engine_closes_at_once_while_a_keeper_holds_a_dead_daemons_sockets(tmp_path, engines):
+    """With the daemon killed, its keeper still holds the listening sockets
+    (for the next daemon): an engine's reconnect is accepted and its
+    registration waits for an answer nobody gives. Closing the engine then
+    must not wait out that registration's timeout (5 s): it stops waiting at
+    ``close`` (``Connection._call_here``)."""
+    import time
+
+    daemon = DaemonProcess(tmp_path, memory="32MiB")
+    keeper = KeeperProcess(tmp_path, socket=daemon.socket).start()
+    try:
+        daemon.start()
+        a = engines(daemon, "a", namespace="llama-1")
+        assert a.do("ensure", n=1)["ok"]
+        daemon.kill()
+        wait_for(lambda: a.state()["reconnects"] >= 1, what="a lost the daemon")
+        started = time.monotonic()
+        a.close()
+        assert a.proc.returncode == 0
+        assert time.monotonic() - started < 3.0, "the engine's close waited out a registration nobody answers"
+    finally:
+        daemon.stop()
+        keeper.stop()
+
+
 def saved_books(daemon: DaemonProcess):
     from kvelastic.daemon import saved
     from kvelastic.daemon.statefile import boot_id, read_state
