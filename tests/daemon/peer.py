@@ -8,12 +8,11 @@ that run in this process (default: all). ``{"role": "worker", "rank": r}``
 runs one worker alone, as a separate process of an engine whose geometry has
 ``workers`` > 1 (vLLM's tensor-parallel shape: one process per rank)."""
 
+import ctypes
 import hashlib
 import json
 import sys
 import time
-
-import torch
 
 from kvelastic import protocol as p
 from kvelastic.client.connection import DaemonError, DaemonUnavailable
@@ -27,12 +26,25 @@ from tests.backend import TEST_BACKEND
 MiB = 1 << 20
 
 
+def arena_view(worker: WorkerClient):
+    """The worker's arena, byte by byte. On host pages a ctypes array over
+    the same memory (importing torch would cost each engine process most of
+    a second of start-up, hundreds of times a suite); on CUDA pages a torch
+    tensor, the only way to reach device memory."""
+    arena = worker.arena
+    if TEST_BACKEND == "cuda":
+        import torch
+
+        return arena.tensor(torch.uint8, (arena.size,))
+    return (ctypes.c_ubyte * arena.size).from_address(arena.base)
+
+
 def view_op(workers: list[WorkerClient], op: str, value: int = 0) -> list[int]:
     """Write ``value`` at the first byte of every mapped page, or read it, rank by rank."""
     values: list[int] = []
     for worker in workers:
         with worker.step():
-            view = worker.arena.tensor(torch.uint8, (worker.arena.size,))
+            view = arena_view(worker)
             offsets = sorted(o for offs in worker.slabs.values() for o in offs)
             if op == "write":
                 for o in offsets:
@@ -139,7 +151,7 @@ def main() -> None:
         elif op == "write_blocks":   # value + k at the first byte of block k's run in every page (a region a page)
             for worker in workers:
                 with worker.step():
-                    view = worker.arena.tensor(torch.uint8, (worker.arena.size,))
+                    view = arena_view(worker)
                     for o in sorted(o for offs in worker.slabs.values() for o in offs):
                         for k in range(cfg.get("bps", 4)):
                             view[o + k * page_size // cfg.get("bps", 4)] = cmd["value"] + k
