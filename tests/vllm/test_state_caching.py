@@ -96,6 +96,14 @@ def run(sched, stream, salt: int, hash_block_size: int) -> list:
     return trace
 
 
+def memory_back(daemon) -> bool:
+    """Only this engine left, and no page in use but the ones it holds."""
+    status = daemon.status()
+    held = sum(e["held_bytes"] for e in status["engines"]) // status["page_size"]
+    return "demand" not in {e["engine_id"] for e in status["engines"]} and \
+        status["pages"]["created"] - status["pages"]["free"] == held
+
+
 @pytest.mark.parametrize("attention_bs,state_bs", [(64, 64), (32, 64), (64, 32)],
                          ids=["one-size", "finer-attention", "finer-state"])
 # No shrinking: each example runs two schedulers and a demand; a failure prints its streams whole.
@@ -131,6 +139,10 @@ def test_state_caching_schedules_and_hits_as_stock_also_after_a_reclaim(daemon, 
                 wait_for(reclaimed, timeout=60, what="the cached slabs reclaimed")
             finally:
                 other.close()
+            # Its pages back in the daemon's free pool before the second
+            # stream: stock has all its memory then, and a demand that met a
+            # departure still in flight would admit a request a step late.
+            wait_for(lambda: memory_back(daemon), timeout=30, what="the other engine's pages free")
         assert elastic.kv_cache_manager.reset_prefix_cache()
         got.append(run(elastic, second, 2, hbs))
     assert got[1] == expected[1]
