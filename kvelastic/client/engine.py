@@ -127,11 +127,6 @@ class EngineClient:
     def journal_interval(self, seconds: float) -> None:
         self.shipper.interval = seconds
 
-    @property
-    def tier(self) -> bool:
-        """The daemon's tier takes this engine's evictions (source B)."""
-        return self.shipper.tier
-
     def flush_journal(self, sync: bool = False) -> None:
         """Ship the journal now (any thread); ``sync``: and wait until the
         daemon applied it. Tests and benchmarks that need the mirror current."""
@@ -299,8 +294,7 @@ class EngineClient:
                 now = time.monotonic()
                 if now - shipper.last_flush >= POLL_SHIPS_AFTER * shipper.interval and \
                         (self.pool.journal.ops or self.pool.journal.dirty):
-                    shipper.last_flush = now
-                    shipper.flush()
+                    shipper.ship(now)
 
     def seal_step(self) -> None:
         """The scheduler is about to run a model step (scheduler thread, after
@@ -494,8 +488,7 @@ class EngineClient:
             # idle?) on the activity the journal carries. With the lock free,
             # no step is being scheduled: this costs the scheduler nothing.
             if returned or want or self.shipper.due(now):
-                self.shipper.last_flush = now
-                self.shipper.flush()
+                self.shipper.ship(now)
             if returned:
                 self.conn.send(returned)
             if want:

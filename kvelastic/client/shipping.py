@@ -81,6 +81,12 @@ class JournalShipper:
         """The tick's own rule: an interval went by, or a ticket waits to go back."""
         return now - self.last_flush >= self.interval or self._tier_ack != self._tier_ack_sent
 
+    def ship(self, now: float) -> None:
+        """A flush on the schedule (the tick's, or the scheduler's poll):
+        the interval counts from here."""
+        self.last_flush = now
+        self.flush()
+
     def needs_seal(self) -> bool:
         """A step about to run may write into blocks whose keys were dropped
         while it was scheduled; where the daemon keeps a departed engine's
