@@ -235,7 +235,7 @@ VARIABLES: tuple[Variable, ...] = (
              "namespace (warm restart), as the first memory to yield; `0` drops them at once."),
     Variable("KVELASTIC_TIER_DIR", "tier_dir", "", parse_directory,
              "Daemon: a local directory (absolute) for the node's disk tier, shared by every engine: blocks "
-             "that leave device memory kept by value, and checked (CRC-32) on every read; rebuilt from what "
+             "that leave device memory kept by value, and checked (HMAC-SHA256) on every read; rebuilt from what "
              "the directory holds when the daemon starts. Empty: no tier. Departed engines' kept cache (when "
              "it expires, yields, or goes to another engine), cached slabs reclaimed from running engines and "
              "the blocks running engines are about to evict are demoted there (host backend); engines load "
@@ -243,6 +243,11 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVELASTIC_TIER_SIZE", "tier_size", "8GiB", parse_size,
              "Daemon: the disk tier's budget; when it is full the blocks of least value (hits, decayed, times "
              "cost per byte) go first."),
+    Variable("KVELASTIC_TIER_HOST_SIZE", "tier_host_size", "0", parse_optional_size,
+             "Daemon: a tier in host memory the daemon owns instead of a directory: the node's budget for it "
+             "(memfd pages, charged to the daemon's cgroup), shared by every engine and evicted by value as the "
+             "disk's is. `0`: none. It does not outlive the daemon (docs/tier.md); one medium at a time: not "
+             "with `KVELASTIC_TIER_DIR`."),
     Variable("KVELASTIC_TIER_EVENTS_ENDPOINT", "tier_events_endpoint", "", str,
              "Daemon, with a tier: ZMQ PUB endpoint of the tier stream (docs/kv-events.md), whose events carry "
              "every tenant's token ids. Default: beside an ipc:// node stream (`ipc://<socket>.kv-tier`, only the "
@@ -299,6 +304,7 @@ class Config:
     orphan_cache_ttl: float
     tier_dir: str
     tier_size: int
+    tier_host_size: int | None
     tier_events_endpoint: str
     tier_events_replay_endpoint: str
     tier_events_token_ids: bool

@@ -210,12 +210,13 @@ def render_status(status: dict) -> str:
 
 
 def _tier_lines(tier: dict | None) -> list[str]:
-    """The node's tier, when one is configured (KVELASTIC_TIER_DIR)."""
+    """The node's tier, when one is configured (KVELASTIC_TIER_DIR or KVELASTIC_TIER_HOST_SIZE)."""
     if not tier:
         return []
     counters = tier.get("counters", {})
     failed = sum(n for name, n in counters.items() if name.startswith("failures_"))
-    return [f"tier         {tier['blocks']} block(s), {fmt_bytes(tier['bytes'])} of {fmt_bytes(tier['budget_bytes'])}, "
+    return [f"tier         {tier.get('medium', 'disk')}: {tier['blocks']} block(s), {fmt_bytes(tier['bytes'])} of "
+            f"{fmt_bytes(tier['budget_bytes'])}, "
             f"{len(tier.get('namespaces', {}))} namespace(s); demoted {counters.get('demotions', 0)}, "
             f"promoted {counters.get('promotions', 0)}, lost {failed}"]
 

@@ -287,8 +287,9 @@ def tier_families(tier: TierStatus) -> Iterator[Metric]:
     for reason in TIER_EVICTION_REASONS:
         evictions.add_metric([reason], tier.counters.get(f"evictions_{reason}", 0))
     failures = CounterMetricFamily(f"{PREFIX}_tier_failures",
-                                   "Blocks lost to a failure: disk_full, io, torn, checksum, identity (bytes that "
-                                   "failed their check, never served), load (a load not finished), evicted_share "
+                                   "Blocks lost to a failure: disk_full, memory_full (the host tier's), io, torn, "
+                                   "checksum, identity (bytes that failed their check, never served), load (a load "
+                                   "not finished), evicted_share "
                                    "(a copy discarded unconfirmed for another tenant's share of the staging).",
                                    labels=["reason"])
     for reason in TIER_FAILURE_REASONS:

@@ -107,8 +107,9 @@ class TierShares(msgspec.Struct, kw_only=True):
 
 
 class TierStatus(msgspec.Struct, kw_only=True):
-    """The node's tier below device memory (``KVELASTIC_TIER_DIR``)."""
+    """The node's tier below device memory (``KVELASTIC_TIER_DIR`` or ``KVELASTIC_TIER_HOST_SIZE``)."""
     budget_bytes: int
+    medium: str = "disk"         # "disk" or "host" (memory the daemon owns)
     bytes: int                   # in use: blocks found, being written, or held by a load
     blocks: int                  # blocks that can be found, or will be once written
     writing: int = 0             # of those, blocks being written (or staged: source B)

@@ -175,18 +175,26 @@ def raise_fd_limit() -> None:
 
 
 def open_tier(config: Config, now: float, key: bytes) -> tuple[TierIndex, TierStore, list[StoredBlock]] | None:
-    """The node's disk tier (``KVELASTIC_TIER_DIR``), its index rebuilt from
-    what the directory holds; None when none is configured. The directory
-    must be the daemon's alone: blocks found there are served to engines as
-    their KV, so one that another user could write to, or a symbolic link
-    (whoever made it could re-point it), is refused. The store keeps the
-    folder it opened here whatever its path names later, and ``key`` (the
-    node's hash secret) proves each file it reads is this daemon's."""
+    """The node's tier, None when none is configured: on disk
+    (``KVELASTIC_TIER_DIR``), its index rebuilt from what the directory
+    holds, or in host memory (``KVELASTIC_TIER_HOST_SIZE``), empty. The
+    directory must be the daemon's alone: blocks found there are served to
+    engines as their KV, so one that another user could write to, or a
+    symbolic link (whoever made it could re-point it), is refused. The store
+    keeps the folder it opened here whatever its path names later, and
+    ``key`` (the node's hash secret) proves each file it reads is this
+    daemon's."""
+    if config.tier_dir and config.tier_host_size:
+        raise ConfigError("KVELASTIC_TIER_DIR and KVELASTIC_TIER_HOST_SIZE are both set: the tier has one "
+                          "medium at a time; unset one of them")
+    if config.tier_host_size:
+        log.info("tier in host memory: budget %d MiB, empty at start", config.tier_host_size >> 20)
+        return TierIndex(config.tier_host_size, medium="host"), open_store("host"), []
     if not config.tier_dir:
         return None
     where = f"KVELASTIC_TIER_DIR={config.tier_dir!r}"
     try:
-        store = open_store(config.tier_dir, key=key)
+        store = open_store("disk", config.tier_dir, key=key)
     except UntrustedTier as exc:
         raise ConfigError(f"{where}: {exc.why}") from None
     except OSError as exc:

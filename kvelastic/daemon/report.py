@@ -73,8 +73,8 @@ def status(books: Books, shares: TierShares | None = None) -> StatusReport:
 
 def tier_status(tier: TierIndex, shares: TierShares | None = None) -> TierStatus:
     namespaces = tier.namespaces()
-    return TierStatus(budget_bytes=tier.budget_bytes, bytes=tier.bytes_used, blocks=sum(namespaces.values()),
-                      writing=tier.writing(),
+    return TierStatus(budget_bytes=tier.budget_bytes, medium=tier.medium, bytes=tier.bytes_used,
+                      blocks=sum(namespaces.values()), writing=tier.writing(),
                       namespaces=namespaces, counters=tier.stats.counters(),
                       load_seconds=LoadLatency(buckets=list(LOAD_BUCKETS), counts=list(tier.stats.load_counts),
                                                sum=tier.stats.load_seconds_sum),

@@ -29,7 +29,7 @@ class Invalidate(Msg):
 class Invalidated(Msg):
     """The answer to ``Invalidate``: engines told to clear their index, and
     blocks of kept cache (departed engines') dropped, and blocks of the
-    node's tier (``KVELASTIC_TIER_DIR``) dropped."""
+    node's tier dropped."""
     engines: int
     kept_blocks: int
     tier_blocks: int = 0

@@ -64,3 +64,10 @@ class TierDiskFull(TierWriteError):
     """The file system is full (ENOSPC, or EDQUOT: a quota); no file was left."""
 
     reason = "disk_full"
+
+
+class TierMemoryFull(TierWriteError):
+    """Host memory for the tier ran out (ENOMEM, ENOSPC: the kernel or the
+    daemon's cgroup had no page to give); nothing of the block was kept."""
+
+    reason = "memory_full"

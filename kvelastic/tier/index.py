@@ -55,8 +55,10 @@ MAX_BLOCK_BYTES = 64 << 20
 class TierIndex(TierBooks):
     """The tier's index and eviction (module docstring)."""
 
-    def __init__(self, budget_bytes: int, *, half_life: float = 300.0, pins: PinBooks | None = None) -> None:
+    def __init__(self, budget_bytes: int, *, half_life: float = 300.0, pins: PinBooks | None = None,
+                 medium: str = "disk") -> None:
         super().__init__(budget_bytes, half_life=half_life)
+        self.medium = medium                                # what holds the bytes (``media.MEDIA``): for reports
         self.pins = PinBooks() if pins is None else pins    # each tenant's share, each block's stretch
 
     def check(self) -> None:

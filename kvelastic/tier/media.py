@@ -1,21 +1,31 @@
 """The tier's medium chosen in one place: the daemon opens its store here
-and holds it as a ``TierStore`` (``store.py``), so a second medium (host
-memory) is one more branch here and a module beside ``disk.py``."""
+and holds it as a ``TierStore`` (``store.py``). Two media: the disk
+(``disk.py``: a file a block in a folder only the daemon may write, rebuilt
+after a restart) and host memory (``host.py``: the daemon's own, gone with
+it)."""
 
 from __future__ import annotations
 
 import os
 
 from kvelastic.tier.disk import DiskStore, UntrustedTierDir
+from kvelastic.tier.host import HostStore
 from kvelastic.tier.store import TierStore
+
+MEDIA = ("disk", "host")
 
 # Raised when the place the tier was told to use is not the daemon's alone
 # (its ``why`` says so, for the operator).
 UntrustedTier = UntrustedTierDir
 
 
-def open_store(directory: str | os.PathLike[str], *, key: bytes | None) -> TierStore:
-    """The tier's store at ``directory`` (the disk: a file a block), whose
-    reads ``key`` (the node's hash secret) proves this daemon's. Raises
+def open_store(medium: str, directory: str | os.PathLike[str] = "", *, key: bytes | None = None) -> TierStore:
+    """The tier's store: ``"disk"`` at ``directory`` (a file a block), whose
+    reads ``key`` (the node's hash secret) proves this daemon's; ``"host"``:
+    host memory (no directory, no key: nobody else can write it). Raises
     ``UntrustedTier`` or ``OSError``."""
+    if medium == "host":
+        return HostStore()
+    if medium != "disk":
+        raise ValueError(f"unknown tier medium {medium!r} (one of {MEDIA})")
     return DiskStore(directory, key=key)

@@ -10,7 +10,7 @@ import dataclasses
 # demotion ("value"), its namespace invalidated ("invalidate"), or the tier
 # found over its budget when rebuilt after a restart ("budget").
 EVICTION_REASONS = ("value", "invalidate", "budget")
-# Why a block was lost: a write that failed (disk full, an I/O error), bytes
+# Why a block was lost: a write that failed (the disk or host memory full, an I/O error), bytes
 # that failed their check when read (torn, checksum, identity), an I/O error
 # on read ("io"), a load the engine did not finish (killed mid-load: "load"),
 # or a running engine's block copied while still cached (source B) that the
@@ -18,7 +18,7 @@ EVICTION_REASONS = ("value", "invalidate", "budget")
 # been rewritten while read) or never confirmed (it left, resent its index or
 # ran past the deadline: "unconfirmed"), or discarded unconfirmed to give
 # another tenant its share of the staging ("evicted_share").
-FAILURE_REASONS = ("disk_full", "io", "torn", "checksum", "identity", "load", "raced", "unconfirmed",
+FAILURE_REASONS = ("disk_full", "memory_full", "io", "torn", "checksum", "identity", "load", "raced", "unconfirmed",
                    "evicted_share")
 # What a tenant (uid) was refused of what the node's tier shares, each
 # counted once per refusal: a lookup cut short or refused because its

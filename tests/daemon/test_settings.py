@@ -392,6 +392,17 @@ def _tier_size(node: Node, request: pytest.FixtureRequest) -> None:
     assert tier is not None and tier.budget_bytes == 3 << 20
 
 
+@probe("KVELASTIC_TIER_HOST_SIZE")
+def _tier_host_size(node: Node, request: pytest.FixtureRequest) -> None:
+    tier = node.daemon(KVELASTIC_TIER_HOST_SIZE="3MiB").request(p.Status()).status.tier
+    assert tier is not None and (tier.medium, tier.budget_bytes, tier.blocks) == ("host", 3 << 20, 0)
+    (node.tmp / "both").mkdir()
+    both = DaemonProcess(node.tmp / "both", memory="16MiB")          # one medium at a time: refused, said why
+    both.env.update(KVELASTIC_TIER_HOST_SIZE="3MiB", KVELASTIC_TIER_DIR=str(short_dir(node.tmp) / "tier"))
+    with pytest.raises(RuntimeError, match="KVELASTIC_TIER_DIR and KVELASTIC_TIER_HOST_SIZE are both set"):
+        both.start()
+
+
 # The tier stream's settings: the probes live beside its tests (tests/tier/test_tier_stream_tcp.py).
 @probe("KVELASTIC_TIER_EVENTS_ENDPOINT")
 @probe("KVELASTIC_TIER_EVENTS_REPLAY_ENDPOINT")

@@ -231,8 +231,8 @@ def test_every_panel_query_returns_data_that_agrees_with_the_workload(run):
         {"A": status["tier"]["bytes"], "B": status["tier"]["budget_bytes"]}
     lost = by(results[("Node tier blocks lost per second", "A")], "reason")
     # Every reason has a series.
-    assert set(lost) == {"disk_full", "io", "torn", "checksum", "identity", "load", "raced", "unconfirmed",
-                         "evicted_share"}
+    assert set(lost) == {"disk_full", "memory_full", "io", "torn", "checksum", "identity", "load", "raced",
+                         "unconfirmed", "evicted_share"}
     assert set(lost.values()) == {0.0}          # the torn block was dropped at start: no loss since
     assert status["tier"]["counters"]["failures_torn"] == 1
     assert by(results[("Node tier blocks", "A")], "namespace") == {"llama": 2 + counters["demotions"]} == \

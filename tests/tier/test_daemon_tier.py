@@ -69,7 +69,8 @@ def test_the_tier_is_rebuilt_shown_invalidated_and_kept_across_a_restart(tmp_pat
         assert metric(text, 'kvelastic_tier_blocks{namespace="model-a"}') == 5
         assert metric(text, 'kvelastic_tier_failures_total{reason="torn"}') == 2
         assert metric(text, "kvelastic_tier_bytes") == 6 * BLOCK
-        assert "tier         6 block(s), 384.0 KiB of 1.0 MiB, 2 namespace(s)" in kvelastic(daemon, "status").stdout
+        shown = kvelastic(daemon, "status").stdout
+        assert "tier         disk: 6 block(s), 384.0 KiB of 1.0 MiB, 2 namespace(s)" in shown
 
         before = daemon.status()
         unknown = kvelastic(daemon, "invalidate", "model-c")

@@ -95,13 +95,17 @@ def node():
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def kept_cache_demoting(daemon: DaemonProcess) -> str:
-    """Alice's engine caches BLOCKS blocks and is killed; its kept cache
-    expires into the tier. Returns its namespace (as the daemon names it)
-    once the writer has blocks of it queued."""
+def kept_cache_demoting(daemon: DaemonProcess, tier: pathlib.Path) -> str:
+    """Alice's engine fills its slabs with cached blocks and dies; its kept cache
+    expires into the tier. Returns its namespace (as the daemon names it, read
+    while it runs) once the writer has begun: its first file is in the folder.
+    Why the folder and not ``status``: the status snapshot comes once the loop's
+    pass that read the blocks ends, and on a quiet machine the writer has
+    finished by then (it writes as fast as the loop reads)."""
     a = EngineProcess(daemon.socket, "a", user=ALICE, namespace="llama", ppw=2, bps=BPS, **KEEP)
     try:
         assert a.do("ensure", n=BLOCKS, timeout=60)["ok"]
+        (namespace,) = {e["namespace"] for e in daemon.status()["engines"]}
         step = a.do("step")["step"]
         assert a.do("alloc", n=BLOCKS)["ok"]
         a.do("cache", prefix="sys")
@@ -112,9 +116,7 @@ def kept_cache_demoting(daemon: DaemonProcess) -> str:
         a.do("flush")
     finally:
         a.kill()
-    wait_for(lambda: daemon.status()["tier"]["writing"] > 0, timeout=30, interval=0.005,
-             what="the kept cache's demotion under way")
-    (namespace,) = daemon.status()["tier"]["namespaces"]
+    wait_for(lambda: any(os.scandir(tier)), timeout=30, interval=0.001, what="the kept cache's demotion under way")
     return namespace
 
 
@@ -122,7 +124,7 @@ def kept_cache_demoting(daemon: DaemonProcess) -> str:
 def test_a_restart_right_after_an_invalidation_restores_nothing_of_it(node, stop):
     folder, tier, start = node
     daemon = start()
-    namespace = kept_cache_demoting(daemon)
+    namespace = kept_cache_demoting(daemon, tier)
     done = daemon.request(p.Invalidate(target=namespace), timeout=30)
     assert isinstance(done, p.Invalidated) and done.tier_blocks == BLOCKS, done
     # The writer had blocks queued: they are cancelled, not written (the test proves the case it claims).

@@ -50,9 +50,12 @@ def settled(daemon) -> dict:
                     what="the engine gone and its kept cache demoted")
 
 
-def tier_daemon(daemon_factory, tmp_path):
-    """A daemon with a disk tier (its folder returned too) whose kept cache
-    expires in a second, so a departed engine's blocks reach the tier soon."""
+def tier_daemon(daemon_factory, tmp_path, medium: str = "disk"):
+    """A daemon with a tier whose kept cache expires in a second, so a
+    departed engine's blocks reach the tier soon: on disk (its folder
+    returned too) or in host memory (no folder: None)."""
+    if medium == "host":
+        return daemon_factory(memory="64MiB", KVELASTIC_TIER_HOST_SIZE="256MiB", KVELASTIC_ORPHAN_CACHE_TTL="1s"), None
     folder = short_dir(tmp_path) / "tier"
     folder.mkdir(mode=0o700)
     return daemon_factory(memory="64MiB", KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="256MiB",
@@ -114,6 +117,46 @@ def test_kept_cache_is_demoted_and_promoted_by_the_next_engine(daemon_factory, t
     third.exit()
 
 
+def test_a_host_memory_tier_serves_the_next_engine_and_an_invalidation_reaches_it(daemon_factory, tiny_model,
+                                                                                   tmp_path):
+    """The tier in the daemon's own memory (``KVELASTIC_TIER_HOST_SIZE``), as
+    on a GPU node: what the first engine left is promoted by the next with
+    stock's tokens; another tenant finds nothing; ``invalidate`` of the
+    namespace empties it of that namespace, and the engine after promotes
+    nothing and still computes stock's tokens."""
+    from kvelastic import protocol as p
+
+    stock = run_engine.Stock(tiny_model)
+    expected = stock.do("workload")["tokens"]
+    stock.exit()
+    daemon, _ = tier_daemon(daemon_factory, tmp_path, "host")
+    first = served_and_demoted(tiny_model, daemon)
+    demoted = first["tier"]
+    assert first["tokens"] == expected and demoted["medium"] == "host" and demoted["blocks"] > 0
+    (namespace,) = demoted["namespaces"]
+
+    second = TierEngine(tiny_model, daemon, KVELASTIC_ENGINE_ID="second")
+    assert second.do("workload")["tokens"] == expected
+    promoted = counters(daemon)["promotions"]
+    assert promoted > 0 and counters(daemon)["hit_blocks"] >= promoted
+    second.exit()
+    settled(daemon)
+
+    hits = counters(daemon)["hit_blocks"]
+    other = TierEngine(tiny_model, daemon, KVELASTIC_ENGINE_ID="other", KVELASTIC_TENANT_SALT="another-tenant")
+    assert other.do("workload")["tokens"] == expected and counters(daemon)["hit_blocks"] == hits
+    other.exit()
+    settled(daemon)
+
+    done = daemon.request(p.Invalidate(target=namespace), timeout=30)
+    assert isinstance(done, p.Invalidated) and done.tier_blocks > 0
+    assert namespace not in tier(daemon)["namespaces"]
+    third = TierEngine(tiny_model, daemon, KVELASTIC_ENGINE_ID="third")
+    assert third.do("workload")["tokens"] == expected and counters(daemon)["promotions"] == promoted
+    print(f"host tier: {demoted['blocks']} block(s) demoted, {promoted} promoted, {done.tier_blocks} invalidated")
+    third.exit()
+
+
 def test_two_tensor_parallel_workers_each_load_their_part(daemon_factory, tiny_model, tmp_path):
     """TP=2: the daemon demotes both workers' halves of each block (rank
     after rank); each worker of the next engine copies its own half back.
@@ -165,7 +208,9 @@ def test_blocks_a_running_engine_evicts_reach_the_tier_while_it_runs(daemon_fact
     first.exit()
 
 
-def test_an_engine_killed_in_the_middle_of_a_load_loses_nothing_but_its_load(daemon_factory, tiny_model, tmp_path):
+@pytest.mark.parametrize("medium", ["disk", "host"])
+def test_an_engine_killed_in_the_middle_of_a_load_loses_nothing_but_its_load(daemon_factory, tiny_model, tmp_path,
+                                                                             medium):
     """``kill -9`` of the engine process holding a lease on the tier's blocks,
     mid-load: its lease ends with it (counted as a failed load), the blocks
     stay in the tier, and the next engine loads them with stock's tokens."""
@@ -175,8 +220,9 @@ def test_an_engine_killed_in_the_middle_of_a_load_loses_nothing_but_its_load(dae
     stock = run_engine.Stock(tiny_model)
     expected = stock.do("workload")["tokens"]
     stock.exit()
-    daemon, _ = tier_daemon(daemon_factory, tmp_path)
+    daemon, _ = tier_daemon(daemon_factory, tmp_path, medium)
     demoted = served_and_demoted(tiny_model, daemon)["tier"]
+    assert demoted["medium"] == medium
     marker = tmp_path / "stalled"
     stalled = TierEngine(tiny_model, daemon, "--stall", KVELASTIC_ENGINE_ID="stalled",
                          KVELASTIC_TEST_STALLED=str(marker))
