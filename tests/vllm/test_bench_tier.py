@@ -1,5 +1,5 @@
 """``kvelastic bench tier --quick --json``: stock vLLM against kvelastic with
-the node tier (docs/tier.md) on the tiny model, through the CLI as a user
+the node tier (docs/tier.md) on disk and in host memory, on the tiny model, through the CLI as a user
 runs it: two engine slots, every visit on a new engine, so the second pass
 over the system prompts finds them in the tier (demoted from the departed
 engines' kept cache) and loads them through ``KvelasticTierConnector``.
@@ -43,6 +43,13 @@ def test_bench_tier_quick_loads_demoted_blocks_with_the_same_tokens(tmp_path):
     for mode in (stock, tier):
         assert 0 < mode["ttft_p50_ms"] <= mode["ttft_p90_ms"] <= mode["ttft_p99_ms"]
         assert mode["throughput_tok_s"] > 0
+    # The tier in the daemon's host memory: the same loads from another medium, the same tokens.
+    host = out["modes"]["tier_host"]
+    assert "error" not in host and host["requests"] == 8 and host["same_tokens_as_stock"]
+    assert host["tier"]["medium"] == "host" and tier["tier"]["medium"] == "disk"
+    assert host["tier"]["promotions"] > 0 and host["external_hit_tokens"] == 32 * host["tier"]["promotions"]
+    assert stock["hit_rate"] < host["hit_rate"] <= host["oracle_hit_rate"] == tier["oracle_hit_rate"]
+    assert out["tier_host_vs_tier"]["hit_rate"] == [host["hit_rate"], tier["hit_rate"]]
     assert png.stat().st_size > 0
 
 

@@ -20,6 +20,8 @@ request at a time:
 - ``kvelastic``: the daemon (budget ``memory``), no tier;
 - ``tier``: the daemon with ``KVELASTIC_TIER_DIR``, the engines with
   ``KvelasticTierConnector``;
+- ``tier_host``: the same with the tier in the daemon's host memory
+  (``KVELASTIC_TIER_HOST_SIZE``, the same budget);
 - ``kvelastic_ttl10m``: kvelastic without the tier at its default kept-cache
   TTL (10 minutes: kept cache waits for a warm start, or yields to demand);
 - ``offload``: stock vLLM with its ``OffloadingConnector`` (host memory as
@@ -86,8 +88,9 @@ from kvelastic_tools.vllm_bench.tier_model import Workload
 MiB = 1 << 20
 TTL = "200ms"
 TIER_SIZE = "1GiB"
-MODES = ("stock", "kvelastic", "tier", "kvelastic_ttl10m", "offload", "simple_offload", "lmcache")
-QUICK_MODES = ("stock", "tier")
+MODES = ("stock", "kvelastic", "tier", "tier_host", "kvelastic_ttl10m", "offload", "simple_offload", "lmcache")
+QUICK_MODES = ("stock", "tier", "tier_host")
+TIER_MEDIA = {"tier": "disk", "tier_host": "host"}     # the modes with a tier, and its medium
 SWEEP = (32, 128, 256, 512, 1024, 2016)   # L + 1 tokens within the tiny model's 2,048 positions
 REPEATS = 3                               # prompts per L (the median is reported)
 QUICK_SWEEP = (32, 256)
@@ -160,16 +163,19 @@ def fork_server(folder: pathlib.Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def daemon(folder: pathlib.Path, memory: int, tier: bool, ttl: str = TTL) -> Iterator[str]:
-    """A kvelastic daemon (host backend), with a disk tier in ``folder/tier`` if ``tier``; yields its socket."""
+def daemon(folder: pathlib.Path, memory: int, tier: str | None, ttl: str = TTL) -> Iterator[str]:
+    """A kvelastic daemon (host backend), with a tier of medium ``tier`` (``"disk"``: in ``folder/tier``;
+    ``"host"``: in its memory; None: none); yields its socket."""
 
     sock = str(folder / "kvelastic.sock")
     env = dict(os.environ, KVELASTIC_SOCKET=sock, KVELASTIC_MEMORY=str(memory), KVELASTIC_BACKEND="host",
                KVELASTIC_METRICS_PORT="0", KVELASTIC_LOG_LEVEL="info", KVELASTIC_ORPHAN_CACHE_TTL=ttl,
                KVELASTIC_IDLE_GRACE="1s", KVELASTIC_HOLD_DOWN="2s")
-    if tier:
+    if tier == "disk":
         (folder / "tier").mkdir(mode=0o700)
         env.update(KVELASTIC_TIER_DIR=str(folder / "tier"), KVELASTIC_TIER_SIZE=TIER_SIZE)
+    elif tier == "host":
+        env.update(KVELASTIC_TIER_HOST_SIZE=TIER_SIZE)
     proc = vllm_serve.start_daemon(env, folder / "daemon.log")
     try:
         yield sock
@@ -184,7 +190,7 @@ def _tier_counters(sock: str) -> dict[str, Any]:
 
     tier = get_status(sock).get("tier") or {}
     counters = tier.get("counters", {})
-    out = {"blocks": tier.get("blocks", 0)}
+    out = {"blocks": tier.get("blocks", 0), "medium": tier.get("medium")}
     for name in ("demotions", "demotions_evicted", "demotions_reclaimed", "already_held", "rejected_full",
                  "promotions", "hit_blocks", "lookups", "lookup_blocks"):
         out[name] = counters.get(name, 0)
@@ -212,14 +218,14 @@ def _ms(values: list[float], q: float) -> float | None:
 
 def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, server: str) -> dict[str, Any]:
     """The whole trace in ``mode``: per-request results and the mode's figures."""
-    elastic = mode in ("kvelastic", "tier", "kvelastic_ttl10m")
+    elastic = mode in ("kvelastic", "kvelastic_ttl10m", *TIER_MEDIA)
     kv_bytes = w.per_engine
     requests: list[dict[str, Any]] = []
     starts: list[float] = []
     lives = 0
     with contextlib.ExitStack() as stack:
         ttl = "10m" if mode == "kvelastic_ttl10m" else TTL
-        sock = stack.enter_context(daemon(folder, w.memory, mode == "tier", ttl)) if elastic else None
+        sock = stack.enter_context(daemon(folder, w.memory, TIER_MEDIA.get(mode), ttl)) if elastic else None
 
         def start(slot: int) -> Engine:
             nonlocal lives
@@ -262,7 +268,7 @@ def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, 
             if turn + 1 < w.turns:
                 history[v] = prompt + out["tokens"]
         wall = time.monotonic() - started
-        tier = _tier_counters(sock) if mode == "tier" and sock else None
+        tier = _tier_counters(sock) if mode in TIER_MEDIA and sock else None
     oracle = tier_model.oracle_hits([(r["prompt"], r["tokens"]) for r in requests])
     queries = sum(len(r["prompt"]) for r in requests)
     hits = sum(r["hits"] + r["external"] for r in requests)
@@ -305,7 +311,7 @@ def crossover(name: str, sweep: tuple[int, ...], folder: pathlib.Path, server: s
     rng = random.Random(11)
     prompts = [[[rng.randrange(3, tier_model.VOCAB_SIZE) for _ in range(n + 1)] for n in sweep] for _ in range(repeats)]
     warm = [rng.randrange(3, tier_model.VOCAB_SIZE) for _ in range(40)]
-    with daemon(folder, memory, tier=True) as sock:
+    with daemon(folder, memory, tier="disk") as sock:
         log = folder / "engine-crossover.log"
         first = Engine(server, model, "kvelastic", memory, max_len, log, sock, f"{name}-compute")
         first.req(warm, 1)      # the first step's one-off costs, outside the figures
@@ -354,6 +360,21 @@ def _targets(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "same_tokens": bool(tier.get("same_tokens_as_stock")),
     }
     return out
+
+
+def _media(modes: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The host medium against the disk on the same trace: the same hits are
+    expected (the same index, budget and demotions), so what differs is a
+    load's cost (TTFT of revisits, throughput)."""
+    host, disk = modes.get("tier_host", {}), modes.get("tier", {})
+    if "hit_rate" not in host or "hit_rate" not in disk:
+        return None
+
+    def ratio(key: str) -> float | None:
+        return round(host[key] / disk[key], 3) if host.get(key) and disk.get(key) else None
+
+    return {"hit_rate": [host["hit_rate"], disk["hit_rate"]], "ttft_p50": ratio("ttft_p50_ms"),
+            "ttft_revisit_p50": ratio("ttft_revisit_p50_ms"), "throughput": ratio("throughput_tok_s")}
 
 
 def run(quick: bool = False, png: str | None = None, modes: tuple[str, ...] | None = None,
@@ -409,6 +430,7 @@ def run(quick: bool = False, png: str | None = None, modes: tuple[str, ...] | No
         "crossover": curves,
         "targets": TARGETS,
         "tier_vs_kvelastic": _targets(results),
+        "tier_host_vs_tier": _media(results),
         "total_s": round(time.monotonic() - started, 1),
     }
     if png is None:

@@ -18,7 +18,8 @@ def plot(path: str, out: dict[str, Any], ttfts: dict[str, list[float]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    order = ("stock", "kvelastic", "tier", "kvelastic_ttl10m")     # tier.MODES' order (a saved JSON sorts its keys)
+    # tier.MODES' order (a saved JSON sorts its keys)
+    order = ("stock", "kvelastic", "tier", "tier_host", "kvelastic_ttl10m")
     modes = sorted((m for m, r in out["modes"].items() if "error" not in r),
                    key=lambda m: (order.index(m) if m in order else len(order), m))
     curves = {k: v for k, v in out.get("crossover", {}).items() if "points" in v}

@@ -45,7 +45,7 @@ TIER_CONNECTOR = {"kv_connector": "KvelasticTierConnector", "kv_connector_module
 
 
 def transfer_config(mode: str, cpu_bytes: int) -> dict | None:
-    if mode == "tier":
+    if mode in ("tier", "tier_host"):
         return TIER_CONNECTOR
     if mode == "offload":
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
