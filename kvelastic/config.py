@@ -244,10 +244,10 @@ VARIABLES: tuple[Variable, ...] = (
              "Daemon: the disk tier's budget; when it is full the blocks of least value (hits, decayed, times "
              "cost per byte) go first."),
     Variable("KVELASTIC_TIER_HOST_SIZE", "tier_host_size", "0", parse_optional_size,
-             "Daemon: a tier in host memory the daemon owns instead of a directory: the node's budget for it "
-             "(memfd pages, charged to the daemon's cgroup), shared by every engine and evicted by value as the "
-             "disk's is. `0`: none. It does not outlive the daemon (docs/tier.md); one medium at a time: not "
-             "with `KVELASTIC_TIER_DIR`."),
+             "Daemon: the node's tier in host memory the daemon owns (memfd pages, charged to the daemon's "
+             "cgroup): its budget, shared by every engine. With `KVELASTIC_TIER_DIR` it sits above the disk: "
+             "blocks enter it and the least valuable move down to the disk (then leave by value); alone, the "
+             "tier is in memory only. `0`: none. It does not outlive the daemon (docs/tier.md)."),
     Variable("KVELASTIC_TIER_EVENTS_ENDPOINT", "tier_events_endpoint", "", str,
              "Daemon, with a tier: ZMQ PUB endpoint of the tier stream (docs/kv-events.md), whose events carry "
              "every tenant's token ids. Default: beside an ipc:// node stream (`ipc://<socket>.kv-tier`, only the "

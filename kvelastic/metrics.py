@@ -259,14 +259,19 @@ TIER_COUNTERS = (
     ("tier_hit_blocks", "hit_blocks", "Blocks the tier held when asked (pinned for a load)."),
     ("tier_rejected_full", "rejected_full", "Demotions refused: the room left is held by loads and writes."),
     ("tier_restored", "restored", "Blocks found whole on disk when the daemon started."),
+    ("tier_moved_down", "moved_down",
+     "Blocks moved from the tier's host memory down to its disk to make room above (KVELASTIC_TIER_HOST_SIZE "
+     "with KVELASTIC_TIER_DIR)."),
     ("tier_staging_retried", "staging_retried",
      "Blocks of running engines copied on a later journal, once refused for room in the staging."),
 )
 
 
 def tier_families(tier: TierStatus) -> Iterator[Metric]:
-    """The node's tier (``KVELASTIC_TIER_DIR``): only when one is configured."""
-    budget = GaugeMetricFamily(f"{PREFIX}_tier_budget_bytes", "The node's tier's budget (KVELASTIC_TIER_SIZE).")
+    """The node's tier (``KVELASTIC_TIER_DIR``, ``KVELASTIC_TIER_HOST_SIZE``): only when one is configured."""
+    budget = GaugeMetricFamily(f"{PREFIX}_tier_budget_bytes",
+                               "The node's tier's budget, every medium's (KVELASTIC_TIER_SIZE, "
+                               "KVELASTIC_TIER_HOST_SIZE).")
     budget.add_metric([], tier.budget_bytes)
     used = GaugeMetricFamily(f"{PREFIX}_tier_bytes",
                              "Bytes in the tier: blocks that can be found, being written, or held by a load.")
@@ -275,7 +280,14 @@ def tier_families(tier: TierStatus) -> Iterator[Metric]:
                                labels=["namespace"])
     for namespace, n in sorted(tier.namespaces.items()):
         blocks.add_metric([namespace], n)
-    yield from (budget, used, blocks)
+    level_budget = GaugeMetricFamily(f"{PREFIX}_tier_medium_budget_bytes", "Each medium's budget of the tier.",
+                                     labels=["medium"])
+    level_used = GaugeMetricFamily(f"{PREFIX}_tier_medium_bytes", "Bytes each medium of the tier holds now.",
+                                   labels=["medium"])
+    for level in tier.levels:
+        level_budget.add_metric([level.medium], level.budget_bytes)
+        level_used.add_metric([level.medium], level.bytes)
+    yield from (budget, used, blocks, level_budget, level_used)
     for name, key, help_ in TIER_COUNTERS:
         family = CounterMetricFamily(f"{PREFIX}_{name}", help_)
         family.add_metric([], tier.counters.get(key, 0))

@@ -106,10 +106,18 @@ class TierShares(msgspec.Struct, kw_only=True):
     tenants: dict[str, TenantTierShare] = {}   # uid (as text, as JSON has it) -> what it holds now
 
 
+class TierLevelStatus(msgspec.Struct, kw_only=True):
+    """One medium of the tier (the top first): its budget and the bytes it holds now."""
+    medium: str
+    budget_bytes: int
+    bytes: int
+
+
 class TierStatus(msgspec.Struct, kw_only=True):
     """The node's tier below device memory (``KVELASTIC_TIER_DIR`` or ``KVELASTIC_TIER_HOST_SIZE``)."""
     budget_bytes: int
-    medium: str = "disk"         # "disk" or "host" (memory the daemon owns)
+    medium: str = "disk"         # "disk", "host" (memory the daemon owns) or "host+disk" (host above)
+    levels: list[TierLevelStatus] = []      # per medium, the top first
     bytes: int                   # in use: blocks found, being written, or held by a load
     blocks: int                  # blocks that can be found, or will be once written
     writing: int = 0             # of those, blocks being written (or staged: source B)

@@ -96,6 +96,16 @@ class DeleteTierBlocks:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoveTierBlocks:
+    """Move the bytes of ``slots`` one medium down (host memory to disk): the
+    index moved them there to make room above (``TierIndex.take_moves``); each
+    comes back as a write done or failed."""
+
+    slots: tuple[int, ...]
+    nbytes: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class DemoteBlock:
     """One block to write to the tier at ``slot`` (reserved): its bytes are
     ``runs`` (device, page id, offset, length) of pages nobody maps, in order."""
@@ -106,6 +116,7 @@ class DemoteBlock:
     cost: float
     runs: tuple[tuple[str, int, int, int], ...]
     label: bytes = b""      # the engine's KV event for it, kept on disk for a restarted daemon to publish
+    level: int = 0          # the tier's medium it goes to (0: the top; ``TierIndex.level_of``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,4 +160,4 @@ class ReadTierBlock:
 
 
 Effect = Send | SendPages | CreatePages | ReleasePages | Publish | Rejected | GrantLatency | DeleteTierBlocks | \
-    DemoteBlocks | WriteStaged | ReadTierBlock
+    MoveTierBlocks | DemoteBlocks | WriteStaged | ReadTierBlock

@@ -177,37 +177,38 @@ def raise_fd_limit() -> None:
 def open_tier(config: Config, now: float, key: bytes) -> tuple[TierIndex, TierStore, list[StoredBlock]] | None:
     """The node's tier, None when none is configured: on disk
     (``KVELASTIC_TIER_DIR``), its index rebuilt from what the directory
-    holds, or in host memory (``KVELASTIC_TIER_HOST_SIZE``), empty. The
+    holds; in host memory (``KVELASTIC_TIER_HOST_SIZE``), empty; or both,
+    host memory above the disk (blocks enter above and move down). The
     directory must be the daemon's alone: blocks found there are served to
     engines as their KV, so one that another user could write to, or a
     symbolic link (whoever made it could re-point it), is refused. The store
     keeps the folder it opened here whatever its path names later, and
     ``key`` (the node's hash secret) proves each file it reads is this
     daemon's."""
-    if config.tier_dir and config.tier_host_size:
-        raise ConfigError("KVELASTIC_TIER_DIR and KVELASTIC_TIER_HOST_SIZE are both set: the tier has one "
-                          "medium at a time; unset one of them")
-    if config.tier_host_size:
-        log.info("tier in host memory: budget %d MiB, empty at start", config.tier_host_size >> 20)
-        return TierIndex(config.tier_host_size, medium="host"), open_store("host"), []
+    host = config.tier_host_size
+    if host and not config.tier_dir:
+        log.info("tier in host memory: budget %d MiB, empty at start", host >> 20)
+        return TierIndex(host, media=("host",)), open_store("host"), []
     if not config.tier_dir:
         return None
     where = f"KVELASTIC_TIER_DIR={config.tier_dir!r}"
     try:
-        store = open_store("disk", config.tier_dir, key=key)
+        store = open_store("host+disk" if host else "disk", config.tier_dir, key=key)
     except UntrustedTier as exc:
         raise ConfigError(f"{where}: {exc.why}") from None
     except OSError as exc:
         raise ConfigError(f"{where}: cannot use it ({exc.strerror or exc})") from None
     try:
-        index = TierIndex(config.tier_size)
+        index = TierIndex(host, media=("host", "disk"), lower_bytes=config.tier_size) if host else \
+            TierIndex(config.tier_size)
         found = rebuild(index, store, now)
     except OSError as exc:
         store.close()
         raise ConfigError(f"{where}: cannot use it ({exc.strerror or exc})") from None
     dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(found.dropped.items())) or "none"
-    log.info("tier %s: %d block(s) in %d MiB of %d MiB rebuilt from disk; files dropped: %s", config.tier_dir,
-             sum(index.namespaces().values()), index.bytes_used >> 20, config.tier_size >> 20, dropped)
+    log.info("tier %s: %d block(s) in %d MiB of %d MiB rebuilt from disk; files dropped: %s%s", config.tier_dir,
+             sum(index.namespaces().values()), index.bytes_used >> 20, config.tier_size >> 20, dropped,
+             f"; host memory above it: budget {host >> 20} MiB" if host else "")
     return index, store, found.entries
 
 

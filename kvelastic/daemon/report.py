@@ -17,6 +17,7 @@ from kvelastic.status_report import (
     PageCounts,
     StatusReport,
     TenantTierShare,
+    TierLevelStatus,
     TierShares,
     TierStatus,
 )
@@ -73,7 +74,9 @@ def status(books: Books, shares: TierShares | None = None) -> StatusReport:
 
 def tier_status(tier: TierIndex, shares: TierShares | None = None) -> TierStatus:
     namespaces = tier.namespaces()
-    return TierStatus(budget_bytes=tier.budget_bytes, medium=tier.medium, bytes=tier.bytes_used,
+    levels = [TierLevelStatus(medium=m, budget_bytes=b, bytes=u)
+              for m, b, u in zip(tier.media, tier.budgets, tier.level_used, strict=True)]
+    return TierStatus(budget_bytes=tier.budget_bytes, medium=tier.medium, levels=levels, bytes=tier.bytes_used,
                       blocks=sum(namespaces.values()), writing=tier.writing(),
                       namespaces=namespaces, counters=tier.stats.counters(),
                       load_seconds=LoadLatency(buckets=list(LOAD_BUCKETS), counts=list(tier.stats.load_counts),

@@ -446,6 +446,9 @@ class Daemon:
             self.tier_io.delete(effect.slots)
             self.tier_io.forget(effect.slots)       # the reader lets go of them
             return self.allocator.tier_deleted(effect.slots)     # announced ones: published removed
+        elif isinstance(effect, fx.MoveTierBlocks):  # host memory to disk, on the writer: ``_tier_writes``
+            failed = self.tier_io.move(effect)
+            return self.allocator.tier_written([], failed, now) if failed else []
         elif isinstance(effect, fx.DemoteBlocks):    # read before the ReleasePages that follow it
             staged, failed = self.tier_io.demote(effect)
             if effect.staged:                        # before the TierCopied that follows it

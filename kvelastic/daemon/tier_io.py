@@ -35,7 +35,7 @@ from kvelastic.daemon.devices import Device
 from kvelastic.status_report import TierReads
 from kvelastic.tier.reader import REFUSALS, ReadJob, TierReader
 from kvelastic.tier.store import TierStore
-from kvelastic.tier.writer import TierWriter, WriteJob
+from kvelastic.tier.writer import MoveJob, TierWriter, WriteJob
 
 log = logging.getLogger("kvelastic.daemon")
 
@@ -116,7 +116,16 @@ class TierIO:
             failed.append((block.slot, "io"))
         else:
             self.writer.submit(WriteJob(block.slot, namespace, block.key, block.parent, block.cost, payload,
-                                        block.label))
+                                        block.label, block.level))
+
+    def move(self, effect: fx.MoveTierBlocks) -> list[tuple[int, str]]:
+        """Hand the moves down to the writer (after the writes queued before
+        them); [(failed slot, reason)] at once when there is no writer."""
+        if self.writer is None:
+            return [(slot, "io") for slot in effect.slots]
+        for slot, nbytes in zip(effect.slots, effect.nbytes, strict=True):
+            self.writer.submit(MoveJob(slot, nbytes))
+        return []
 
     def delete(self, slots: tuple[int, ...]) -> None:
         """Delete these slots' files now: a staged copy or a queued write of

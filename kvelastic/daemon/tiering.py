@@ -238,11 +238,14 @@ class Tiering:
             slot = tier.reserve(namespace, c.key, nbytes, cost, books.now, par)
             parent = None if staged else c.key
             if slot is not None:
-                blocks.append(fx.DemoteBlock(slot, c.key, par, cost, tuple(runs), c.label))
+                blocks.append(fx.DemoteBlock(slot, c.key, par, cost, tuple(runs), c.label, tier.level_of(slot)))
                 out.append((slot, c))
                 event = tier_stored(c.key, c.label)
                 if event is not None and books.events:
                     self._announcing[slot] = (namespace, c.key, event)
+        moves = tier.take_moves()
+        if moves:          # before the new blocks' writes: the memory above is let go before it is filled
+            books.emit(fx.MoveTierBlocks(tuple(moves), tuple(tier.nbytes(s) for s in moves)))
         if blocks:
             books.emit(fx.DemoteBlocks(namespace, tuple(blocks), staged=staged))
         return out
@@ -254,6 +257,15 @@ class Tiering:
         if tier is None:
             return
         stored: dict[str, list[tuple[bytes, BlockStored]]] = {}
+        moves = {s for s in committed if tier.moving(s)} | {s for s, _ in failed if tier.moving(s)}
+        for slot in committed:
+            if slot in moves:              # moved down (or cancelled by its delete): findable below
+                tier.moved(slot)
+        for slot, reason in failed:
+            if slot in moves:              # not moved: its bytes go, the block with them
+                tier.drop(slot, reason)
+        committed = [s for s in committed if s not in moves]
+        failed = [(s, r) for s, r in failed if s not in moves]
         for slot in committed:
             counter = self.counted_as.pop(slot, None)
             if tier.commit(slot) and counter is not None:

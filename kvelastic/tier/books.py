@@ -2,12 +2,23 @@
 every operation shares, and its invariants (``index.py`` says what the tier
 does with them; docs/tier.md why).
 
+**Levels.** The tier may span two media, one above the other (host memory
+over the disk): each entry lives at one *level* (0, the top, where every
+block enters), each level has its own budget. Making room at a level above
+the last *moves* its least valuable blocks one level down (they stay
+findable; ``take_moves`` hands out the slots whose bytes the store must
+move) rather than evicting them; only the last level evicts for good. So a
+block leaves the tier by value across both media: host, then disk, then
+gone. With one level (one medium) nothing moves, and the tier is as it was.
+
 Invariants (``check``): a key is in at most one live entry per namespace and
 the key map holds exactly the live entries; bytes in use (pending, committed,
-dead) never exceed the budget, and ``held_bytes`` counts exactly the held
-ones; a pinned entry is never freed; a released slot holds nothing; every
-evictable leaf (committed, live, unpinned, no live child) has exactly one
-current heap record, at its current priority, and no other entry has one.
+dead, moving) never exceed a level's budget, and ``held_bytes`` counts
+exactly the held ones, per level too; a pinned entry is never freed; a
+released slot holds nothing; every evictable entry (committed, live,
+unpinned, not moving; at the last level a leaf too: no live child) has
+exactly one current record in its level's heap, at its current priority,
+and no other entry has one.
 """
 
 from __future__ import annotations
@@ -25,8 +36,8 @@ class TierEntry:
     ``at``; ``heap_seq`` the sequence number of its current heap record, or
     -1 when it has none (it is not an evictable leaf)."""
 
-    __slots__ = ("at", "committed", "cost", "dead", "gone", "heap_seq", "hits", "key", "namespace", "nbytes",
-                 "parent", "pins", "slot")
+    __slots__ = ("at", "committed", "cost", "dead", "gone", "heap_seq", "hits", "key", "level", "moving",
+                 "namespace", "nbytes", "parent", "pins", "slot")
 
     def __init__(self, slot: int, namespace: str, key: bytes, parent: bytes | None, nbytes: int,
                  cost: float, now: float) -> None:
@@ -43,33 +54,51 @@ class TierEntry:
         self.dead = False
         self.gone = False       # dead, and its bytes handed out for deletion already (``TierBooks._kill``)
         self.heap_seq = -1
+        self.level = 0          # the medium it lives on: 0 the top (module docstring)
+        self.moving = False     # counted at ``level`` already, its bytes being moved there from the level above
 
     @property
     def held(self) -> bool:
-        """Its bytes cannot be evicted now: being written, being loaded, or dead (so one of those)."""
-        return not self.committed or self.pins > 0 or self.dead
+        """Its bytes cannot be evicted now: being written, being loaded, being moved, or dead."""
+        return not self.committed or self.pins > 0 or self.dead or self.moving
 
 
 class TierBooks:
     """The index's state and shared moves (module docstring)."""
 
-    def __init__(self, budget_bytes: int, *, half_life: float = 300.0) -> None:
-        if budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+    def __init__(self, budget_bytes: int, *, half_life: float = 300.0, lower_bytes: int | None = None) -> None:
+        """``budget_bytes``: the top level's budget; ``lower_bytes``: a second
+        level's under it (None: one level)."""
+        budgets = [budget_bytes] if lower_bytes is None else [budget_bytes, lower_bytes]
+        if min(budgets) < 0:
+            raise ValueError(f"budgets must be >= 0, got {budgets}")
         if not half_life > 0:
             raise ValueError(f"half_life must be > 0, got {half_life}")
-        self.budget_bytes = budget_bytes
+        self.budgets = budgets
         self.half_life = half_life
-        self.bytes_used = 0     # every entry's bytes: pending, committed and dead
+        self.bytes_used = 0     # every entry's bytes: pending, committed, dead and moving
         self.held_bytes = 0     # of those, the bytes no eviction can free now (TierEntry.held)
+        self.level_used = [0] * len(budgets)     # the same two, per level
+        self.level_held = [0] * len(budgets)
         self.stats = TierStats()
         self._entries: dict[int, TierEntry] = {}
         self._keys: dict[str, dict[bytes, int]] = {}        # live entries: namespace -> key -> slot
         self._children: dict[str, dict[bytes, int]] = {}    # namespace -> key -> live entries naming it parent
-        self._heap: list[tuple[float, int, int]] = []       # evictable leaves: (priority, seq, slot)
+        # Each level's evictable entries (leaves only at the last): (priority, seq, slot).
+        self._heaps: list[list[tuple[float, int, int]]] = [[] for _ in budgets]
         self._seq = 0
         self._next_slot = 0
         self._released: list[int] = []
+        self._moves: list[int] = []
+
+    @property
+    def budget_bytes(self) -> int:
+        """The whole tier's budget, every level's: what a tenant's share is of."""
+        return sum(self.budgets)
+
+    @property
+    def last_level(self) -> int:
+        return len(self.budgets) - 1
 
     # ------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -109,6 +138,19 @@ class TierBooks:
         released, self._released = self._released, []
         return released
 
+    def take_moves(self) -> list[int]:
+        """Slots whose bytes the store must move one level down since the
+        last call (``moved`` or ``drop`` reports each back)."""
+        moves, self._moves = self._moves, []
+        return moves
+
+    def moving(self, slot: int) -> bool:
+        e = self._entries.get(slot)
+        return e is not None and e.moving
+
+    def level_of(self, slot: int) -> int:
+        return self._entry(slot).level
+
     # -------------------------------------------------------- internals
     def _entry(self, slot: int) -> TierEntry:
         e = self._entries.get(slot)
@@ -136,15 +178,22 @@ class TierBooks:
     def _is_leaf(self, e: TierEntry) -> bool:
         return not self._children.get(e.namespace, {}).get(e.key)
 
+    def _evictable(self, e: TierEntry) -> bool:
+        """Whether making room at ``e``'s level may take it: a block moved down
+        stays findable, so above the last level it need not be a leaf."""
+        return e.committed and not e.dead and e.pins == 0 and not e.moving and \
+            (e.level < self.last_level or self._is_leaf(e))
+
     def _refresh(self, e: TierEntry) -> None:
-        """Give ``e`` a current heap record if it is an evictable leaf, else none."""
-        if e.committed and not e.dead and e.pins == 0 and self._is_leaf(e):
+        """Give ``e`` a current record in its level's heap if it is evictable there, else none."""
+        if self._evictable(e):
             self._seq += 1
             e.heap_seq = self._seq
-            heapq.heappush(self._heap, (self._priority(e), self._seq, e.slot))
-            if len(self._heap) > 2 * len(self._entries) + 64:     # stale records: drop them
-                self._heap = [r for r in self._heap if self._current(r)]
-                heapq.heapify(self._heap)
+            heap = self._heaps[e.level]
+            heapq.heappush(heap, (self._priority(e), self._seq, e.slot))
+            if len(heap) > 2 * len(self._entries) + 64:     # stale records: drop them
+                heap[:] = [r for r in heap if self._current(r)]
+                heapq.heapify(heap)
         else:
             e.heap_seq = -1
 
@@ -152,29 +201,52 @@ class TierBooks:
         e = self._entries.get(record[2])
         return e is not None and e.heap_seq == record[1]
 
-    def _make_room(self, nbytes: int, reason: str) -> bool:
-        """Evict leaves of least value until ``nbytes`` fit. False when they
-        cannot: at once if held bytes leave too little, else once no leaf is
-        left (the entries evicted on the way stay evicted: they were the least
-        valuable, and this happens only when nearly all is held)."""
-        if nbytes > self.budget_bytes - self.held_bytes:
+    def _make_room(self, nbytes: int, reason: str, level: int = 0) -> bool:
+        """Make ``nbytes`` fit at ``level``: its entries of least value move a
+        level down (above the last, where the level below makes room for them
+        in turn), or are evicted (at the last level, leaves only; or where the
+        level below cannot take them). False when they cannot fit: at once if
+        held bytes leave too little, else once nothing is left to take (the
+        entries taken on the way stay taken: they were the least valuable,
+        and this happens only when nearly all is held)."""
+        budget = self.budgets[level]
+        if nbytes > budget - self.level_held[level]:
             return False
-        while self.bytes_used + nbytes > self.budget_bytes:
-            while self._heap and not self._current(self._heap[0]):
-                heapq.heappop(self._heap)
-            if not self._heap:
+        heap = self._heaps[level]
+        while self.level_used[level] + nbytes > budget:
+            while heap and not self._current(heap[0]):
+                heapq.heappop(heap)
+            if not heap:
                 return False
-            e = self._entries[heapq.heappop(self._heap)[2]]
+            e = self._entries[heapq.heappop(heap)[2]]
+            e.heap_seq = -1
+            if level < self.last_level and self._make_room(e.nbytes, "value", level + 1):
+                self._account(e, -e.nbytes, 0)                 # evictable: not held
+                # No record while it moves (making room below may have refreshed it: a child evicted).
+                e.level, e.moving, e.heap_seq = level + 1, True, -1
+                self._account(e, e.nbytes, e.nbytes)
+                self._moves.append(e.slot)
+                self.stats.moved_down += 1
+                continue
+            if not self._is_leaf(e):           # it would strand its children: nothing below takes it
+                self._refresh(e)
+                return False
             self._unlink(e)
             self._free(e)
             self.stats.evictions[reason] += 1
         return True
 
+    def _account(self, e: TierEntry, used: int, held: int) -> None:
+        """Bytes in use and held, changed by ``used`` and ``held``, at ``e``'s level and in all."""
+        self.bytes_used += used
+        self.held_bytes += held
+        self.level_used[e.level] += used
+        self.level_held[e.level] += held
+
     def _add(self, e: TierEntry) -> None:
         """A new pending entry, live: in the key map, counted as its parent's child."""
         self._entries[e.slot] = e
-        self.bytes_used += e.nbytes
-        self.held_bytes += e.nbytes
+        self._account(e, e.nbytes, e.nbytes)
         self._keys.setdefault(e.namespace, {})[e.key] = e.slot
         if e.parent is not None:
             children = self._children.setdefault(e.namespace, {})
@@ -222,9 +294,7 @@ class TierBooks:
 
     def _free(self, e: TierEntry) -> None:
         require(e.pins == 0, f"slot {e.slot} freed while {e.pins} load(s) hold it")
-        if e.held:
-            self.held_bytes -= e.nbytes
-        self.bytes_used -= e.nbytes
+        self._account(e, -e.nbytes, -e.nbytes if e.held else 0)
         e.heap_seq = -1
         del self._entries[e.slot]
         if not e.gone:
@@ -249,8 +319,16 @@ class TierBooks:
         require(children == self._children, "child counts are off")
         require(self.bytes_used == sum(e.nbytes for e in self._entries.values()), "bytes_used is off")
         require(self.held_bytes == sum(e.nbytes for e in self._entries.values() if e.held), "held_bytes is off")
-        require(self.bytes_used <= self.budget_bytes, "bytes in use exceed the budget")
-        require(all(e.pins > 0 or not e.committed for e in self._entries.values() if e.dead),
+        for level, budget in enumerate(self.budgets):
+            at = [e for e in self._entries.values() if e.level == level]
+            require(self.level_used[level] == sum(e.nbytes for e in at), f"level {level}: bytes in use are off")
+            require(self.level_held[level] == sum(e.nbytes for e in at if e.held), f"level {level}: held is off")
+            require(self.level_used[level] <= budget, f"level {level}: bytes in use exceed its budget")
+        require(all(e.committed and 0 < e.level for e in self._entries.values() if e.moving),
+                "a block moves that is not committed, or moves up")
+        require(set(self._moves) <= {s for s, e in self._entries.items() if e.moving} | set(self._released),
+                "a move is handed out for a block that does not move")
+        require(all(e.pins > 0 or not e.committed or e.moving for e in self._entries.values() if e.dead),
                 "a dead entry nothing holds was not freed")
         require(all(e.pins == 0 for e in self._entries.values() if not e.committed), "a pending entry is pinned")
         released = set(self._released)
@@ -259,10 +337,11 @@ class TierBooks:
         require(all(e.dead for e in self._entries.values() if e.gone), "the bytes of a live entry were handed out")
         require(all(e.gone for e in self._entries.values() if e.dead), "a dead entry's bytes were kept")
         require(all(0 <= s < self._next_slot for s in [*released, *self._entries]), "a slot was never handed out")
-        records = {(seq, slot): prio for prio, seq, slot in self._heap}
+        records = [{(seq, slot): prio for prio, seq, slot in heap} for heap in self._heaps]
         for slot, e in self._entries.items():
-            evictable = e.committed and not e.dead and e.pins == 0 and self._is_leaf(e)
+            evictable = self._evictable(e)
             require(evictable == (e.heap_seq != -1), f"slot {slot}: heap record and evictability disagree")
             if evictable:
-                require(records.get((e.heap_seq, slot)) == self._priority(e), f"slot {slot}: no current record")
+                require(records[e.level].get((e.heap_seq, slot)) == self._priority(e),
+                        f"slot {slot}: no current record")
         require(set(EVICTION_REASONS) == self.stats.evictions.keys(), "eviction reasons changed")

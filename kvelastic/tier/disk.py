@@ -231,11 +231,11 @@ class DiskStore:
 
     # ------------------------------------------------------------ write
     def write(self, slot: int, namespace: str, key: bytes, payload: bytes | bytearray | memoryview, *,
-              cost: float, parent: bytes | None = None, label: bytes = b"") -> None:
+              cost: float, parent: bytes | None = None, label: bytes = b"", level: int = 0) -> None:
         """Write a block whole, or raise ``TierDiskFull`` / ``TierWriteError``
         and leave no file for it."""
-        if not 0 <= slot < 1 << 64:
-            raise ValueError(f"slot out of range: {slot}")
+        if not 0 <= slot < 1 << 64 or level:
+            raise ValueError(f"slot out of range, or a level below a store of one medium: {slot}, {level}")
         head = encode_header(namespace, key, parent, len(payload), cost, self._tags.payload(payload), label,
                              keyed=self._tags.keyed)
         name = block_name(slot)
@@ -267,6 +267,9 @@ class DiskStore:
         except FileExistsError:
             os.unlink(temp, dir_fd=self._fd)
             return os.open(temp, _TEMP_FLAGS, 0o600, dir_fd=self._fd)
+
+    def move(self, slot: int) -> None:
+        raise TierWriteError(f"tier block {slot}: one medium, nothing below it to move to")
 
     def delete(self, slot: int) -> None:
         """Delete a block's file (absent already: nothing to do)."""

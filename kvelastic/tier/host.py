@@ -67,11 +67,11 @@ class HostStore:
 
     # ------------------------------------------------------------ write
     def write(self, slot: int, namespace: str, key: bytes, payload: bytes | bytearray | memoryview, *,
-              cost: float, parent: bytes | None = None, label: bytes = b"") -> None:
+              cost: float, parent: bytes | None = None, label: bytes = b"", level: int = 0) -> None:
         """Copy a block into memory of its own, whole, or raise
         ``TierMemoryFull`` / ``TierWriteError`` and keep nothing of it."""
-        if not 0 <= slot < 1 << 64:
-            raise ValueError(f"slot out of range: {slot}")
+        if not 0 <= slot < 1 << 64 or level:
+            raise ValueError(f"slot out of range, or a level below a store of one medium: {slot}, {level}")
         view = memoryview(payload).cast("B")
         if not view.nbytes:
             raise ValueError(f"tier block {slot}: an empty payload")
@@ -108,6 +108,9 @@ class HostStore:
             raise _write_error(slot, exc) from exc
         finally:
             os.close(fd)
+
+    def move(self, slot: int) -> None:
+        raise TierWriteError(f"tier block {slot}: one medium, nothing below it to move to")
 
     def delete(self, slot: int) -> None:
         """Let a block's memory go (absent already: nothing to do)."""

@@ -56,10 +56,19 @@ class TierIndex(TierBooks):
     """The tier's index and eviction (module docstring)."""
 
     def __init__(self, budget_bytes: int, *, half_life: float = 300.0, pins: PinBooks | None = None,
-                 medium: str = "disk") -> None:
-        super().__init__(budget_bytes, half_life=half_life)
-        self.medium = medium                                # what holds the bytes (``media.MEDIA``): for reports
+                 media: tuple[str, ...] = ("disk",), lower_bytes: int | None = None) -> None:
+        """``budget_bytes``: the top level's (``media[0]``); ``lower_bytes``:
+        the level under it (``media[1]``), where there are two."""
+        super().__init__(budget_bytes, half_life=half_life, lower_bytes=lower_bytes)
+        if len(media) != len(self.budgets):
+            raise ValueError(f"{len(self.budgets)} level(s) and media {media}")
+        self.media = media                                  # what holds each level's bytes (``media.MEDIA``)
         self.pins = PinBooks() if pins is None else pins    # each tenant's share, each block's stretch
+
+    @property
+    def medium(self) -> str:
+        """The media top to bottom, as reports name them: ``host``, ``disk``, ``host+disk``."""
+        return "+".join(self.media)
 
     def check(self) -> None:
         """The books' invariants (``books.py``), and the pins': each tenant's
@@ -73,7 +82,10 @@ class TierIndex(TierBooks):
         """Room for a demoted block's bytes: its slot (pending until ``commit``),
         or None when the block is over ``MAX_BLOCK_BYTES``, the key is in the
         tier already or nothing can be evicted to make room. May evict
-        entries (``take_released``)."""
+        entries (``take_released``) or move them down (``take_moves``). The
+        block goes to the top level, or, where what the top holds leaves it
+        too little (writes and loads in flight), to the first level below
+        with room (``level_of``)."""
         if nbytes <= 0 or not cost > 0 or parent == key:
             raise ValueError(f"nbytes and cost must be > 0 and a block is not its own parent, got {nbytes}, {cost}")
         if nbytes > MAX_BLOCK_BYTES:
@@ -81,12 +93,15 @@ class TierIndex(TierBooks):
         if key in self._keys.get(namespace, {}):
             self.stats.already_held += 1
             return None
-        if not self._make_room(nbytes, "value"):
+        level = next((lv for lv in range(len(self.budgets)) if self._make_room(nbytes, "value", lv)), None)
+        if level is None:
             self.stats.rejected_full += 1
             return None
         slot = self._next_slot
         self._next_slot += 1
-        self._add(TierEntry(slot, namespace, key, parent, nbytes, cost, now))
+        e = TierEntry(slot, namespace, key, parent, nbytes, cost, now)
+        e.level = level
+        self._add(e)
         return slot
 
     def commit(self, slot: int) -> bool:
@@ -99,8 +114,26 @@ class TierIndex(TierBooks):
             self._free(e)
             return False
         e.committed = True
-        self.held_bytes -= e.nbytes
+        self._account(e, 0, -e.nbytes)
         self.stats.demotions += 1
+        self._refresh(e)
+        return True
+
+    def moved(self, slot: int) -> bool:
+        """The slot's bytes reached the level it was moved to (``take_moves``).
+        False when it died meanwhile (its move was cancelled by its delete):
+        freed once no load holds it."""
+        e = self._entry(slot)
+        if not e.moving:
+            raise TierSlotState(f"slot {slot} is not moving")
+        e.moving = False
+        if e.dead:                  # still held (dead): its bytes went with its delete
+            if not e.pins:
+                self._free(e)
+            return False
+        if not e.held:
+            self._account(e, 0, -e.nbytes)
+        self.stats.moves += 1
         self._refresh(e)
         return True
 
@@ -123,33 +156,39 @@ class TierIndex(TierBooks):
 
     def restore(self, namespace: str, key: bytes, nbytes: int, slot: int, cost: float, now: float,
                 parent: bytes | None = None) -> bool:
-        """A committed entry found by a store after a restart, at its own slot.
-        False (nothing added: the caller deletes the bytes) when the block is
-        over ``MAX_BLOCK_BYTES``, the key is held already or the budget has no
-        room for it after evicting by value."""
+        """A committed entry found by a store after a restart, at its own slot,
+        on the last level (the medium that outlives the daemon). False
+        (nothing added: the caller deletes the bytes) when the block is over
+        ``MAX_BLOCK_BYTES``, the key is held already or the level has no room
+        for it after evicting by value."""
         if nbytes <= 0 or not cost > 0 or slot < 0 or parent == key:
             raise ValueError(f"bad entry: nbytes {nbytes}, cost {cost}, slot {slot}, its own parent {parent == key}")
         if slot in self._entries or slot in self._released:
             raise TierSlotState(f"slot {slot} is in use")
-        if nbytes > MAX_BLOCK_BYTES or key in self._keys.get(namespace, {}) or not self._make_room(nbytes, "budget"):
+        level = self.last_level
+        if nbytes > MAX_BLOCK_BYTES or key in self._keys.get(namespace, {}) or \
+                not self._make_room(nbytes, "budget", level):
             return False
         self._next_slot = max(self._next_slot, slot + 1)
         e = TierEntry(slot, namespace, key, parent, nbytes, cost, now)
+        e.level = level
         self._add(e)
         e.committed = True
-        self.held_bytes -= nbytes
+        self._account(e, 0, -nbytes)
         self.stats.restored += 1
         self._refresh(e)
         return True
 
-    def set_budget(self, budget_bytes: int) -> bool:
-        """A new budget; over it, leaves of least value are evicted (``budget``)
-        until the entries fit. False when what loads and writes hold does not
-        fit (the budget is set, and the rest goes as they let go)."""
+    def set_budget(self, budget_bytes: int, level: int | None = None) -> bool:
+        """A new budget for ``level`` (None: the last); over it, its entries of
+        least value go (``budget``: moved down, or evicted at the last level)
+        until they fit. False when what loads and writes hold does not fit
+        (the budget is set, and the rest goes as they let go)."""
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        self.budget_bytes = budget_bytes
-        return self._make_room(0, "budget")
+        level = self.last_level if level is None else level
+        self.budgets[level] = budget_bytes
+        return self._make_room(0, "budget", level)
 
     # -------------------------------------------------------- promotion
     def lookup(self, namespace: str, keys: Sequence[bytes], now: float, *, tenant: Tenant = None) -> list[int]:
@@ -184,8 +223,8 @@ class TierIndex(TierBooks):
         for e in found:
             self._hit(e, now)
             self.pins.pinned(tenant, e.slot, e.nbytes, e.pins == 0, now)
-            if e.pins == 0:
-                self.held_bytes += e.nbytes
+            if not e.held:
+                self._account(e, 0, e.nbytes)
             e.pins += 1
             e.heap_seq = -1     # pinned: not evictable; re-queued at its new value when unpinned
         self.stats.lookups += 1
@@ -215,9 +254,10 @@ class TierIndex(TierBooks):
             self.pins.unpinned(tenant, slot, e.nbytes, e.pins == 0, loaded, None if e.dead else now)
             if e.pins == 0:
                 if e.dead:
-                    self._free(e)
-                else:
-                    self.held_bytes -= e.nbytes
+                    if not e.moving:       # else freed when its move reports back (``moved``, ``drop``)
+                        self._free(e)
+                elif not e.held:
+                    self._account(e, 0, -e.nbytes)
                     self._refresh(e)
         if len(self.pins.rest) > 2 * len(self._entries) + 64:     # rests of freed slots: drop them
             self.pins.forget(self._entries)
@@ -247,7 +287,13 @@ class TierIndex(TierBooks):
         if not e.committed:
             raise TierSlotState(f"slot {slot} is pending: abort it instead")
         self._count_failure(reason)
+        if e.moving:                       # a move that failed: it holds the block no longer
+            e.moving = False
+            if not e.held:
+                self._account(e, 0, -e.nbytes)
         if e.dead:
+            if not e.pins:
+                self._free(e)
             return
         self._unlink(e)
         if e.pins:

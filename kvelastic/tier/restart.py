@@ -25,13 +25,14 @@ def rebuild(index: TierIndex, store: TierStore, now: float, *, verify_payloads: 
     result = store.scan(verify_payloads=verify_payloads)
     if result.entries:
         index.skip_slots(result.entries[-1].slot + 1)   # a slot names one block for life, across restarts too
-    budget = index.budget_bytes
-    index.budget_bytes = max(budget, index.bytes_used + sum(e.nbytes for e in result.entries))
+    level = index.last_level                        # what outlives a daemon: its last level's medium
+    budget = index.budgets[level]
+    index.budgets[level] = max(budget, index.level_used[level] + sum(e.nbytes for e in result.entries))
     for e in result.entries:
         if not index.restore(e.namespace, e.key, e.nbytes, e.slot, e.cost, now, e.parent):
             store.delete(e.slot)
             result.dropped["not_restored"] = result.dropped.get("not_restored", 0) + 1
-    index.set_budget(budget)
+    index.set_budget(budget, level)
     for slot in index.take_released():
         store.delete(slot)
     for reason, n in result.dropped.items():      # files of ours that failed their check: blocks lost

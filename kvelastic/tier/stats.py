@@ -47,6 +47,8 @@ class TierStats:
     already_held: int = 0     # demotions not needed: the key was in the tier already
     rejected_full: int = 0    # demotions refused: no room (what is left is held by loads and writes)
     restored: int = 0         # entries rebuilt from what a store found after a restart
+    moved_down: int = 0       # blocks moved a level down (host memory to disk) to make room above
+    moves: int = 0            # of those, moves whose bytes reached the level below
     lookups: int = 0          # lookup calls
     lookup_blocks: int = 0    # keys asked for
     hit_blocks: int = 0       # keys found (and pinned for a load)

@@ -36,12 +36,24 @@ class WriteJob:
     cost: float
     payload: bytes
     label: bytes = b""
+    level: int = 0          # the medium (0: the top)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.payload)
+
+
+@dataclass(frozen=True)
+class MoveJob:
+    """A block's bytes moved one medium down (``TierStore.move``): host memory to disk."""
+    slot: int
+    nbytes: int
 
 
 class TierWriter:
     def __init__(self, store: TierStore) -> None:
         self.store = store
-        self._jobs: queue.SimpleQueue[WriteJob | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[WriteJob | MoveJob | None] = queue.SimpleQueue()
         self._done: collections.deque[tuple[int, str]] = collections.deque()   # (slot, "" or reason)
         self._lock = threading.Lock()
         # Under ``_lock``: slots handed over whose write has not started, and
@@ -56,9 +68,9 @@ class TierWriter:
         self._thread.start()
 
     # ------------------------------------------------------------ the loop
-    def submit(self, job: WriteJob) -> None:
+    def submit(self, job: WriteJob | MoveJob) -> None:
         self.queued.add(job.slot)
-        self.queued_bytes += len(job.payload)
+        self.queued_bytes += job.nbytes
         with self._lock:
             self._waiting.add(job.slot)
         self._jobs.put(job)
@@ -109,18 +121,27 @@ class TierWriter:
                     # commit the loop makes of it frees it) and its file is gone.
                     self._cancelled.discard(job.slot)
                 else:
-                    try:
-                        self.store.write(job.slot, job.namespace, job.key, job.payload, cost=job.cost,
-                                         parent=job.parent, label=job.label)
-                    except TierWriteError as exc:
-                        log.warning("tier: block %d of namespace %s not demoted: %s", job.slot, job.namespace, exc)
-                        reason = exc.reason
-                    except OSError as exc:
-                        log.warning("tier: block %d of namespace %s not demoted: %s", job.slot, job.namespace, exc)
-                        reason = "io"
-            self.queued_bytes -= len(job.payload)
+                    reason = self._do(job)
+            self.queued_bytes -= job.nbytes
             self._done.append((job.slot, reason))
             try:
                 os.write(self._wake_w, b"\0")
             except BlockingIOError:
                 pass     # the pipe is full: the loop wakes anyway
+
+    def _do(self, job: WriteJob | MoveJob) -> str:
+        """Run one job: "" when done, else the failure's reason (logged)."""
+        what = "moved down" if isinstance(job, MoveJob) else f"of namespace {job.namespace} demoted"
+        try:
+            if isinstance(job, MoveJob):
+                self.store.move(job.slot)
+            else:
+                self.store.write(job.slot, job.namespace, job.key, job.payload, cost=job.cost, parent=job.parent,
+                                 label=job.label, level=job.level)
+        except TierWriteError as exc:
+            log.warning("tier: block %d not %s: %s", job.slot, what, exc)
+            return exc.reason
+        except OSError as exc:
+            log.warning("tier: block %d not %s: %s", job.slot, what, exc)
+            return "io"
+        return ""

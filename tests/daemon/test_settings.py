@@ -396,11 +396,10 @@ def _tier_size(node: Node, request: pytest.FixtureRequest) -> None:
 def _tier_host_size(node: Node, request: pytest.FixtureRequest) -> None:
     tier = node.daemon(KVELASTIC_TIER_HOST_SIZE="3MiB").request(p.Status()).status.tier
     assert tier is not None and (tier.medium, tier.budget_bytes, tier.blocks) == ("host", 3 << 20, 0)
-    (node.tmp / "both").mkdir()
-    both = DaemonProcess(node.tmp / "both", memory="16MiB")          # one medium at a time: refused, said why
-    both.env.update(KVELASTIC_TIER_HOST_SIZE="3MiB", KVELASTIC_TIER_DIR=str(short_dir(node.tmp) / "tier"))
-    with pytest.raises(RuntimeError, match="KVELASTIC_TIER_DIR and KVELASTIC_TIER_HOST_SIZE are both set"):
-        both.start()
+    both = node.daemon(KVELASTIC_TIER_HOST_SIZE="3MiB", KVELASTIC_TIER_DIR=str(short_dir(node.tmp) / "tier"),
+                       KVELASTIC_TIER_SIZE="5MiB").request(p.Status()).status.tier      # host memory above the disk
+    assert both is not None and both.medium == "host+disk" and both.budget_bytes == 8 << 20
+    assert [(m.medium, m.budget_bytes) for m in both.levels] == [("host", 3 << 20), ("disk", 5 << 20)]
 
 
 # The tier stream's settings: the probes live beside its tests (tests/tier/test_tier_stream_tcp.py).

@@ -50,7 +50,8 @@ pytestmark = [
 SLAB = 2 * MiB
 TIER_BLOCK, TIER_BUDGET = 32 << 10, 8 * MiB          # the tier's blocks hold twice TIER_BLOCK bytes
 PREFIX = "kv-prompt-You are a helpful assistant"      # a's block keys are sha256 of f"{PREFIX}-{i}"
-ALLOWED_LABELS = {"__name__", "instance", "job", "device", "engine", "namespace", "reason", "state", "bound", "le"}
+ALLOWED_LABELS = {"__name__", "instance", "job", "device", "engine", "namespace", "reason", "state", "bound", "le",
+                  "medium"}      # medium: the tier's, host or disk
 COUNTERS = ("grants", "returns", "reclaims")
 
 

@@ -130,14 +130,14 @@ def test_a_new_store_holds_nothing_so_a_restart_rebuilds_an_empty_index():
     old.close()
     with pytest.raises(TierWriteError):
         old.write(2, NS, b"key", payload(), cost=1.0)
-    index = TierIndex(1 << 20, medium="host")
+    index = TierIndex(1 << 20, media=("host",))
     found = rebuild(index, HostStore(), now=0.0)
     assert not found.entries and not found.dropped and len(index) == 0
 
 
 def test_the_writer_and_the_index_drive_it_as_they_drive_the_disk():
     store = HostStore()
-    index = TierIndex(3 * 4096, medium="host")
+    index = TierIndex(3 * 4096, media=("host",))
     writer = TierWriter(store)
     try:
         slots = [index.reserve(NS, b"k%d" % i, 4096, cost=1.0, now=float(i)) for i in range(3)]

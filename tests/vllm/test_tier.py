@@ -56,6 +56,11 @@ def tier_daemon(daemon_factory, tmp_path, medium: str = "disk"):
     returned too) or in host memory (no folder: None)."""
     if medium == "host":
         return daemon_factory(memory="64MiB", KVELASTIC_TIER_HOST_SIZE="256MiB", KVELASTIC_ORPHAN_CACHE_TTL="1s"), None
+    if medium == "host+disk":     # host memory for a few of the tiny model's 32 KiB blocks: the rest on disk
+        folder = short_dir(tmp_path) / "tier"
+        folder.mkdir(mode=0o700)
+        return daemon_factory(memory="64MiB", KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="256MiB",
+                              KVELASTIC_TIER_HOST_SIZE="128KiB", KVELASTIC_ORPHAN_CACHE_TTL="1s"), folder
     folder = short_dir(tmp_path) / "tier"
     folder.mkdir(mode=0o700)
     return daemon_factory(memory="64MiB", KVELASTIC_TIER_DIR=str(folder), KVELASTIC_TIER_SIZE="256MiB",
@@ -117,22 +122,27 @@ def test_kept_cache_is_demoted_and_promoted_by_the_next_engine(daemon_factory, t
     third.exit()
 
 
+@pytest.mark.parametrize("medium", ["host", "host+disk"])
 def test_a_host_memory_tier_serves_the_next_engine_and_an_invalidation_reaches_it(daemon_factory, tiny_model,
-                                                                                   tmp_path):
+                                                                                   tmp_path, medium):
     """The tier in the daemon's own memory (``KVELASTIC_TIER_HOST_SIZE``), as
-    on a GPU node: what the first engine left is promoted by the next with
-    stock's tokens; another tenant finds nothing; ``invalidate`` of the
-    namespace empties it of that namespace, and the engine after promotes
-    nothing and still computes stock's tokens."""
+    on a GPU node, alone or above the disk (with room for a few blocks: the
+    rest lie on disk, so a load spans both): what the first engine left is
+    promoted by the next with stock's tokens; another tenant finds nothing;
+    ``invalidate`` of the namespace empties it of that namespace, and the
+    engine after promotes nothing and still computes stock's tokens."""
     from kvelastic import protocol as p
 
     stock = run_engine.Stock(tiny_model)
     expected = stock.do("workload")["tokens"]
     stock.exit()
-    daemon, _ = tier_daemon(daemon_factory, tmp_path, "host")
+    daemon, folder = tier_daemon(daemon_factory, tmp_path, medium)
     first = served_and_demoted(tiny_model, daemon)
     demoted = first["tier"]
-    assert first["tokens"] == expected and demoted["medium"] == "host" and demoted["blocks"] > 0
+    assert first["tokens"] == expected and demoted["medium"] == medium and demoted["blocks"] > 0
+    on = {level["medium"]: level["bytes"] for level in demoted["levels"]}
+    if medium == "host+disk":
+        assert on["host"] > 0 and on["disk"] > 0 and len(list(folder.glob("*.kvb"))) == on["disk"] // (32 << 10)
     (namespace,) = demoted["namespaces"]
 
     second = TierEngine(tiny_model, daemon, KVELASTIC_ENGINE_ID="second")
@@ -151,6 +161,10 @@ def test_a_host_memory_tier_serves_the_next_engine_and_an_invalidation_reaches_i
     done = daemon.request(p.Invalidate(target=namespace), timeout=30)
     assert isinstance(done, p.Invalidated) and done.tier_blocks > 0
     assert namespace not in tier(daemon)["namespaces"]
+    if folder is not None:           # what is left on disk is the other tenant's: one file a block of the books
+        wait_for(lambda: len(list(folder.glob("*.kvb"))) * (32 << 10) == next(
+            level["bytes"] for level in tier(daemon)["levels"] if level["medium"] == "disk"),
+            what="the namespace's files deleted")
     third = TierEngine(tiny_model, daemon, KVELASTIC_ENGINE_ID="third")
     assert third.do("workload")["tokens"] == expected and counters(daemon)["promotions"] == promoted
     print(f"host tier: {demoted['blocks']} block(s) demoted, {promoted} promoted, {done.tier_blocks} invalidated")
