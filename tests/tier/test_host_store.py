@@ -1,8 +1,9 @@
 """HostStore (``tier/host.py``) with real memfd memory: round trips that keep
-bytes and identity, memory that shows in the daemon's maps and goes back on
-delete, a failed write (no memory) that keeps nothing, a read that races a
-delete getting the whole block or a clean error, nothing after a restart,
-the writer thread and the index driving it as they drive the disk."""
+bytes and identity, one descriptor per block size and none per block,
+memory that goes back to the kernel on delete and offsets reused, a failed
+write (no memory) that keeps nothing, a read that races a delete getting the
+whole block or a clean error, nothing after a restart, the writer thread and
+the index driving it as they drive the disk."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ def payload(n=4096, seed=1) -> bytes:
     return bytes((i * 31 + seed) % 251 for i in range(n))
 
 
-def tier_maps() -> int:
-    """The process's mappings of tier memory, as an operator reads them in /proc/PID/maps."""
-    with open("/proc/self/maps") as f:
-        return sum("memfd:kvelastic-tier" in line for line in f)
+def tier_fds() -> int:
+    """The process's descriptors of tier memory, as an operator reads them in /proc/PID/fd."""
+    return sum("memfd:kvelastic-tier" in os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
 
 
 def test_round_trip_keeps_bytes_and_identity():
@@ -57,28 +58,35 @@ def test_a_read_of_another_block_or_an_empty_slot_is_refused():
     assert store.read(1, NS, b"key") == payload()       # the refusals changed nothing
 
 
-def test_memory_is_mapped_per_block_and_goes_back_on_delete():
+def test_one_descriptor_per_block_size_and_memory_back_on_delete():
     store = HostStore()
-    before = tier_maps()
-    fds = len(os.listdir("/proc/self/fd"))
+    before = tier_fds()
     for slot in range(8):
         store.write(slot, NS, b"k%d" % slot, payload(64 << 10, seed=slot), cost=1.0)
-    assert tier_maps() == before + 8
-    assert len(os.listdir("/proc/self/fd")) == fds          # no descriptor kept per block
-    for slot in range(8):
+    store.write(8, NS, b"small", payload(4096), cost=1.0)
+    assert tier_fds() == before + 2                         # two sizes, two arenas; no descriptor per block
+    assert store.resident_bytes() >= 8 * (64 << 10) + 4096
+    for slot in range(9):
         store.delete(slot)
-    assert tier_maps() == before and store.bytes_held == 0 and not store.scan().entries
+    assert store.resident_bytes() == 0                      # every hole punched: the memory is the kernel's
+    assert store.bytes_held == 0 and not store.scan().entries
     store.delete(3)                                         # absent already: nothing to do
     with pytest.raises(TierReadError):
         store.read(3)
+    for slot in range(10, 18):                              # offsets reused: the arena does not grow
+        store.write(slot, NS, b"k%d" % slot, payload(64 << 10, seed=slot), cost=1.0)
+    assert [store.read(s) for s in range(10, 18)] == [payload(64 << 10, seed=s) for s in range(10, 18)]
+    assert store._arenas[64 << 10].end == 8 * (64 << 10)
+    store.close()
+    assert tier_fds() == before
 
 
 def test_a_rewrite_of_a_slot_replaces_the_block_and_its_memory():
     store = HostStore()
-    before = tier_maps()
-    store.write(1, NS, b"key", payload(1000), cost=1.0)
-    store.write(1, NS, b"key", payload(3000, seed=9), cost=1.0)
-    assert store.read(1) == payload(3000, seed=9) and store.bytes_held == 3000 and tier_maps() == before + 1
+    store.write(1, NS, b"key", payload(4096), cost=1.0)
+    store.write(1, NS, b"key", payload(8192, seed=9), cost=1.0)
+    assert store.read(1) == payload(8192, seed=9) and store.bytes_held == 8192
+    assert store.resident_bytes() == 8192                   # the first one's memory went
 
 
 @pytest.mark.parametrize("code, error", [(errno.ENOMEM, TierMemoryFull), (errno.ENOSPC, TierMemoryFull),
@@ -86,19 +94,21 @@ def test_a_rewrite_of_a_slot_replaces_the_block_and_its_memory():
 def test_a_write_without_memory_raises_typed_and_keeps_nothing(monkeypatch, code, error):
     store = HostStore()
     store.write(1, NS, b"kept", payload(), cost=1.0)
-    before, fds = tier_maps(), len(os.listdir("/proc/self/fd"))
+    fds, resident = len(os.listdir("/proc/self/fd")), store.resident_bytes()
 
-    def no_room(fd, data):
+    def no_room(fd, data, offset):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(os, "write", no_room)
+    monkeypatch.setattr(os, "pwrite", no_room)
     with pytest.raises(error) as caught:
         store.write(2, NS, b"new", payload(), cost=1.0)
     monkeypatch.undo()
     assert caught.value.reason == ("memory_full" if error is TierMemoryFull else "io")
-    assert tier_maps() == before and len(os.listdir("/proc/self/fd")) == fds
+    assert len(os.listdir("/proc/self/fd")) == fds and store.resident_bytes() == resident
     assert [e.slot for e in store.scan().entries] == [1] and store.bytes_held == 4096
     assert store.read(1, NS, b"kept") == payload()
+    store.write(3, NS, b"again", payload(seed=3), cost=1.0)  # its offset was given back, and is taken again
+    assert store._arenas[4096].end == 2 * 4096 and store.read(3) == payload(seed=3)
 
 
 def test_a_read_racing_a_delete_gets_the_whole_block_or_a_clean_error():

@@ -52,10 +52,8 @@ def settled(daemon) -> dict:
 
 def tier_daemon(daemon_factory, tmp_path, medium: str = "disk"):
     """A daemon with a tier whose kept cache expires in a second, so a
-    departed engine's blocks reach the tier soon: on disk (its folder
-    returned too) or in host memory (no folder: None)."""
-    if medium == "host":
-        return daemon_factory(memory="64MiB", KVELASTIC_TIER_HOST_SIZE="256MiB", KVELASTIC_ORPHAN_CACHE_TTL="1s"), None
+    departed engine's blocks reach the tier soon: on disk, or (``host+disk``)
+    in host memory above the disk; its folder returned too."""
     if medium == "host+disk":     # host memory for a few of the tiny model's 32 KiB blocks: the rest on disk
         folder = short_dir(tmp_path) / "tier"
         folder.mkdir(mode=0o700)
@@ -122,15 +120,16 @@ def test_kept_cache_is_demoted_and_promoted_by_the_next_engine(daemon_factory, t
     third.exit()
 
 
-@pytest.mark.parametrize("medium", ["host", "host+disk"])
 def test_a_host_memory_tier_serves_the_next_engine_and_an_invalidation_reaches_it(daemon_factory, tiny_model,
-                                                                                   tmp_path, medium):
+                                                                                   tmp_path):
     """The tier in the daemon's own memory (``KVELASTIC_TIER_HOST_SIZE``), as
-    on a GPU node, alone or above the disk (with room for a few blocks: the
-    rest lie on disk, so a load spans both): what the first engine left is
-    promoted by the next with stock's tokens; another tenant finds nothing;
-    ``invalidate`` of the namespace empties it of that namespace, and the
-    engine after promotes nothing and still computes stock's tokens."""
+    on a GPU node, above the disk with room for a few blocks (the rest lie on
+    disk, so a load spans both; host memory alone: ``test_bench_tier``'s
+    ``tier_host`` mode): what the first engine left is promoted by the next
+    with stock's tokens; another tenant finds nothing; ``invalidate`` of the
+    namespace empties it of that namespace, and the engine after promotes
+    nothing and still computes stock's tokens."""
+    medium = "host+disk"
     from kvelastic import protocol as p
 
     stock = run_engine.Stock(tiny_model)
@@ -141,8 +140,7 @@ def test_a_host_memory_tier_serves_the_next_engine_and_an_invalidation_reaches_i
     demoted = first["tier"]
     assert first["tokens"] == expected and demoted["medium"] == medium and demoted["blocks"] > 0
     on = {level["medium"]: level["bytes"] for level in demoted["levels"]}
-    if medium == "host+disk":
-        assert on["host"] > 0 and on["disk"] > 0 and len(list(folder.glob("*.kvb"))) == on["disk"] // (32 << 10)
+    assert on["host"] > 0 and on["disk"] > 0 and len(list(folder.glob("*.kvb"))) == on["disk"] // (32 << 10)
     (namespace,) = demoted["namespaces"]
 
     second = TierEngine(tiny_model, daemon, KVELASTIC_ENGINE_ID="second")
@@ -161,10 +159,10 @@ def test_a_host_memory_tier_serves_the_next_engine_and_an_invalidation_reaches_i
     done = daemon.request(p.Invalidate(target=namespace), timeout=30)
     assert isinstance(done, p.Invalidated) and done.tier_blocks > 0
     assert namespace not in tier(daemon)["namespaces"]
-    if folder is not None:           # what is left on disk is the other tenant's: one file a block of the books
-        wait_for(lambda: len(list(folder.glob("*.kvb"))) * (32 << 10) == next(
-            level["bytes"] for level in tier(daemon)["levels"] if level["medium"] == "disk"),
-            what="the namespace's files deleted")
+    # What is left on disk is the other tenant's: one file a block of the books.
+    wait_for(lambda: len(list(folder.glob("*.kvb"))) * (32 << 10) == next(
+        level["bytes"] for level in tier(daemon)["levels"] if level["medium"] == "disk"),
+        what="the namespace's files deleted")
     third = TierEngine(tiny_model, daemon, KVELASTIC_ENGINE_ID="third")
     assert third.do("workload")["tokens"] == expected and counters(daemon)["promotions"] == promoted
     print(f"host tier: {demoted['blocks']} block(s) demoted, {promoted} promoted, {done.tier_blocks} invalidated")
@@ -222,12 +220,12 @@ def test_blocks_a_running_engine_evicts_reach_the_tier_while_it_runs(daemon_fact
     first.exit()
 
 
-@pytest.mark.parametrize("medium", ["disk", "host"])
-def test_an_engine_killed_in_the_middle_of_a_load_loses_nothing_but_its_load(daemon_factory, tiny_model, tmp_path,
-                                                                             medium):
+def test_an_engine_killed_in_the_middle_of_a_load_loses_nothing_but_its_load(daemon_factory, tiny_model, tmp_path):
     """``kill -9`` of the engine process holding a lease on the tier's blocks,
     mid-load: its lease ends with it (counted as a failed load), the blocks
-    stay in the tier, and the next engine loads them with stock's tokens."""
+    stay in the tier, and the next engine loads them with stock's tokens.
+    The tier in host memory above the disk, the blocks on both."""
+    medium = "host+disk"
     import os
     import signal
 
