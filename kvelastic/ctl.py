@@ -215,8 +215,11 @@ def _tier_lines(tier: dict | None) -> list[str]:
         return []
     counters = tier.get("counters", {})
     failed = sum(n for name, n in counters.items() if name.startswith("failures_"))
+    levels = tier.get("levels") or []
+    media = " (" + ", ".join(f"{lv['medium']} {fmt_bytes(lv['bytes'])} of {fmt_bytes(lv['budget_bytes'])}"
+                             for lv in levels) + ")" if len(levels) > 1 else ""
     return [f"tier         {tier.get('medium', 'disk')}: {tier['blocks']} block(s), {fmt_bytes(tier['bytes'])} of "
-            f"{fmt_bytes(tier['budget_bytes'])}, "
+            f"{fmt_bytes(tier['budget_bytes'])}{media}, "
             f"{len(tier.get('namespaces', {}))} namespace(s); demoted {counters.get('demotions', 0)}, "
             f"promoted {counters.get('promotions', 0)}, lost {failed}"]
 

@@ -9,6 +9,9 @@ finds only the disk's blocks; an invalidation empties both media."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from kvelastic import protocol as p
@@ -63,6 +66,10 @@ def test_blocks_enter_host_memory_move_down_to_disk_and_load_back_from_either(tm
         status = wait_for(lambda: (s := tier(daemon))["blocks"] == 6 and s["writing"] == 0
                           and s["counters"]["moves"] == 2 and s, timeout=20, what="two blocks moved down")
         assert status["counters"]["moved_down"] == 2 and status["counters"]["demotions"] == 6
+        shown = subprocess.run([sys.executable, "-m", "kvelastic", "status"], env=daemon.env, capture_output=True,
+                               text=True, timeout=30).stdout
+        assert "tier         host+disk: 6 block(s), 6.0 MiB of 66.0 MiB (host 2.0 MiB of 2.0 MiB, " \
+               "disk 4.0 MiB of 64.0 MiB)" in shown, shown
         assert levels(status) == {"host": 2 * BLOCK, "disk": 4 * BLOCK} and len(list(folder.glob("*.kvb"))) == 4
 
         b = engine("b")

@@ -5,7 +5,8 @@ the same KV. A request under a LoRA adapter, an engine whose weights were
 updated in memory (diverged), and an engine of other weights in the same
 folder hit nothing in the tier and get stock vLLM's tokens; the same
 engine's plain requests do hit it (the control: the connector works
-there). Another tenant is ``test_tier.py``'s."""
+there). The tier is in host memory above the disk, its blocks on both.
+Another tenant is ``test_tier.py``'s."""
 
 import pytest
 
@@ -50,7 +51,7 @@ def test_lora_diverged_and_other_weights_never_meet_the_tiers_blocks(daemon_fact
     base, lora, _, updated = stock(model, "workload", f"lora a {adapter}", "update 7", "workload", args=("--lora",))
     assert lora["tokens"] != base["tokens"] and updated["tokens"] != base["tokens"]   # each changes the KV
 
-    daemon, _ = tier_daemon(daemon_factory, tmp_path)
+    daemon, _ = tier_daemon(daemon_factory, tmp_path, "host+disk")    # identity is the index's, whatever the medium
     first = served_and_demoted(model, daemon, "--lora")
     assert first["tokens"] == base["tokens"] and first["tier"]["blocks"] > 0
 
