@@ -11,6 +11,7 @@ GPU kit, and the runtime never imports the tools by name."""
 from __future__ import annotations
 
 import importlib
+import os
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -30,4 +31,7 @@ def run(name: str, quick: bool = False, **options: Any) -> dict[str, Any]:
     modules = available()
     if name not in modules:
         raise UnknownBenchmark(name)
+    # A benchmark's daemons start no keeper (it would outlive the run by
+    # KVELASTIC_KEEPER_LINGER): those that measure one start their own.
+    os.environ.setdefault("KVELASTIC_KEEPER", "external")
     return importlib.import_module(modules[name]).run(quick=quick, **options)

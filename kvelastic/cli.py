@@ -42,7 +42,7 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
 def _cmd_keeper(args: argparse.Namespace) -> int:
     from kvelastic.keeper.main import main as keeper_main
 
-    return keeper_main()
+    return keeper_main(linger=args.linger, with_daemon=args.with_daemon)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
@@ -179,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_daemon)
 
     p = sub.add_parser("keeper", help="hold the daemon's page descriptors so its pages outlive it (a warm restart)")
+    p.add_argument("--linger", type=float, default=None, metavar="SECONDS",
+                   help="exit, letting go of the pages, this long after the last daemon left "
+                        "(how the daemon starts one; default: stay until stopped)")
+    p.add_argument("--with-daemon", action="store_true",
+                   help="run the daemon as a child, started again whenever it dies, its pages kept "
+                        "(a container's main process: the image's entrypoint)")
     p.set_defaults(func=_cmd_keeper)
 
     p = sub.add_parser("config", help="print the configuration read from KVELASTIC_* variables")

@@ -233,6 +233,14 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVELASTIC_ORPHAN_CACHE_TTL", "orphan_cache_ttl", "10m", parse_duration,
              "Daemon: a departed engine's valid cached slabs are kept this long for the next engine of its "
              "namespace (warm restart), as the first memory to yield; `0` drops them at once."),
+    Variable("KVELASTIC_KEEPER", "keeper", "auto", parse_choice("auto", "external", "off"),
+             "Daemon: the keeper that holds its pages so that the kept cache survives a crash or a restart. "
+             "`auto`: the one listening beside the socket, else one the daemon starts, which outlives it; "
+             "`external`: only one already listening (systemd's `kvelastic-keeper.service`, the DaemonSet's "
+             "sidecar); `off`: none, pages die with the daemon."),
+    Variable("KVELASTIC_KEEPER_LINGER", "keeper_linger", "5m", parse_duration,
+             "Daemon: a keeper it started lets go of its pages and exits after this long with no daemon "
+             "connected (a keeper run on its own stays until stopped)."),
     Variable("KVELASTIC_TIER_DIR", "tier_dir", "", parse_directory,
              "Daemon: a local directory (absolute) for the node's disk tier, shared by every engine: blocks "
              "that leave device memory kept by value, and checked (HMAC-SHA256) on every read; rebuilt from what "
@@ -302,6 +310,8 @@ class Config:
     idle_grace: float
     hold_down: float
     orphan_cache_ttl: float
+    keeper: str
+    keeper_linger: float
     tier_dir: str
     tier_size: int
     tier_host_size: int | None

@@ -5,6 +5,11 @@ import pytest
 
 from tests.daemon_proc import DaemonProcess
 
+# The suite's daemons start no keeper of their own (each would outlive its
+# test by KVELASTIC_KEEPER_LINGER); a test of a keeper starts one, and
+# tests/daemon/test_started_keeper.py sets "auto", the default users get.
+os.environ.setdefault("KVELASTIC_KEEPER", "external")
+
 
 @pytest.fixture(autouse=True)
 def _environment_restored():

@@ -2,9 +2,13 @@
 the daemon creates is deposited there, every page it lets go is forgotten, so
 the keeper always holds the daemon's pages and they outlive its process.
 
-Used when a keeper listens beside the daemon's socket (``$KVELASTIC_SOCKET.keeper``)
-at start; none, none used. A keeper that fails (gone, refusing) is dropped with
-one log line: the daemon goes on without it, as with none. A stopping daemon
+Which keeper (``KVELASTIC_KEEPER``): the one listening beside the daemon's
+socket (``$KVELASTIC_SOCKET.keeper``) at start; with none, ``auto`` starts one
+in a session of its own, so that it outlives the daemon (a crash, ``kill -9``,
+Ctrl-C of a terminal) and lingers ``KVELASTIC_KEEPER_LINGER`` for the next
+daemon; ``external`` starts none (systemd and the DaemonSet run their own);
+``off`` uses none. A keeper that fails (gone, refusing) is dropped with one
+log line: the daemon goes on without it, as with none. A stopping daemon
 leaves its pages with the keeper (``detach``). A new daemon takes back the
 kept cache its predecessor saved and has the keeper let go of every other
 page (``succession.py``).
@@ -14,11 +18,14 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Sequence
 
 from kvelastic.daemon.devices import Device
 from kvelastic.errors import KvelasticError
-from kvelastic.keeper.client import KeeperClient
+from kvelastic.keeper.client import KeeperClient, KeeperRefused
 from kvelastic.protocol import keeper_socket_path
 from kvelastic.vmm.errors import VmmError
 
@@ -29,23 +36,79 @@ log = logging.getLogger("kvelastic.daemon")
 # acknowledgement deadline (``ACK_TIMEOUT``, 5 s), which a loop held longer
 # would count against engines whose acks wait unread.
 KEEPER_TIMEOUT = 1.0
+# A keeper the daemon starts is ready within a second (an interpreter and a
+# socket); past this it is given up and the daemon runs without one.
+KEEPER_START_TIMEOUT = 20.0
+KEEPER_MODES = ("auto", "external", "off")
+
+
+def start_keeper(socket_path: str, linger: float) -> subprocess.Popen[bytes]:
+    """``kvelastic keeper --linger`` in a session of its own (no terminal
+    signal reaches it), logging to ``$KVELASTIC_SOCKET.keeper.log``; returns
+    once it listens. Raises ``KvelasticError`` if it exits or does not listen."""
+    path = keeper_socket_path(socket_path)
+    if os.path.exists(path):
+        os.unlink(path)     # a dead keeper's (``find`` could not connect): its pages died with it
+    env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}   # the daemon's readiness is its own
+    fd = os.open(path + ".log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "keeper", "--linger", f"{linger:g}"],
+                                env=env, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True)
+    finally:
+        os.close(fd)
+    deadline = time.monotonic() + KEEPER_START_TIMEOUT
+    while proc.poll() is None and time.monotonic() < deadline:
+        if os.path.exists(path):
+            return proc
+        time.sleep(0.02)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    raise KvelasticError(f"the keeper it started did not listen on {path} within {KEEPER_START_TIMEOUT:g} s "
+                         f"(exit status {proc.returncode}; its log: {path}.log)")
 
 
 class PageKeeper:
-    def __init__(self, client: KeeperClient) -> None:
+    def __init__(self, client: KeeperClient, started: subprocess.Popen[bytes] | None = None) -> None:
         self.client: KeeperClient | None = client
+        self.started = started       # the keeper this daemon started, or None (one of its own)
 
     @classmethod
-    def find(cls, socket_path: str) -> PageKeeper | None:
-        """The keeper beside ``socket_path``, or None (none listens, or it cannot be used)."""
+    def open(cls, socket_path: str, mode: str, linger: float) -> PageKeeper | None:
+        """The keeper ``mode`` (``KVELASTIC_KEEPER``) says, or None."""
+        if mode == "off":
+            log.info("KVELASTIC_KEEPER=off: no keeper; pages die with the daemon")
+            return None
+        found = cls.find(socket_path, quiet=mode == "auto")
+        if found is not None or mode == "external":
+            return found
+        try:
+            proc = start_keeper(socket_path, linger)
+            keeper = cls(KeeperClient(keeper_socket_path(socket_path), timeout=KEEPER_TIMEOUT), started=proc)
+        except (KvelasticError, OSError) as exc:
+            log.warning("no keeper: %s; pages die with the daemon", exc)
+            return None
+        log.info("started a keeper (pid %d) on %s: it outlives this daemon and holds its pages %g s for the "
+                 "next one (KVELASTIC_KEEPER_LINGER)", proc.pid, keeper_socket_path(socket_path), linger)
+        return keeper
+
+    @classmethod
+    def find(cls, socket_path: str, quiet: bool = False) -> PageKeeper | None:
+        """The keeper listening beside ``socket_path``, or None (none listens,
+        or it cannot be used); ``quiet``: no line for a socket nobody listens on."""
         path = keeper_socket_path(socket_path)
         if not os.path.exists(path):
-            log.info("no keeper on %s: pages die with the daemon (`kvelastic keeper` keeps them)", path)
+            if not quiet:
+                log.info("no keeper on %s: pages die with the daemon (`kvelastic keeper` keeps them)", path)
             return None
         try:
             return cls(KeeperClient(path, timeout=KEEPER_TIMEOUT))
-        except KvelasticError as exc:
+        except KeeperRefused as exc:
             log.warning("keeper on %s not used: %s", path, exc)
+            return None
+        except (KvelasticError, OSError) as exc:    # a dead keeper's socket: it starts a new one
+            if not quiet:
+                log.warning("keeper on %s not used: %s", path, exc)
             return None
 
     def held(self) -> list[int]:

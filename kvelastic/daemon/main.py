@@ -230,7 +230,7 @@ def main() -> int:
         operators = socket_group(config.operator_group, "KVELASTIC_OPERATOR_GROUP") if config.operator_group else None
         hash_secret = load_hash_secret(config.socket)     # before the tier: it keys the tier's files too
         tier, tier_store, tier_found = open_tier(config, time.monotonic(), hash_secret) or (None, None, [])
-        keeper = PageKeeper.find(config.socket)
+        keeper = PageKeeper.open(config.socket, config.keeper, config.keeper_linger)
         daemon = Daemon(devices, config.socket, kv_events=kv_events, timing=timing, access=Access(group=group),
                         tenancy=Tenancy(operator_group=operators),
                         max_engines=config.max_engines, hash_secret=hash_secret,
@@ -272,6 +272,9 @@ def main() -> int:
         sd_notify("STOPPING=1")
         log.info("kvelastic daemon stopping")
         daemon.close()
+        if keeper is not None and keeper.started is not None and keeper.started.poll() is None:
+            log.info("the keeper (pid %d) holds this daemon's pages %g s for the next one (KVELASTIC_KEEPER_LINGER)",
+                     keeper.started.pid, config.keeper_linger)
         if tier_store is not None:
             tier_store.close()      # after the writer stopped (daemon.close)
     return 0

@@ -11,6 +11,11 @@ the daemon's user (``SO_PEERCRED``: that uid or root, no one else).
 A loop over one listening socket and its connections; every request is
 answered within ``REQUEST_TIMEOUT`` or its connection is closed (a stalled
 peer never holds the loop), and a request refused changes nothing.
+
+A keeper the daemon started itself (``KVELASTIC_KEEPER=auto``) lingers: with
+no connection for ``linger`` seconds (no daemon came back), it lets go of
+its pages and exits, so a daemon stopped for good does not pin its memory.
+A keeper run on its own (systemd, a sidecar) has no linger and stays.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import resource
 import selectors
 import socket
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -48,9 +54,19 @@ class KeeperError(KvelasticError):
     reason = "keeper"
 
 
+def lingered(linger: float | None, connections: int, idle_since: float, now: float) -> bool:
+    """Whether a keeper is done waiting for a daemon: it has a linger, no
+    connection, and has had none since ``idle_since`` (its start, or its last
+    connection's close) for ``linger`` seconds."""
+    return linger is not None and connections == 0 and now - idle_since >= linger
+
+
 class Keeper:
-    def __init__(self, path: str, max_pages: int | None = None) -> None:
+    def __init__(self, path: str, max_pages: int | None = None, linger: float | None = None) -> None:
         self.path = path
+        self.linger = linger
+        self.connections = 0
+        self.idle_since = time.monotonic()
         self.holdings = Holdings(fd_budget() if max_pages is None else max_pages)
         self.uid = os.geteuid()
         if os.path.exists(path):
@@ -68,13 +84,17 @@ class Keeper:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ)
 
-    def serve(self, stop: Callable[[], bool], tick: float = 0.5) -> None:
+    def serve(self, stop: Callable[[], bool], tick: float = 0.5) -> bool:
+        """Until ``stop()``; True when it returned because it lingered out."""
         while not stop():
             for key, _ in self.selector.select(tick):
                 if key.fileobj is self.listener:
                     self._accept()
                 else:
                     self._answer(key.data)
+            if lingered(self.linger, self.connections, self.idle_since, time.monotonic()):
+                return True
+        return False
 
     def _accept(self) -> None:
         chan = FdChannel.accept(self.listener)
@@ -87,11 +107,15 @@ class Keeper:
             return
         chan.sock.settimeout(REQUEST_TIMEOUT)
         self.selector.register(chan.sock, selectors.EVENT_READ, chan)
+        self.connections += 1
         log.info("keeper: pid %d connected (%d pages held)", pid, len(self.holdings.fds))
 
     def _drop(self, chan: FdChannel) -> None:
         self.selector.unregister(chan.sock)
         chan.close()
+        self.connections -= 1
+        if not self.connections:
+            self.idle_since = time.monotonic()
 
     def _answer(self, chan: FdChannel) -> None:
         try:
@@ -125,6 +149,10 @@ class Keeper:
     def close(self) -> None:
         self.selector.close()
         self.listener.close()
+        try:
+            os.unlink(self.path)       # no dead keeper's socket for the next daemon to find
+        except FileNotFoundError:
+            pass
         for fd in self.holdings.fds.values():
             os.close(fd)
         self.holdings.fds.clear()

@@ -499,6 +499,32 @@ def _prefix_cache_max_size(node: Node, request: pytest.FixtureRequest) -> None:
     assert runs["tuned"]["engine"]["stats"]["evictions_size_limit"] == 0
 
 
+def started_keeper_pid(daemon: DaemonProcess) -> int | None:
+    found = [line for line in daemon.log().splitlines() if "started a keeper (pid " in line]
+    return int(found[-1].split("(pid ")[1].split(")")[0]) if found else None
+
+
+@probe("KVELASTIC_KEEPER")
+def _keeper(node: Node, request: pytest.FixtureRequest) -> None:
+    off = node.daemon(KVELASTIC_KEEPER="off")
+    assert started_keeper_pid(off) is None and not os.path.exists(p.keeper_socket_path(off.socket))
+    auto = node.daemon(KVELASTIC_KEEPER="auto")
+    pid = started_keeper_pid(auto)
+    assert pid is not None and os.path.exists(p.keeper_socket_path(auto.socket))
+    os.kill(pid, 15)
+    # external: tests/daemon/test_started_keeper.py; with one listening, every test of tests/daemon/test_keeper_daemon.py
+
+
+@probe("KVELASTIC_KEEPER_LINGER")
+def _keeper_linger(node: Node, request: pytest.FixtureRequest) -> None:
+    daemon = node.daemon(KVELASTIC_KEEPER="auto", KVELASTIC_KEEPER_LINGER="0.5s")
+    path = p.keeper_socket_path(daemon.socket)
+    daemon.stop()
+    wait_for(lambda: not os.path.exists(path), timeout=30, what="the keeper gone 0.5 s after its daemon")
+    with open(path + ".log") as f:
+        assert "stopping (no daemon for 0.5 s)" in f.read()
+
+
 @probe("KVELASTIC_PREFIX_CACHE_TTL")
 def _prefix_cache_ttl(node: Node, request: pytest.FixtureRequest) -> None:
     runs = request.getfixturevalue("plugin_runs")

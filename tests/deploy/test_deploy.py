@@ -34,7 +34,7 @@ UNIT_FILE = DAEMON_DIR / "kvelastic.service"
 
 SYSTEMD_SOCKET = "/run/kvelastic/kvelastic.sock"
 DEFAULTS = {v.name: v.default for v in VARIABLES}
-EXPECTED = dict(DEFAULTS, KVELASTIC_SOCKET=SYSTEMD_SOCKET)
+EXPECTED = dict(DEFAULTS, KVELASTIC_SOCKET=SYSTEMD_SOCKET, KVELASTIC_KEEPER="external")   # the keeper's own unit
 METRICS_PORT = int(DEFAULTS["KVELASTIC_METRICS_PORT"])
 
 
@@ -174,7 +174,7 @@ def test_dockerfile_target_runs_the_daemon(target):
     def args(instruction: str) -> list[str]:
         return [rest for ins, rest in stage if ins == instruction]
 
-    assert args("ENTRYPOINT") == ['["kvelastic", "daemon"]']
+    assert args("ENTRYPOINT") == ['["kvelastic", "keeper", "--with-daemon"]']   # the kept cache survives a crash
     env = " ".join(args("ENV"))
     assert f"KVELASTIC_SOCKET={SYSTEMD_SOCKET}" in env
     assert args("VOLUME") == [os.path.dirname(SYSTEMD_SOCKET)]
