@@ -512,7 +512,7 @@ def _keeper(node: Node, request: pytest.FixtureRequest) -> None:
     pid = started_keeper_pid(auto)
     assert pid is not None and os.path.exists(p.keeper_socket_path(auto.socket))
     os.kill(pid, 15)
-    # external: tests/daemon/test_started_keeper.py; with one listening, every test of tests/daemon/test_keeper_daemon.py
+    # external: tests/daemon/test_started_keeper.py, and every test of test_keeper_daemon.py
 
 
 @probe("KVELASTIC_KEEPER_LINGER")

@@ -43,6 +43,18 @@ def held_pages(socket: str) -> int:
         return len(k.status().page_ids)
 
 
+def leave_a_kept_cache(daemon: DaemonProcess, engines) -> None:
+    """Engine ``a`` of llama-1 caches 4 blocks (KV bytes 7) and is killed: they
+    are kept, and every page of the daemon is in its keeper."""
+    a = engines(daemon, "a", namespace="llama-1", **KEEP)
+    assert a.do("ensure", n=4)["ok"]
+    cache_in_a_step(a, "sys", 4, value=7)
+    a.do("flush")
+    a.kill()
+    wait_for(lambda: kept_blocks(daemon, "llama-1") == 4, what="a's cache kept")
+    wait_for(lambda: held_pages(daemon.socket) == daemon.status()["pages"]["created"], what="every page deposited")
+
+
 def test_linger_counts_from_the_last_daemon_gone():
     assert not lingered(None, 0, 0.0, 1e9)          # a keeper run on its own stays
     assert not lingered(5.0, 1, 0.0, 100.0)         # a daemon is connected
@@ -62,14 +74,7 @@ def test_the_daemon_starts_a_keeper_that_keeps_its_cache_through_kill_9(tmp_path
     pid = started_keeper(daemon)
     try:
         assert os.getsid(pid) == pid != os.getsid(daemon.proc.pid)    # its own session: no terminal's signal
-        a = engines(daemon, "a", namespace="llama-1", **KEEP)
-        assert a.do("ensure", n=4)["ok"]
-        cache_in_a_step(a, "sys", 4, value=7)
-        a.do("flush")
-        a.kill()
-        wait_for(lambda: kept_blocks(daemon, "llama-1") == 4, what="a's cache kept")
-        wait_for(lambda: held_pages(daemon.socket) == daemon.status()["pages"]["created"],
-                 what="every page deposited")
+        leave_a_kept_cache(daemon, engines)
         daemon.kill()
         daemon.stop()
         assert alive(pid)                                   # the daemon's death is not the keeper's
@@ -145,14 +150,7 @@ def test_the_image_entrypoint_restarts_a_killed_daemon_with_its_kept_cache(tmp_p
     try:
         wait_for(lambda: children(top.pid) and daemon_answers(daemon), timeout=60, what="the daemon up")
         first = children(top.pid)
-        a = engines(daemon, "a", namespace="llama-1", **KEEP)
-        assert a.do("ensure", n=4)["ok"]
-        cache_in_a_step(a, "sys", 4, value=7)
-        a.do("flush")
-        a.kill()
-        wait_for(lambda: kept_blocks(daemon, "llama-1") == 4, what="a's cache kept")
-        wait_for(lambda: held_pages(daemon.socket) == daemon.status()["pages"]["created"],
-                 what="every page deposited")
+        leave_a_kept_cache(daemon, engines)
         os.kill(first[0], signal.SIGKILL)
         wait_for(lambda: children(top.pid) not in ([], first) and daemon_answers(daemon), timeout=60,
                  what="the daemon started again")
