@@ -39,7 +39,6 @@ KEEPER_TIMEOUT = 1.0
 # A keeper the daemon starts is ready within a second (an interpreter and a
 # socket); past this it is given up and the daemon runs without one.
 KEEPER_START_TIMEOUT = 20.0
-KEEPER_MODES = ("auto", "external", "off")
 
 
 def start_keeper(socket_path: str, linger: float) -> subprocess.Popen[bytes]:
