@@ -9,6 +9,7 @@ unique across devices.
 from __future__ import annotations
 
 import logging
+import os
 
 from kvelastic.vmm.base import Backend, Page
 
@@ -28,6 +29,10 @@ class Device:
         self.page_size = backend.page_size
         self.budget_pages = budget_bytes // self.page_size
         self.pages: dict[int, Page] = {}
+        # Adopted pages on a backend that cannot re-export them (CUDA: the
+        # driver exports only handles its own process created): the keeper's
+        # descriptor, kept open and passed on as copies. Closed on release.
+        self.kept_fds: dict[int, int] = {}
 
     @property
     def budget_bytes(self) -> int:
@@ -74,14 +79,30 @@ class Device:
             page = self.pages.pop(page_id, None)
             if page is not None:
                 self.backend.release_page(page)
+            fd = self.kept_fds.pop(page_id, None)
+            if fd is not None:
+                os.close(fd)
 
     def adopt(self, page_id: int, fd: int) -> None:
         """A page a former daemon made (its descriptor, from the keeper) under its id;
-        takes ``fd`` on success, leaves it open on failure."""
+        takes ``fd`` on success (kept for ``export``), leaves it open on failure."""
         self.backend.make_current()
-        self.pages[page_id] = self.backend.import_page(fd)
+        if self.backend.exports_imported:
+            self.pages[page_id] = self.backend.import_page(fd)
+            return
+        copy = os.dup(fd)
+        try:
+            self.pages[page_id] = self.backend.import_page(copy)   # takes ``copy`` on success
+        except BaseException:
+            os.close(copy)
+            raise
+        self.kept_fds[page_id] = fd
 
     def export(self, page_id: int) -> int:
+        """A new descriptor of the page, for a worker or the keeper (the caller closes it)."""
+        fd = self.kept_fds.get(page_id)
+        if fd is not None:
+            return os.dup(fd)
         self.backend.make_current()
         return self.backend.export(self.pages[page_id])
 

@@ -206,6 +206,9 @@ class Backend(ABC):
     """Creates pages and reserves arenas on one device (host memory or one GPU)."""
 
     name: str = "?"
+    # Whether ``export`` works on a page this process imported (not created):
+    # memfds yes; the CUDA driver exports only handles created in the process.
+    exports_imported: bool = True
 
     def __init__(self, page_size: int, granularity: int) -> None:
         if not isinstance(page_size, int) or page_size <= 0 or page_size % granularity:

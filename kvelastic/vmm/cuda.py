@@ -229,6 +229,7 @@ class CudaArena(Arena):
 
 class CudaBackend(Backend):
     name = "cuda"
+    exports_imported = False    # an imported handle's export is refused: keep the sender's descriptor
 
     def __init__(self, page_size: int = DEFAULT_PAGE_SIZE, device: int = 0) -> None:
         usable, why = probe()

@@ -141,7 +141,7 @@ def test_the_kept_cache_survives_the_daemon(tmp_path, engines, how):
         wait_for(lambda: daemon.status()["restart"]["lent_adopted"] == 1,    # with its page, once its
                  what="c's slab confirmed by its worker")                     # worker re-registered
         b = engines(daemon, "b", namespace="llama-1", **KEEP)
-        assert b.do("ensure", n=1)["ok"]
+        assert b.do("ensure", n=1)["ok"], f"b got no slab; the daemon's log:\n{daemon.log()[-3000:]}"
         assert b.do("lookup", prefix="sys", n=4)["hits"] == 4
         assert sorted(b.do("read")["values"]) == [0, 7]     # a's KV through two daemons; a fresh page
         assert kept_blocks(daemon, "llama-1") == 0
@@ -309,7 +309,7 @@ def test_a_running_engines_slabs_are_adopted_with_their_pages_and_its_cache_kept
         a.kill()                                   # it leaves: its cache is kept, its pages the daemon's
         wait_for(lambda: kept_blocks(daemon, "llama-1") == 4, what="a's cache kept")
         b = engines(daemon, "b", namespace="llama-1", **KEEP)
-        assert b.do("ensure", n=1)["ok"]
+        assert b.do("ensure", n=1)["ok"], f"b got no slab; the daemon's log:\n{daemon.log()[-3000:]}"
         assert b.do("lookup", prefix="sys", n=4)["hits"] == 4
         assert 7 in b.do("read")["values"]          # a's KV, written under the first daemon
         wait_for(lambda: kept(keeper)[0] == daemon.status()["pages"]["created"], what="books and keeper agree")

@@ -498,8 +498,10 @@ def test_a_large_grow_does_not_hold_the_loop(shared):
             granted += len(reply.slabs)
         latencies = sorted(probe.stop())
         assert granted == 16384
-        p99 = latencies[int(len(latencies) * 0.99)]
-        assert p99 < 0.5, f"Status p99 {p99:.2f} s while 16,384 pages were created"
+        # p90 and the worst, not p99: one sample in a hundred can lose a loaded machine's CPU for 0.5 s,
+        # while the bug held every Status for seconds.
+        p90, worst = latencies[int(len(latencies) * 0.9)], latencies[-1]
+        assert p90 < 0.5 and worst < 2.5, f"Status p90 {p90:.2f} s, max {worst:.2f} s while 16,384 pages were created"
     finally:
         e.close()
 

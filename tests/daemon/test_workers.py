@@ -14,6 +14,7 @@ def test_two_workers_of_one_engine_map_and_let_go_of_their_own_pages(daemon, eng
     w0 = engines(daemon, "tp", role="worker", rank=0)
     w1 = engines(daemon, "tp", role="worker", rank=1)
     assert e.do("ensure", n=8)["ok"]                               # 2 slabs of 4 blocks
+    e.do("alloc", n=8)                                             # live: not returned while the ranks write
     assert held(daemon, "tp") == 2 * TP_SLAB
     assert daemon.status()["pages"]["created"] == 4                # 2 slabs x 2 ranks
     assert w0.state()["mapped"] == 2 and w1.state()["mapped"] == 2
@@ -21,7 +22,6 @@ def test_two_workers_of_one_engine_map_and_let_go_of_their_own_pages(daemon, eng
     assert w1.do("write", value=22)["values"] == [22, 22]
     assert w0.do("read")["values"] == [11, 11]                     # each rank has pages of its own
 
-    e.do("alloc", n=8)
     e.do("free")                                                   # idle: both slabs go back
     wait_for(lambda: held(daemon, "tp") == 0, timeout=5, what="idle slabs returned")
     assert w0.state()["mapped"] == 0 and w1.state()["mapped"] == 0
