@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -41,6 +42,19 @@ KEEPER_TIMEOUT = 1.0
 KEEPER_START_TIMEOUT = 20.0
 
 
+def listening(path: str) -> bool:
+    """Whether a connection to ``path`` is accepted: the socket file appears at
+    ``bind``, a moment before ``listen``, when a connection is still refused."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
 def start_keeper(socket_path: str, linger: float) -> subprocess.Popen[bytes]:
     """``kvelastic keeper --linger`` in a session of its own (no terminal
     signal reaches it), logging to ``$KVELASTIC_SOCKET.keeper.log``; returns
@@ -57,7 +71,7 @@ def start_keeper(socket_path: str, linger: float) -> subprocess.Popen[bytes]:
         os.close(fd)
     deadline = time.monotonic() + KEEPER_START_TIMEOUT
     while proc.poll() is None and time.monotonic() < deadline:
-        if os.path.exists(path):
+        if listening(path):
             return proc
         time.sleep(0.02)
     if proc.poll() is None:
