@@ -1,15 +1,17 @@
 """Greedy generation with vLLM's offline ``LLM`` on the tiny model, as JSON.
 
-    python tests/vllm/offline_run.py MODEL_DIR
+    python tests/vllm/offline_run.py MODEL_DIR [--compiled]
 
 Runs a batch with shared prefixes three times: cold (misses), warm (hits),
 and after ``reset_prefix_cache`` (misses again), and prints the token ids and
 vLLM's own prefix-cache counters for each phase. With ``KVELASTIC_ENABLE=1``
-in the environment the same run goes through kvelastic.
+in the environment the same run goes through kvelastic. ``--compiled`` runs
+vLLM's compiled path (CUDA graphs on a GPU) instead of eager.
 """
 
 import json
 import sys
+import time
 
 from tiny_llm import tiny_llm
 
@@ -22,22 +24,25 @@ PROMPTS = [p + f"question number {i} about slabs" for p in PREFIXES for i in ran
 def main() -> None:
     from vllm import SamplingParams
 
-    llm = tiny_llm(sys.argv[1])
+    started = time.monotonic()
+    llm = tiny_llm(sys.argv[1], enforce_eager="--compiled" not in sys.argv[2:])
+    result: dict = {"start_s": round(time.monotonic() - started, 2)}
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     def counters():
         m = {x.name: x.value for x in llm.get_metrics() if x.name.startswith("vllm:prefix_cache")}
         return m["vllm:prefix_cache_queries"], m["vllm:prefix_cache_hits"]
 
-    result = {}
     for phase in ("cold", "warm", "reset"):
         if phase == "reset":
             assert llm.reset_prefix_cache()
         q0, h0 = counters()
+        t0 = time.monotonic()
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        seconds = time.monotonic() - t0
         q1, h1 = counters()
         result[phase] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                         "queries": q1 - q0, "hits": h1 - h0}
+                         "queries": q1 - q0, "hits": h1 - h0, "seconds": round(seconds, 3)}
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -21,6 +21,7 @@ TITLES = {
     "2": "daemon flows with real processes",
     "3": "KV correctness (paged attention)",
     "4": "benchmarks",
+    "5": "real vLLM through the daemon",
 }
 
 
@@ -154,6 +155,27 @@ def _bench_lines(figures: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _vllm_lines(figures: dict[str, Any]) -> list[str]:
+    """Part 5's figures: engine start and the cold batch, stock against through the daemon."""
+    def run_line(name: str, run: dict[str, Any]) -> str:
+        if not run.get("ok"):
+            return f"  {name}: {run.get('error', 'failed')}"
+        return f"  {name}: start {run.get('start_s')} s, cold batch {run['cold']['seconds']} s, " \
+               f"hits cold/warm/reset {run['cold']['hits']}/{run['warm']['hits']}/{run['reset']['hits']}"
+    lines = []
+    if figures.get("stock"):
+        lines.append(run_line("stock", figures["stock"]))
+    for key in sorted(k for k, v in figures.items() if k.startswith("elastic_") and isinstance(v, dict)):
+        lines.append(run_line(f"engine {key[len('elastic_'):]} through kvelastic", figures[key]))
+    compiled = figures.get("compiled") or {}
+    if "skipped" in compiled:
+        lines.append(f"  compiled: skipped ({compiled['skipped']})")
+    elif compiled:
+        lines.append(f"  compiled (CUDA graphs captured: {compiled['graphs_captured']}):")
+        lines += [run_line(f"  {n}", compiled[n]) for n in ("stock", "elastic") if compiled.get(n)]
+    return lines
+
+
 def summary(report: dict[str, Any]) -> str:
     env = report["environment"]
     device = env["device"]
@@ -176,6 +198,8 @@ def summary(report: dict[str, Any]) -> str:
             lines.append(f"  note: {note}")
         if key == "4":
             lines += _bench_lines(part.get("figures") or {})
+        if key == "5":
+            lines += _vllm_lines(part.get("figures") or {})
     lines.append(f"overall: {report['status']} ({report['seconds']} s)")
     return "\n".join(lines) + "\n"
 

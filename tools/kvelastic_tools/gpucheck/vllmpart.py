@@ -33,7 +33,8 @@ from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 OFFLINE_RUN = ROOT / "tests" / "vllm" / "offline_run.py"
-RUN_BUDGET = 240.0          # seconds for one vLLM run (a cold start on the GPU: model load, Triton JIT)
+BUDGET = 200.0              # seconds for the part (``--budget``; the kit's part 5 gives it its own)
+COMPILED_NEEDS = 60.0       # the compiled stage starts only with this much of the budget left
 
 
 def plugin_entry_point(where: pathlib.Path) -> pathlib.Path:
@@ -61,10 +62,17 @@ def environment(bundle: pathlib.Path | None, plugin: pathlib.Path, extra: dict[s
     return env
 
 
-def offline(model: pathlib.Path, env: dict[str, str], log: pathlib.Path) -> subprocess.Popen:
+def offline(model: pathlib.Path, env: dict[str, str], log: pathlib.Path, compiled: bool = False
+            ) -> subprocess.Popen:
     out = open(log, "wb")
-    return subprocess.Popen([sys.executable, str(OFFLINE_RUN), str(model)], env=env, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen([sys.executable, str(OFFLINE_RUN), str(model), *(["--compiled"] if compiled else [])],
+                            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def captured_graphs(log: pathlib.Path) -> bool:
+    """Whether vLLM says it captured CUDA graphs (it logs the capture's end)."""
+    text = log.read_text(errors="replace")
+    return "Graph capturing finished" in text or "graph capturing finished" in text
 
 
 def result_of(proc: subprocess.Popen, log: pathlib.Path, deadline: float) -> dict[str, Any]:
@@ -119,6 +127,25 @@ class Daemon:
         return self.log.read_text(errors="replace")[-4000:]
 
 
+def compiled_stage(model: pathlib.Path, env: dict[str, str], work: pathlib.Path, daemon: Daemon,
+                   result: dict[str, Any], deadline: float) -> list[str]:
+    """d. vLLM's compiled path, stock and through the daemon at once: CUDA
+    graphs captured over the arena before the engine holds a slab, and every
+    slab mapped after the capture (its first grow comes with its first request)."""
+    t0 = time.monotonic()
+    procs = {"stock_compiled": offline(model, env, work / "stock_compiled.log", compiled=True),
+             "g": offline(model, {**env, "KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": daemon.socket,
+                                  "KVELASTIC_ENGINE_ID": "g"}, work / "g.log", compiled=True)}
+    runs = {name: result_of(proc, work / f"{name}.log", deadline) for name, proc in procs.items()}
+    stock = runs.pop("stock_compiled")
+    result["compiled"] = {"seconds": round(time.monotonic() - t0, 1), "stock": stock, "elastic": runs["g"],
+                          "graphs_captured": {"stock": captured_graphs(work / "stock_compiled.log"),
+                                              "elastic": captured_graphs(work / "g.log")}}
+    if not stock.get("ok"):
+        return [f"compiled stock: {stock.get('error', 'failed')}"]
+    return [f"compiled {p}" for p in compare(stock, runs)]
+
+
 def compare(stock: dict[str, Any], runs: dict[str, dict[str, Any]]) -> list[str]:
     """What differs from stock: tokens phase by phase, and vLLM's prefix hits."""
     problems = []
@@ -145,9 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle", default="", help="the carried vLLM bundle's folder (vllmbundle), if any")
     parser.add_argument("--env", default="{}", help="JSON of extra environment for the vLLM processes")
+    parser.add_argument("--budget", type=float, default=BUDGET, help="seconds for the whole part")
     args = parser.parse_args(argv)
     backend = os.environ.get("KVELASTIC_BACKEND", "cuda")
     started = time.monotonic()
+    deadline = started + args.budget    # every run is killed at it: the part always reports
     work = pathlib.Path(tempfile.mkdtemp(prefix="kv5-"))
     out = pathlib.Path(os.environ.get("OUT") or work)
     env = environment(pathlib.Path(args.bundle).resolve() if args.bundle else None,
@@ -157,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     build = subprocess.run([sys.executable, "-c", "import sys,pathlib; from kvelastic_tools.vllm_bench.tinymodel "
                             "import build_tiny_llama as b; b(pathlib.Path(sys.argv[1]))", str(work / "model")],
-                           env=env, capture_output=True, text=True, timeout=300)
+                           env=env, capture_output=True, text=True, timeout=120)
     result["model_build_s"] = round(time.monotonic() - t0, 1)
     if build.returncode != 0:
         result["error"] = f"the tiny model did not build: {build.stderr[-3000:]}"
@@ -165,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     model = work / "model"
 
     t0 = time.monotonic()
-    stock = result_of(offline(model, env, work / "stock.log"), work / "stock.log", time.monotonic() + RUN_BUDGET)
+    stock = result_of(offline(model, env, work / "stock.log"), work / "stock.log", deadline)
     result["stock"] = {"seconds": round(time.monotonic() - t0, 1), **stock}
     if not stock.get("ok"):
         result["error"] = "stock vLLM did not run"
@@ -180,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         procs = {eid: offline(model, {**env, "KVELASTIC_ENABLE": "1", "KVELASTIC_SOCKET": daemon.socket,
                                       "KVELASTIC_ENGINE_ID": eid}, work / f"{eid}.log") for eid in ("a", "b")}
-        deadline = time.monotonic() + RUN_BUDGET
         runs = {eid: result_of(proc, work / f"{eid}.log", deadline) for eid, proc in procs.items()}
         result["elastic_seconds"] = round(time.monotonic() - t0, 1)
         result["elastic"] = runs
@@ -191,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             problems.append("the reference's greedy tokens do not vary: equality would prove nothing")
         if result["held_after"] not in (0, None):
             problems.append(f"the daemon still holds {result['held_after']} bytes after both engines exited")
+        if not problems and deadline - time.monotonic() > COMPILED_NEEDS:
+            problems += compiled_stage(model, env, work, daemon, result, deadline)
+        elif not problems:
+            result["compiled"] = {"skipped": f"less than {COMPILED_NEEDS:g} s of the budget left"}
         result["problems"] = problems
         result["status"] = "passed" if not problems else "failed"
     finally:
@@ -201,14 +233,22 @@ def main(argv: list[str] | None = None) -> int:
 def summary(result: dict[str, Any]) -> dict[str, Any]:
     """The result without token lists (they are in ``part5.json``): what a reader of the log needs."""
     def short(run: dict[str, Any]) -> dict[str, Any]:
-        phases: dict[str, Any] = {ph: {k: v for k, v in run[ph].items() if k != "tokens"} for ph in ("cold", "warm", "reset")
-                  if ph in run}
+        phases: dict[str, Any] = {ph: {k: v for k, v in run[ph].items() if k != "tokens"}
+                                  for ph in ("cold", "warm", "reset") if ph in run}
         return {**{k: v for k, v in run.items() if k not in ("cold", "warm", "reset")}, **phases}
 
-    out = {k: v for k, v in result.items() if k not in ("stock", "elastic")}
+    out = {k: v for k, v in result.items() if k not in ("stock", "elastic", "compiled", "daemon_log_tail")}
+    if result.get("status") != "passed" and "daemon_log_tail" in result:
+        out["daemon_log_tail"] = result["daemon_log_tail"][-2000:]
     if "stock" in result:
         out["stock"] = short(result["stock"])
     out.update({f"elastic_{k}": short(v) for k, v in result.get("elastic", {}).items()})
+    if "skipped" in result.get("compiled", {}):
+        out["compiled"] = result["compiled"]
+    elif "compiled" in result:
+        c = result["compiled"]
+        out["compiled"] = {"seconds": c["seconds"], "graphs_captured": c["graphs_captured"],
+                           "stock": short(c["stock"]), "elastic": short(c["elastic"])}
     return out
 
 
