@@ -104,7 +104,8 @@ test-vllm-matrix:
 # --- On a GPU: one device call proves the CUDA path (README, "On a GPU") ---------
 # `make gpu-wheels` (here, with network) fetches the wheels the GPU image lacks
 # (pyzmq, msgspec for CPython 3.12 x86-64; the same versions as .venv) into an
-# ignored folder; `make gpu-check` (there, carrying that folder) installs them
+# ignored folder, and builds the kernel-free vLLM bundle beside them
+# (.gpu-wheels/vllm: about 31 MB; its downloads are cached in build/); `make gpu-check` (there, carrying that folder) installs them
 # into .gpu-wheels/site-cpXY, never into the image, puts the project on the path
 # without installing it (the image's torch stays), and runs the kit. It never
 # goes through `setup`: no venv, no torch install on the device.
@@ -120,6 +121,7 @@ gpu-wheels:
 		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d $(GPU_WHEELS) $(GPU_PKGS) \
 		2>&1 | grep -v '^WARNING: Location' || true
 	ls $(GPU_WHEELS)/pyzmq-*.whl $(GPU_WHEELS)/msgspec-*.whl
+	PYTHONPATH=$(CURDIR):$(CURDIR)/tools $(GPU_PYTHON) -m kvelastic_tools.gpucheck.vllmbundle
 	@du -sh $(GPU_WHEELS)
 
 gpu-check:

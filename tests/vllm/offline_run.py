@@ -1,12 +1,13 @@
 """Greedy generation with vLLM's offline ``LLM`` on the tiny model, as JSON.
 
-    python tests/vllm/offline_run.py MODEL_DIR [--compiled]
+    python tests/vllm/offline_run.py MODEL_DIR [--compiled] [--engine-args JSON]
 
 Runs a batch with shared prefixes three times: cold (misses), warm (hits),
 and after ``reset_prefix_cache`` (misses again), and prints the token ids and
 vLLM's own prefix-cache counters for each phase. With ``KVELASTIC_ENABLE=1``
 in the environment the same run goes through kvelastic. ``--compiled`` runs
-vLLM's compiled path (CUDA graphs on a GPU) instead of eager.
+vLLM's compiled path (CUDA graphs on a GPU) instead of eager; ``--engine-args``
+adds vLLM engine arguments (the GPU kit's: its bundle's attention backend).
 """
 
 import json
@@ -25,7 +26,9 @@ def main() -> None:
     from vllm import SamplingParams
 
     started = time.monotonic()
-    llm = tiny_llm(sys.argv[1], enforce_eager="--compiled" not in sys.argv[2:])
+    flags = sys.argv[2:]
+    extra = json.loads(flags[flags.index("--engine-args") + 1]) if "--engine-args" in flags else {}
+    llm = tiny_llm(sys.argv[1], enforce_eager="--compiled" not in flags, **extra)
     result: dict = {"start_s": round(time.monotonic() - started, 2)}
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

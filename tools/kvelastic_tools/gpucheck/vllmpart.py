@@ -47,7 +47,8 @@ def plugin_entry_point(where: pathlib.Path) -> pathlib.Path:
 
 
 def environment(bundle: pathlib.Path | None, plugin: pathlib.Path, extra: dict[str, str]) -> dict[str, str]:
-    """The path the vLLM processes see: the project, the plugin, the carried wheels, the bundle."""
+    """The path the vLLM processes see: the project, the plugin, the carried wheels, the bundle
+    (unpacked; it holds no distribution the image has, so its place on the path is harmless)."""
     env = dict(os.environ)
     path = [str(ROOT), str(ROOT / "patches" / "vllm"), str(ROOT / "tools"), str(plugin)]
     site = ROOT / ".gpu-wheels" / f"site-cp{sys.version_info[0]}{sys.version_info[1]}"
@@ -62,11 +63,15 @@ def environment(bundle: pathlib.Path | None, plugin: pathlib.Path, extra: dict[s
     return env
 
 
+ENGINE_ARGS: dict[str, Any] = {}   # vLLM engine arguments of every run: the bundle's (``main`` sets them)
+
+
 def offline(model: pathlib.Path, env: dict[str, str], log: pathlib.Path, compiled: bool = False
             ) -> subprocess.Popen:
     out = open(log, "wb")
-    return subprocess.Popen([sys.executable, str(OFFLINE_RUN), str(model), *(["--compiled"] if compiled else [])],
-                            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    argv = [sys.executable, str(OFFLINE_RUN), str(model), *(["--compiled"] if compiled else []),
+            "--engine-args", json.dumps(ENGINE_ARGS)]
+    return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def captured_graphs(log: pathlib.Path) -> bool:
@@ -143,7 +148,13 @@ def compiled_stage(model: pathlib.Path, env: dict[str, str], work: pathlib.Path,
                                               "elastic": captured_graphs(work / "g.log")}}
     if not stock.get("ok"):
         return [f"compiled stock: {stock.get('error', 'failed')}"]
-    return [f"compiled {p}" for p in compare(stock, runs)]
+    return [f"compiled {p}" for p in compare(stock, runs)] + \
+        ([] if granted(daemon, "g") else ["compiled g: the daemon granted it nothing"])
+
+
+def granted(daemon: Daemon, engine_id: str) -> bool:
+    """Whether the daemon lent the engine memory: the plugin took vLLM's KV cache, not only its scheduler."""
+    return f"engine {engine_id}: granted" in daemon.log.read_text(errors="replace")
 
 
 def compare(stock: dict[str, Any], runs: dict[str, dict[str, Any]]) -> list[str]:
@@ -179,10 +190,23 @@ def main(argv: list[str] | None = None) -> int:
     deadline = started + args.budget    # every run is killed at it: the part always reports
     work = pathlib.Path(tempfile.mkdtemp(prefix="kv5-"))
     out = pathlib.Path(os.environ.get("OUT") or work)
-    env = environment(pathlib.Path(args.bundle).resolve() if args.bundle else None,
-                      plugin_entry_point(work / "plugin"), json.loads(args.env))
+    from kvelastic_tools.gpucheck import wheels
+
+    if wheels.missing():            # run on its own, not from the kit: pyzmq and msgspec from the carried wheels
+        wheels.ensure(ROOT / ".gpu-wheels")
+    site = None
+    if args.bundle:
+        from kvelastic_tools.gpucheck.vllmsmoke import unpack_bundle
+
+        site, manifest = unpack_bundle(pathlib.Path(args.bundle).resolve())
+        ENGINE_ARGS.update(manifest.get("engine_args") or {})
+    if backend == "cuda":
+        # vLLM refuses to start unless this share of the GPU is free: several run at once here.
+        ENGINE_ARGS.setdefault("gpu_memory_utilization", 0.15)
+    env = environment(site, plugin_entry_point(work / "plugin"), json.loads(args.env))
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
-    result: dict[str, Any] = {"part": 5, "backend": backend, "status": "failed"}
+    result: dict[str, Any] = {"part": 5, "backend": backend, "status": "failed", "engine_args": ENGINE_ARGS,
+                              "bundle": str(site) if site else None}
     t0 = time.monotonic()
     build = subprocess.run([sys.executable, "-c", "import sys,pathlib; from kvelastic_tools.vllm_bench.tinymodel "
                             "import build_tiny_llama as b; b(pathlib.Path(sys.argv[1]))", str(work / "model")],
@@ -214,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         result["elastic"] = runs
         after = daemon.status() or {}
         result["held_after"] = (after.get("memory") or {}).get("held")
-        problems = compare(stock, runs)
+        problems = compare(stock, runs) + [f"{eid}: the daemon granted it nothing (did the plugin take the KV "
+                                           f"cache?)" for eid in runs if not granted(daemon, eid)]
         if not result["varied"]:
             problems.append("the reference's greedy tokens do not vary: equality would prove nothing")
         if result["held_after"] not in (0, None):

@@ -221,16 +221,18 @@ if __name__ == "__main__":
         print(o)
 
 
-def offline_llm(model: str | pathlib.Path, max_model_len: int = 1024, enforce_eager: bool = True):
+def offline_llm(model: str | pathlib.Path, max_model_len: int = 1024, enforce_eager: bool = True, **engine_args):
     """vLLM's offline ``LLM`` over the tiny model, as the vLLM tests' scripts
     and ``bench warm`` start it: offline, eager (unless told: the GPU kit
-    captures CUDA graphs), prefix caching on, blocks of 32 tokens."""
+    captures CUDA graphs), prefix caching on, blocks of 32 tokens; ``engine_args``
+    add to or replace vLLM's (the GPU bundle's attention backend, say)."""
     from kvelastic_tools.vllm_bench.vllm_serve import VLLM_ENV
 
     for key, value in VLLM_ENV.items():
         os.environ.setdefault(key, value)
     from vllm import LLM
 
-    return LLM(model=str(model), dtype="float32", max_model_len=max_model_len, enforce_eager=enforce_eager,
-               enable_prefix_caching=True, block_size=32, max_num_seqs=8, seed=0, disable_log_stats=False,
-               kv_cache_memory_bytes=64 << 20)
+    args = dict(dtype="float32", max_model_len=max_model_len, enforce_eager=enforce_eager,
+                enable_prefix_caching=True, block_size=32, max_num_seqs=8, seed=0, disable_log_stats=False,
+                kv_cache_memory_bytes=64 << 20)
+    return LLM(model=str(model), **{**args, **engine_args})
