@@ -1,6 +1,6 @@
 """``python -m kvelastic_tools.gpucheck.probe`` -- what the GPU image holds.
 
-Step 25 carries vLLM to a machine that reaches no registry, so the bundle
+The kit carries vLLM to a machine that reaches no registry, so the bundle
 must target what the image has rather than what we guess: every installed
 distribution and its version, torch and its CUDA, triton, the CUDA runtime
 libraries, the compiler, free disk and memory. Prints one JSON object (and
