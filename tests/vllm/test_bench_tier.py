@@ -5,7 +5,9 @@ over the system prompts finds them in the tier (demoted from the departed
 engines' kept cache) and loads them through ``KvelasticTierConnector``.
 The figures must say what the bench claims: the same greedy tokens in both
 modes, tier hits (vLLM's external hits, the daemon's promotions), a hit
-rate above stock's and within the oracle's, and consistent arithmetic."""
+rate above stock's and within the oracle's, and consistent arithmetic; and
+the restart rounds (a ``kill -9`` of the daemon or of an engine halfway
+through) keep the tier's hit rate and stock's tokens."""
 
 import json
 import os
@@ -50,6 +52,19 @@ def test_bench_tier_quick_loads_demoted_blocks_with_the_same_tokens(tmp_path):
     assert host["tier"]["promotions"] > 0 and host["external_hit_tokens"] == 32 * host["tier"]["promotions"]
     assert stock["hit_rate"] < host["hit_rate"] <= host["oracle_hit_rate"] == tier["oracle_hit_rate"]
     assert out["tier_host_vs_tier"]["hit_rate"] == [host["hit_rate"], tier["hit_rate"]]
+    # The restart rounds: halfway, a kill -9 of the daemon (started again with the keeper the first one
+    # started) or of an engine; what follows hits as much as tier's run without a restart, the same tokens.
+    rounds = out["restart_rounds"]
+    assert set(rounds) == {"tier_restart_daemon", "tier_restart_engine"}
+    for name, r in rounds.items():
+        mode = out["modes"][name]
+        assert "error" not in mode and mode["requests"] == 8 and mode["same_tokens_as_stock"], name
+        assert mode["restart"]["at_request"] == 4 and r["kind"] == name.rsplit("_", 1)[1]
+        assert r["after"]["requests"] == r["without_restart"]["requests"] == 4
+        assert r["hit_rate_kept"] >= 0.9 and r["after"]["hit_rate"] > stock["hit_rate"], r
+        assert mode["tier"]["promotions"] > 0
+    assert out["modes"]["tier_restart_daemon"]["restart"]["daemon_start_s"] > 0
+    assert out["modes"]["tier_restart_engine"]["restart"]["slot"] is not None
     assert png.stat().st_size > 0
 
 

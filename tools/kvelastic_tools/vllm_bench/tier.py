@@ -22,6 +22,12 @@ request at a time:
   ``KvelasticTierConnector``;
 - ``tier_host``: the same with the tier in the daemon's host memory
   (``KVELASTIC_TIER_HOST_SIZE``, the same budget);
+- ``tier_restart_daemon``, ``tier_restart_engine``: the restart rounds,
+  ``tier`` with a ``kill -9`` halfway through the trace of the daemon (started
+  again at once, as a user starts it: the keeper it started holds its pages
+  meanwhile) or of the engine about to serve (a new one takes its slot); the
+  hit rate and TTFT after the restart against ``tier``'s over the same
+  requests (``restart_rounds``), and the tokens against stock's;
 - ``kvelastic_ttl10m``: kvelastic without the tier at its default kept-cache
   TTL (10 minutes: kept cache waits for a warm start, or yields to demand);
 - ``offload``: stock vLLM with its ``OffloadingConnector`` (host memory as
@@ -73,6 +79,7 @@ import os
 import pathlib
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -88,9 +95,15 @@ from kvelastic_tools.vllm_bench.tier_model import Workload
 MiB = 1 << 20
 TTL = "200ms"
 TIER_SIZE = "1GiB"
-MODES = ("stock", "kvelastic", "tier", "tier_host", "kvelastic_ttl10m", "offload", "simple_offload", "lmcache")
-QUICK_MODES = ("stock", "tier", "tier_host")
-TIER_MEDIA = {"tier": "disk", "tier_host": "host"}     # the modes with a tier, and its medium
+MODES = ("stock", "kvelastic", "tier", "tier_host", "tier_restart_daemon", "tier_restart_engine", "kvelastic_ttl10m",
+         "offload", "simple_offload", "lmcache")
+QUICK_MODES = ("stock", "tier", "tier_host", "tier_restart_daemon", "tier_restart_engine")
+# The restart rounds: ``tier`` with, halfway through the trace, the daemon
+# killed (``kill -9``) and started again as a user starts it (its keeper
+# started by the first daemon: ``KVELASTIC_KEEPER=auto``), or one engine
+# killed and a new one started in its slot.
+RESTARTS = {"tier_restart_daemon": "daemon", "tier_restart_engine": "engine"}
+TIER_MEDIA = {"tier": "disk", "tier_host": "host", **dict.fromkeys(RESTARTS, "disk")}   # the modes with a tier
 SWEEP = (32, 128, 256, 512, 1024, 2016)   # L + 1 tokens within the tiny model's 2,048 positions
 REPEATS = 3                               # prompts per L (the median is reported)
 QUICK_SWEEP = (32, 256)
@@ -122,6 +135,7 @@ class Engine:
         if line.startswith("FAILED"):
             self.exit()
             raise EngineFailed(json.loads(line[len("FAILED"):]))
+        self.pid = int(line.split()[1])
         self.start_s = time.monotonic() - self.started
 
     def _read(self, prefixes: tuple[str, ...]) -> str:
@@ -134,6 +148,11 @@ class Engine:
         self.stream.write("req " + json.dumps({"ids": ids, "max_tokens": max_tokens}) + "\n")
         self.stream.flush()
         return json.loads(self._read(("RESULT ",))[len("RESULT "):])
+
+    def kill(self) -> None:
+        """``kill -9`` of the engine's process (between two requests), then its end of the socket."""
+        os.kill(self.pid, signal.SIGKILL)
+        self.exit()
 
     def exit(self) -> None:
         """End of input; returns once the engine's process is gone (its end of the socket closed)."""
@@ -162,25 +181,48 @@ def fork_server(folder: pathlib.Path) -> Iterator[str]:
         proc.wait(30)
 
 
-@contextlib.contextmanager
-def daemon(folder: pathlib.Path, memory: int, tier: str | None, ttl: str = TTL) -> Iterator[str]:
-    """A kvelastic daemon (host backend), with a tier of medium ``tier`` (``"disk"``: in ``folder/tier``;
-    ``"host"``: in its memory; None: none); yields its socket."""
+class BenchDaemon:
+    """A kvelastic daemon (host backend) with a tier of medium ``tier``
+    (``"disk"``: in ``folder/tier``; ``"host"``: in its memory; None: none).
+    ``keeper``: as a user starts it, with the keeper it starts (which lingers
+    a few seconds after the last daemon stops); else none."""
 
-    sock = str(folder / "kvelastic.sock")
-    env = dict(os.environ, KVELASTIC_SOCKET=sock, KVELASTIC_MEMORY=str(memory), KVELASTIC_BACKEND="host",
-               KVELASTIC_METRICS_PORT="0", KVELASTIC_LOG_LEVEL="info", KVELASTIC_ORPHAN_CACHE_TTL=ttl,
-               KVELASTIC_IDLE_GRACE="1s", KVELASTIC_HOLD_DOWN="2s")
-    if tier == "disk":
-        (folder / "tier").mkdir(mode=0o700)
-        env.update(KVELASTIC_TIER_DIR=str(folder / "tier"), KVELASTIC_TIER_SIZE=TIER_SIZE)
-    elif tier == "host":
-        env.update(KVELASTIC_TIER_HOST_SIZE=TIER_SIZE)
-    proc = vllm_serve.start_daemon(env, folder / "daemon.log")
+    def __init__(self, folder: pathlib.Path, memory: int, tier: str | None, ttl: str, keeper: bool) -> None:
+        self.sock = str(folder / "kvelastic.sock")
+        self.log = folder / "daemon.log"
+        env = dict(os.environ, KVELASTIC_SOCKET=self.sock, KVELASTIC_MEMORY=str(memory), KVELASTIC_BACKEND="host",
+                   KVELASTIC_METRICS_PORT="0", KVELASTIC_LOG_LEVEL="info", KVELASTIC_ORPHAN_CACHE_TTL=ttl,
+                   KVELASTIC_IDLE_GRACE="1s", KVELASTIC_HOLD_DOWN="2s")
+        if keeper:
+            env.update(KVELASTIC_KEEPER="auto", KVELASTIC_KEEPER_LINGER="5s")
+        if tier == "disk":
+            (folder / "tier").mkdir(mode=0o700)
+            env.update(KVELASTIC_TIER_DIR=str(folder / "tier"), KVELASTIC_TIER_SIZE=TIER_SIZE)
+        elif tier == "host":
+            env.update(KVELASTIC_TIER_HOST_SIZE=TIER_SIZE)
+        self.env = env
+        self.proc = vllm_serve.start_daemon(env, self.log)
+
+    def kill_and_restart(self) -> float:
+        """``kill -9``, then a new daemon with the same settings; the seconds until it answers."""
+        self.proc.kill()
+        self.proc.wait()
+        started = time.monotonic()
+        self.proc = vllm_serve.start_daemon(self.env, self.log)
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        vllm_serve.stop_daemon(self.proc)
+
+
+@contextlib.contextmanager
+def daemon(folder: pathlib.Path, memory: int, tier: str | None, ttl: str = TTL,
+           keeper: bool = False) -> Iterator[BenchDaemon]:
+    d = BenchDaemon(folder, memory, tier, ttl, keeper)
     try:
-        yield sock
+        yield d
     finally:
-        vllm_serve.stop_daemon(proc)
+        d.stop()
 
 
 def _tier_counters(sock: str) -> dict[str, Any]:
@@ -216,6 +258,40 @@ def _ms(values: list[float], q: float) -> float | None:
     return round(percentile(values, q) * 1e3, 1) if values else None
 
 
+def _part(requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """A stretch of the trace: its requests' hit rate and TTFT."""
+    return _stretch([(r["hits"] + r["external"], len(r["prompt"]), r["ttft_s"]) for r in requests])
+
+
+def _stretch(rows: list[tuple[float, int, float]]) -> dict[str, Any]:
+    """(hit tokens, prompt tokens, TTFT) of some requests: their hit rate and TTFT quantiles."""
+    queries = sum(q for _, q, _ in rows)
+    ttfts = [t for _, _, t in rows]
+    return {"requests": len(rows), "hit_rate": round(sum(h for h, _, _ in rows) / queries, 4) if queries else None,
+            "ttft_p50_ms": _ms(ttfts, 0.5), "ttft_p90_ms": _ms(ttfts, 0.9)}
+
+
+def _restart_rounds(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each restart round against ``tier`` run without one: the same requests
+    after the restart point, so the ratio is what the restart cost, not what
+    the second half of the trace differs from the first."""
+    base = results.get("tier", {}).get("_requests")
+    out: dict[str, Any] = {}
+    for mode in RESTARTS:
+        restart = results.get(mode, {}).get("restart")
+        if not restart:
+            continue
+        row = {"kind": restart["kind"], "after": restart["after"], "before": restart["before"],
+               "same_tokens_as_stock": results[mode].get("same_tokens_as_stock")}
+        if base is not None:
+            same = _stretch(base[restart["at_request"]:])
+            row["without_restart"] = same
+            if same["hit_rate"]:
+                row["hit_rate_kept"] = round(restart["after"]["hit_rate"] / same["hit_rate"], 3)
+        out[mode] = row
+    return out
+
+
 def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, server: str) -> dict[str, Any]:
     """The whole trace in ``mode``: per-request results and the mode's figures."""
     elastic = mode in ("kvelastic", "kvelastic_ttl10m", *TIER_MEDIA)
@@ -223,9 +299,15 @@ def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, 
     requests: list[dict[str, Any]] = []
     starts: list[float] = []
     lives = 0
+    restart = RESTARTS.get(mode)
+    total = len(w.requests())
+    restart_at = total // 2 if restart else total
+    restarted: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         ttl = "10m" if mode == "kvelastic_ttl10m" else TTL
-        sock = stack.enter_context(daemon(folder, w.memory, TIER_MEDIA.get(mode), ttl)) if elastic else None
+        d = stack.enter_context(daemon(folder, w.memory, TIER_MEDIA.get(mode), ttl, keeper=restart == "daemon")) \
+            if elastic else None
+        sock = d.sock if d is not None else None
 
         def start(slot: int) -> Engine:
             nonlocal lives
@@ -248,6 +330,16 @@ def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, 
         history: dict[int, list[int]] = {}
         for v, turn in w.requests():
             slot, p, index = visits[v]
+            if len(requests) == restart_at and restart == "daemon" and d is not None:
+                restarted = {"kind": "daemon", "at_request": restart_at, "daemon_start_s": round(
+                    d.kill_and_restart(), 2)}
+            elif len(requests) == restart_at and restart == "engine":
+                alive = [i for i, e in enumerate(slots) if e is not None]
+                victim = slot if slot in alive else (alive[0] if alive else None)
+                if victim is not None:       # the next request of its slot starts a new engine there
+                    slots[victim].kill()     # type: ignore[union-attr]
+                    slots[victim] = None
+                restarted = {"kind": "engine", "at_request": restart_at, "slot": victim}
             engine = slots[slot]
             if turn == 0 and engine is not None and 0 < w.visits_per_life <= served[slot]:
                 # Replaced before a visit begins; later turns of its visits go to the next engine of the slot.
@@ -295,6 +387,10 @@ def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, 
     }
     if tier is not None:
         result["tier"] = tier
+    if restarted:
+        result["restart"] = {**restarted, "before": _part(requests[:restart_at]),
+                             "after": _part(requests[restart_at:])}
+    result["_requests"] = [(r["hits"] + r["external"], len(r["prompt"]), r["ttft_s"]) for r in requests]
     result["_tokens"] = [r["tokens"] for r in requests]
     result["_ttfts"] = ttfts
     return result
@@ -311,7 +407,8 @@ def crossover(name: str, sweep: tuple[int, ...], folder: pathlib.Path, server: s
     rng = random.Random(11)
     prompts = [[[rng.randrange(3, tier_model.VOCAB_SIZE) for _ in range(n + 1)] for n in sweep] for _ in range(repeats)]
     warm = [rng.randrange(3, tier_model.VOCAB_SIZE) for _ in range(40)]
-    with daemon(folder, memory, tier="disk") as sock:
+    with daemon(folder, memory, tier="disk") as d:
+        sock = d.sock
         log = folder / "engine-crossover.log"
         first = Engine(server, model, "kvelastic", memory, max_len, log, sock, f"{name}-compute")
         first.req(warm, 1)      # the first step's one-off costs, outside the figures
@@ -431,6 +528,7 @@ def run(quick: bool = False, png: str | None = None, modes: tuple[str, ...] | No
         "targets": TARGETS,
         "tier_vs_kvelastic": _targets(results),
         "tier_host_vs_tier": _media(results),
+        "restart_rounds": _restart_rounds(results),
         "total_s": round(time.monotonic() - started, 1),
     }
     if png is None:

@@ -45,7 +45,7 @@ TIER_CONNECTOR = {"kv_connector": "KvelasticTierConnector", "kv_connector_module
 
 
 def transfer_config(mode: str, cpu_bytes: int) -> dict | None:
-    if mode in ("tier", "tier_host"):
+    if mode in ("tier", "tier_host") or mode.startswith("tier_restart_"):   # the restart rounds are tier's
         return TIER_CONNECTOR
     if mode == "offload":
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -127,7 +127,7 @@ def main() -> None:
                 if m.name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
                               "vllm:external_prefix_cache_hits")}
 
-    print("READY", flush=True)
+    print(f"READY {os.getpid()}", flush=True)      # the pid: the bench's engine restart kills it
     for line in sys.stdin:
         command, _, arg = line.strip().partition(" ")
         if command != "req":
