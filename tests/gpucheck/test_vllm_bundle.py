@@ -10,6 +10,7 @@ from a download cache; where it has not been built and the cache is missing
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import zipfile
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from kvelastic_tools.gpucheck import vllmbundle as vb
+from kvelastic_tools.gpucheck import vllmstubs as vs
 
 STUB_MARK = "(kvelastic bundle"
 
@@ -28,7 +30,9 @@ def bundle() -> tuple[dict[str, Any], zipfile.ZipFile]:
     manifest_path, archive = vb.OUT / "MANIFEST.json", vb.OUT / "site.zip"
     fresh = False
     if manifest_path.exists() and archive.exists():
-        fresh = json.loads(manifest_path.read_text()).get("vllm", {}).get("version") == vb.VLLM_VERSION
+        builders = [Path(vb.__file__), Path(vs.__file__)]  # a bundle older than its builder is rebuilt (6 s)
+        fresh = (json.loads(manifest_path.read_text()).get("vllm", {}).get("version") == vb.VLLM_VERSION
+                 and archive.stat().st_mtime >= max(p.stat().st_mtime for p in builders))
     if not fresh:
         try:
             vb.build(offline=True)
@@ -73,6 +77,75 @@ def test_every_stub_is_listed_with_a_reason_and_nothing_else_is_stubbed(
     assert marked == listed
     stub = zf.read("vllm/_C_stable_libtorch.py").decode()
     assert "silu_and_mul(Tensor! result, Tensor input) -> ()" in stub  # the real schema, read from the .so
+    assert "rms_norm(Tensor! result, Tensor input, Tensor? weight, float epsilon) -> ()" in stub
+
+
+def stub_tables(zf: zipfile.ZipFile) -> tuple[dict[str, str], dict[str, str]]:
+    """The stub's SCHEMAS (placeholders) and QUERIES, as the bundle carries them."""
+    tree = ast.parse(zf.read("vllm/_C_stable_libtorch.py").decode())
+    tables = {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+              for t in node.targets if isinstance(t, ast.Name) and t.id in ("SCHEMAS", "QUERIES")}
+    return tables["SCHEMAS"], tables["QUERIES"]
+
+
+def test_every_stubbed_op_is_listed_with_its_schema_and_a_reason(
+        bundle: tuple[dict[str, Any], zipfile.ZipFile]) -> None:
+    manifest, zf = bundle
+    schemas, queries = stub_tables(zf)
+    listed = {o["op"]: o for s in manifest["stubs"] for o in s.get("ops", [])}
+    assert set(listed) == {f"_C::{n}" for n in [*schemas, *queries]}
+    for name, schema in [*schemas.items(), *queries.items()]:
+        op = listed[f"_C::{name}"]
+        assert op["why"] and op["schema"] == schema and schema.startswith(f"{name}(") and " -> " in schema
+        assert op["kind"].startswith("query" if name in queries else "placeholder")
+        assert not op.get("capability_checks") or op.get("checked_ok")  # a check vLLM makes on it is explained
+    assert set(vs.EAGER_OPS) | set(vs.COMPILE_OPS) == set(schemas) and set(vs.QUERY_OPS) == set(queries)
+
+
+def test_the_compiled_path_finds_every_kernel_handle_it_names(
+        bundle: tuple[dict[str, Any], zipfile.ZipFile]) -> None:
+    """vllm/compilation (the pass manager imports every CUDA fusion pass) names these _C ops at import or compares
+    graph nodes with them: each one the bundle's sources name without a hasattr check is a placeholder, and each
+    one named only behind a check is left undefined, so vLLM's own check answers "not available"."""
+    manifest, zf = bundle
+    schemas, _queries = stub_tables(zf)
+    sources = {n: zf.read(n).decode() for n in zf.namelist() if n.startswith("vllm/compilation/") and n.endswith(".py")}
+    plain, guarded = vs.compile_path_handles(sources)
+    assert {"rotary_embedding", "fused_add_rms_norm", "static_scaled_fp8_quant"} <= set(plain)  # matcher_utils etc.
+    assert set(plain) <= set(schemas)
+    assert guarded and not set(guarded) & set(schemas)
+    assert manifest["left_undefined_ops"] == guarded
+    off = manifest["compiled_passes"]["off"]
+    assert {"fuse_norm_quant", "fuse_act_quant", "fuse_allreduce_rms", "fuse_attn_quant"} <= set(off)
+    assert "FixFunctionalizationPass" in manifest["compiled_passes"]["run"]
+
+
+def test_handles_behind_a_capability_check_are_told_apart() -> None:
+    src = ('X = torch.ops._C.rotary_embedding.default\n'
+           'if hasattr(torch.ops._C, "scaled_fp4_quant"):\n    Y = torch.ops._C.scaled_fp4_quant.out\n'
+           'ok = current_platform.is_cuda() and hasattr(\n    torch.ops._C, "nvfp4"\n)\n'
+           '# torch.ops._C.commented_out\n'
+           'def f(n):\n    return n == torch.ops._C.rms_norm.default\n')
+    plain, guarded = vs.compile_path_handles({"m.py": src})
+    assert plain == {"rotary_embedding": ["m.py:1"], "rms_norm": ["m.py:9"]}
+    assert guarded == {"scaled_fp4_quant": ["m.py:3"]}
+    assert vs.capability_checks({"m.py": src}, {"nvfp4", "rms_norm"}) == {"nvfp4": ["m.py:4"]}
+
+
+def test_a_placeholder_raises_naming_its_op_and_a_query_answers_false(
+        bundle: tuple[dict[str, Any], zipfile.ZipFile]) -> None:
+    torch = pytest.importorskip("torch")
+    _manifest, zf = bundle
+    # the stub's own code, in a namespace of its own (the real _C may be loaded by vLLM's tests in this process)
+    ns = "_kvelastic_stub_test"
+    source = zf.read("vllm/_C_stable_libtorch.py").decode().replace('"_C"', f'"{ns}"').replace(
+        "torch.ops._C", f"torch.ops.{ns}")
+    if not hasattr(getattr(torch.ops, ns), "rotary_embedding"):
+        exec(compile(source, "vllm/_C_stable_libtorch.py", "exec"), {"__name__": ns})
+    ops = getattr(torch.ops, ns)
+    with pytest.raises(NotImplementedError, match="rotary_embedding"):
+        ops.rotary_embedding(torch.zeros(1, dtype=torch.long), torch.zeros(1, 8), None, 8, torch.zeros(4, 8), True)
+    assert ops.cutlass_scaled_mm_supports_fp8(90) is False
 
 
 def test_every_patch_is_applied_and_explained(bundle: tuple[dict[str, Any], zipfile.ZipFile]) -> None:

