@@ -95,3 +95,30 @@ def test_full_workload_interleaves_turns_on_long_lived_engines():
     assert m.oracle_hits([(second, answer), (first, answer)])[0] == 0
     cached = (len(first) + w.answer_tokens - 1) // m.BLOCK * m.BLOCK    # the last answer token's KV is never computed
     assert m.oracle_hits([(first, answer), (second, answer)])[1] == cached
+
+
+def test_multi_round_qa_shares_one_system_prompt_and_serves_its_users_round_robin():
+    """LMCache's benchmark shape (no engine run): every user opens with the
+    same system prompt and a context of its own, asks its rounds with every
+    other user's round in between, on one slot, and the prefix working set
+    is well above the budget."""
+    from kvelastic_tools.vllm_bench import tier_model as m
+
+    w = m.MULTI_ROUND_QA
+    users, rounds = w.prompts, w.turns
+    order = w.requests()
+    assert order == [(u, r) for r in range(rounds) for u in range(users)]          # round robin
+    assert len({tuple(w.system_prompt(u)) for u in range(users)}) == 1             # one shared prompt
+    firsts = [w.user_turn(u, 0, 0) for u in range(users)]
+    assert all(len(f) == w.context_tokens + w.user_tokens for f in firsts)
+    assert len({tuple(f) for f in firsts}) == users                                # contexts of their own
+    assert all(len(w.user_turn(0, 0, r)) == w.user_tokens for r in range(1, rounds))
+    slots = w.visits()
+    assert len({slots[u][0] for u in range(users)}) == w.engines                   # every slot serves users
+    assert w.working_set_tokens() == w.system_tokens + users * (
+        w.context_tokens + rounds * (w.user_tokens + w.answer_tokens))
+    per_token = m.kv_bytes_per_token(m.BENCH)
+    assert w.working_set_tokens() * per_token > 2 * w.memory
+    # The interleaved workload's working set is as the bench always reported it.
+    f = m.FULL
+    assert f.working_set_tokens() == f.prompts * (f.system_tokens + f.turns * (f.user_tokens + f.answer_tokens))

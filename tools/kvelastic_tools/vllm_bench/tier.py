@@ -60,6 +60,13 @@ cores. Options (environment):
   ``KVELASTIC_ORPHAN_CACHE_TTL=200ms``); ``0`` (the default): never, engines
   live for the whole mode; ``1``: the runs before source B
   (``tier_model.LIFE1``);
+- ``KVELASTIC_BENCH_TIER_WORKLOADS``: the workloads, comma-separated
+  (``interleaved,multi_round_qa`` by default, ``--quick``: ``interleaved``):
+  ``interleaved`` is the trace above, ``multi_round_qa`` the manner of
+  LMCache's own benchmark (``tier_model.MULTI_ROUND_QA``: users sharing one
+  system prompt, each with a context of its own, rounds of questions served
+  round robin, each conversation growing); the first is reported at the top
+  level, the others under ``workloads``;
 - ``KVELASTIC_BENCH_TIER_MODES``: the modes to run, comma-separated (all of
   ``MODES`` by default);
 - ``KVELASTIC_BENCH_TIER_CROSSOVER``: the models of the crossover,
@@ -474,8 +481,10 @@ def _media(modes: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             "ttft_revisit_p50": ratio("ttft_revisit_p50_ms"), "throughput": ratio("throughput_tok_s")}
 
 
-def run(quick: bool = False, png: str | None = None, modes: tuple[str, ...] | None = None,
-        crossover_models: tuple[str, ...] | None = None) -> dict[str, Any]:
+def workloads(quick: bool) -> dict[str, Workload]:
+    """The workloads to run by name (``KVELASTIC_BENCH_TIER_WORKLOADS``; the
+    first is the report's main one): ``interleaved`` (with the options
+    above; ``--quick``: ``tier_model.QUICK``) and ``multi_round_qa``."""
     w = tier_model.QUICK if quick else tier_model.FULL
     life = os.environ.get("KVELASTIC_BENCH_TIER_VISITS_PER_LIFE")    # e.g. 1: tier_model.LIFE1
     if life:
@@ -483,6 +492,50 @@ def run(quick: bool = False, png: str | None = None, modes: tuple[str, ...] | No
     interleave = os.environ.get("KVELASTIC_BENCH_TIER_INTERLEAVE")   # 0: tier_model.BACK_TO_BACK
     if interleave:
         w = dataclasses.replace(w, interleave=int(interleave))
+    chosen = os.environ.get("KVELASTIC_BENCH_TIER_WORKLOADS") or ("interleaved" if quick else
+                                                                   "interleaved,multi_round_qa")
+    return {name: w if name == "interleaved" else tier_model.WORKLOADS[name] for name in chosen.split(",") if name}
+
+
+def run_workload(w: Workload, modes: tuple[str, ...], server: str, logs: str | None) -> dict[str, dict[str, Any]]:
+    """Every mode over ``w``'s trace: per mode its figures (``_`` keys: per request)."""
+    model, _ = tier_model.build(w.model)
+    results: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        with tempfile.TemporaryDirectory(prefix="kvt-") as folder:
+            try:
+                results[mode] = run_mode(w, model, mode, pathlib.Path(folder), server)
+            except EngineFailed as e:
+                results[mode] = {"error": str(e)}
+            finally:
+                if logs:
+                    _keep_logs(pathlib.Path(folder), pathlib.Path(logs) / mode)
+    stock = results.get("stock", {}).get("_tokens")
+    for r in results.values():
+        if "_tokens" in r:
+            r["same_tokens_as_stock"] = r["_tokens"] == stock if stock is not None else None
+    return results
+
+
+def report(w: Workload, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One workload's part of the output."""
+    shape = tier_model.BENCH if w.model == "bench" else tier_model.TINY
+    per_token = tier_model.kv_bytes_per_token(shape)
+    return {
+        "workload": {**dataclasses.asdict(w), "params": tier_model.params(shape),
+                     "kv_bytes_per_token": per_token, "orphan_cache_ttl": TTL, "tier_size": TIER_SIZE,
+                     "prefix_working_set_over_memory": round(w.working_set_tokens() * per_token / w.memory, 2)},
+        "modes": {m: {k: v for k, v in r.items() if not k.startswith("_")} for m, r in results.items()},
+        "tier_vs_kvelastic": _targets(results),
+        "tier_host_vs_tier": _media(results),
+        "restart_rounds": _restart_rounds(results),
+    }
+
+
+def run(quick: bool = False, png: str | None = None, modes: tuple[str, ...] | None = None,
+        crossover_models: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The main workload's report at the top level; every other one's under its name in ``workloads``."""
+    chosen = workloads(quick)
     env_modes = os.environ.get("KVELASTIC_BENCH_TIER_MODES")
     modes = modes or (tuple(m for m in env_modes.split(",") if m) if env_modes else None) or \
         (QUICK_MODES if quick else MODES)
@@ -491,52 +544,28 @@ def run(quick: bool = False, png: str | None = None, modes: tuple[str, ...] | No
         crossover_models = tuple(m for m in env_curves.split(",") if m)
     crossover_models = crossover_models if crossover_models is not None else (() if quick else ("tiny", "bench"))
     logs = os.environ.get("KVELASTIC_BENCH_TIER_LOGS")
-    model, shape = tier_model.build(w.model)
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, dict[str, dict[str, Any]]] = {}
     curves = {}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvt-") as top, fork_server(pathlib.Path(top)) as server:
-        for mode in modes:
-            with tempfile.TemporaryDirectory(prefix="kvt-") as folder:
-                try:
-                    results[mode] = run_mode(w, model, mode, pathlib.Path(folder), server)
-                except EngineFailed as e:
-                    results[mode] = {"error": str(e)}
-                finally:
-                    if logs:
-                        _keep_logs(pathlib.Path(folder), pathlib.Path(logs) / mode)
+        for name, w in chosen.items():
+            results[name] = run_workload(w, modes, server, f"{logs}/{name}" if logs else None)
         for name in crossover_models:
             with tempfile.TemporaryDirectory(prefix="kvt-") as folder:
                 try:
                     curves[name] = crossover(name, QUICK_SWEEP if quick else SWEEP, pathlib.Path(folder), server)
                 except (EngineFailed, RuntimeError, OSError) as e:
                     curves[name] = {"model": name, "error": f"{type(e).__name__}: {e}"}
-    stock = results.get("stock", {}).get("_tokens")
-    for r in results.values():
-        if "_tokens" in r:
-            r["same_tokens_as_stock"] = r["_tokens"] == stock if stock is not None else None
-    per_token = tier_model.kv_bytes_per_token(shape)
-    out = {
-        "benchmark": "tier", "quick": quick,
-        "workload": {**dataclasses.asdict(w), "params": tier_model.params(shape),
-                     "kv_bytes_per_token": per_token, "orphan_cache_ttl": TTL, "tier_size": TIER_SIZE,
-                     "prefix_working_set_over_memory": round(
-                         w.prompts * (w.system_tokens + w.turns * (w.user_tokens + w.answer_tokens)) * per_token
-                         / w.memory, 2)},
-        "modes": {m: {k: v for k, v in r.items() if not k.startswith("_")} for m, r in results.items()},
-        "crossover": curves,
-        "targets": TARGETS,
-        "tier_vs_kvelastic": _targets(results),
-        "tier_host_vs_tier": _media(results),
-        "restart_rounds": _restart_rounds(results),
-        "total_s": round(time.monotonic() - started, 1),
-    }
+    (main, w), *others = chosen.items()
+    out = {"benchmark": "tier", "quick": quick, "workload_name": main, **report(w, results[main]),
+           "workloads": {name: report(ow, results[name]) for name, ow in others},
+           "crossover": curves, "targets": TARGETS, "total_s": round(time.monotonic() - started, 1)}
     if png is None:
         png = os.environ.get("KVELASTIC_BENCH_TIER_PNG")
     if png:
         from kvelastic_tools.vllm_bench.tier_plot import plot
 
-        plot(png, out, {m: r.get("_ttfts", []) for m, r in results.items()})
+        plot(png, out, {m: r.get("_ttfts", []) for m, r in results[main].items()})
     return out
 
 

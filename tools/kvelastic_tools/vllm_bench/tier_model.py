@@ -69,6 +69,8 @@ class Workload:
     max_model_len: int
     interleave: int = 0      # K: a visit's next turn is sent after the first turns of the next K visits
     seed: int = 7
+    shared_system: bool = False   # every visit opens with the same system prompt (multi-round QA's users)
+    context_tokens: int = 0       # a user's own context, sent with its first turn (multi-round QA)
 
     @property
     def per_engine(self) -> int:
@@ -92,12 +94,22 @@ class Workload:
                       key=lambda vt: (vt[0] + vt[1] * k, vt[1]) if k else vt)
 
     def system_prompt(self, index: int) -> list[int]:
-        rng = random.Random(self.seed * 1_000_003 + index)
+        rng = random.Random(self.seed * 1_000_003 + (0 if self.shared_system else index))
         return [rng.randrange(3, VOCAB_SIZE) for _ in range(self.system_tokens)]
 
     def user_turn(self, index: int, p: int, turn: int) -> list[int]:
+        """What visit ``index`` of pass ``p`` adds at ``turn``: the user's own
+        context first (``context_tokens``), then its question."""
         rng = random.Random(((self.seed * 7919 + index) * 131 + p) * 17 + turn + 1)
-        return [rng.randrange(3, VOCAB_SIZE) for _ in range(self.user_tokens)]
+        n = self.user_tokens + (self.context_tokens if turn == 0 else 0)
+        return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
+
+    def working_set_tokens(self) -> int:
+        """Distinct prefix tokens of the whole trace (the shared prompt counted once)."""
+        conversation = self.context_tokens + self.turns * (self.user_tokens + self.answer_tokens)
+        systems = self.system_tokens * (1 if self.shared_system else self.prompts)
+        return systems + self.prompts * self.passes * conversation if self.shared_system else \
+            self.prompts * (self.system_tokens + self.turns * (self.user_tokens + self.answer_tokens))
 
 
 # Full: 20 system prompts of 512 tokens (with their conversations ~12K
@@ -119,6 +131,17 @@ FULL = Workload(model="bench", engines=3, prompts=20, system_tokens=512, turns=2
 BACK_TO_BACK = dataclasses.replace(FULL, interleave=0)
 LIFE1 = dataclasses.replace(FULL, interleave=0, visits_per_life=1)
 LIFE4 = dataclasses.replace(FULL, interleave=0, visits_per_life=4)
+# Multi-round QA, in the manner of LMCache's own benchmark: 12 users share one
+# system prompt (256 tokens); each brings its own context (384 tokens) with
+# its first question and asks 5 rounds (32 tokens each, 8-token answers),
+# the users served round robin (K = 12: between two rounds of a user, every
+# other user's round), each user on one of the 3 slots. The prefix working
+# set is 256 + 12 x 584 = 7,264 tokens, 2.4x the 3,072 of the budget, and a
+# user's conversation grows each round.
+MULTI_ROUND_QA = Workload(model="bench", engines=3, prompts=12, system_tokens=256, turns=5, user_tokens=32,
+                          answer_tokens=8, passes=1, visits_per_life=0, memory=24 << 20, max_model_len=1024,
+                          interleave=12, shared_system=True, context_tokens=384)
+WORKLOADS = {"interleaved": FULL, "multi_round_qa": MULTI_ROUND_QA}
 # Quick (the test): the tiny model, two slots, every visit on a new engine.
 QUICK = Workload(model="tiny", engines=2, prompts=2, system_tokens=256, turns=2, user_tokens=32, answer_tokens=8,
                  passes=2, visits_per_life=1, memory=16 << 20, max_model_len=768)
