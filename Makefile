@@ -18,7 +18,7 @@ VLLM_LOCK := patches/vllm/requirements-cpu.lock
 # 2.14.3, and the indexer runs with it (its uvloop is in the lock).
 DYNAMO := ai-dynamo-runtime==1.6.1
 
-.PHONY: setup run lint test clean gpu-wheels gpu-check test-vllm test-vllm-matrix
+.PHONY: setup run lint test clean gpu-wheels gpu-check test-vllm test-vllm-matrix lmcache
 
 setup: $(STAMP)
 
@@ -100,6 +100,27 @@ test-vllm: $(RVENV)/.kvelastic-setup
 
 test-vllm-matrix:
 	patches/vllm/releases/matrix.sh $(VLLM_RELEASES)
+
+# --- LMCache, the peer `kvelastic bench tier` runs beside kvelastic's tier --------
+# `make lmcache` builds .venv-vllm-lmcache: the same torch and vLLM lock as
+# .venv, LMCache's PyPI wheel (its CPU paths need no compiling) and two small
+# packages its multi-process server needs. --no-deps: LMCache's metadata pins
+# older numpy, protobuf, OpenTelemetry and prometheus-client than the lock and
+# asks for CUDA packages; it runs with the lock's, and the lock stays as it is.
+LMCACHE_VENV := .venv-vllm-lmcache
+LMCACHE_PKGS ?= lmcache==0.5.6 sortedcontainers==2.4.0 opentelemetry-exporter-prometheus==0.66b2
+
+lmcache: $(LMCACHE_VENV)/.kvelastic-setup
+
+$(LMCACHE_VENV)/.kvelastic-setup: $(VLLM_LOCK)
+	test -x $(LMCACHE_VENV)/bin/python || $(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/python -m pip install -q --disable-pip-version-check --upgrade pip wheel 2>&1 | grep -v '^WARNING: Location' || true
+	$(LMCACHE_VENV)/bin/python -c 'import torch' 2>/dev/null || \
+		$(LMCACHE_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)" 2>&1 | grep -v '^WARNING: Location' || true
+	$(LMCACHE_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -r $(VLLM_LOCK) $(LMCACHE_PKGS) \
+		2>&1 | grep -v '^WARNING: Location' || true
+	$(LMCACHE_VENV)/bin/python -c "import lmcache, vllm; assert lmcache.torch_device_type == 'cpu'; print('LMCache', lmcache.__version__, 'vLLM', vllm.__version__)"
+	touch $@
 
 # --- On a GPU: one device call proves the CUDA path (README, "On a GPU") ---------
 # `make gpu-wheels` (here, with network) fetches the wheels the GPU image lacks

@@ -122,3 +122,24 @@ def test_multi_round_qa_shares_one_system_prompt_and_serves_its_users_round_robi
     # The interleaved workload's working set is as the bench always reported it.
     f = m.FULL
     assert f.working_set_tokens() == f.prompts * (f.system_tokens + f.turns * (f.user_tokens + f.answer_tokens))
+
+
+def test_lmcache_multi_process_server_serves_the_same_trace(tmp_path):
+    """LMCache's node-shared server (``make lmcache``), on the quick trace: its
+    engines load what other engines stored there (external hits), and give
+    stock's tokens; its figures sit beside the tier's in one run."""
+    from kvelastic_tools.vllm_bench import tier_lmcache
+
+    missing = tier_lmcache.installed()
+    if missing:
+        pytest.skip(missing)
+    result = subprocess.run([sys.executable, "-m", "kvelastic", "bench", "tier", "--quick", "--json"],
+                            capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "KVELASTIC_BENCH_TIER_MODES": "stock,tier,lmcache_mp"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    stock, tier, lmc = (out["modes"][m] for m in ("stock", "tier", "lmcache_mp"))
+    assert "error" not in lmc, lmc
+    assert lmc["requests"] == stock["requests"] == 8 and lmc["same_tokens_as_stock"]
+    assert lmc["external_hit_tokens"] > 0 and lmc["hit_rate"] > stock["hit_rate"]
+    assert lmc["hit_rate"] <= lmc["oracle_hit_rate"] == tier["oracle_hit_rate"]

@@ -33,7 +33,9 @@ request at a time:
 - ``offload``: stock vLLM with its ``OffloadingConnector`` (host memory as
   large as the budget), ``simple_offload`` (its ``SimpleCPUOffloadConnector``)
   and ``lmcache`` (``LMCacheConnectorV1``); a mode whose engine does not start
-  on this build is recorded with its error.
+  on this build is recorded with its error;
+- ``lmcache_mp``: stock vLLM engines sharing LMCache's multi-process server
+  (``tier_lmcache``: ``make lmcache``), as much memory as the tier.
 
 Per mode: the hit rate (vLLM's prefix-cache hits, local plus a connector's,
 over prompt tokens) and its ratio to the oracle's (the same prompts against a
@@ -95,15 +97,16 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvelastic_tools.figures import percentile
-from kvelastic_tools.vllm_bench import tier_model, vllm_serve
+from kvelastic.config import parse_size
+from kvelastic_tools.vllm_bench import tier_lmcache, tier_model, vllm_serve
 from kvelastic_tools.vllm_bench.tier_model import Workload
+from kvelastic_tools.vllm_bench.tier_report import TARGETS, ms, part_of, report
 
 MiB = 1 << 20
 TTL = "200ms"
 TIER_SIZE = "1GiB"
 MODES = ("stock", "kvelastic", "tier", "tier_host", "tier_restart_daemon", "tier_restart_engine", "kvelastic_ttl10m",
-         "offload", "simple_offload", "lmcache")
+         "offload", "simple_offload", "lmcache", "lmcache_mp")
 QUICK_MODES = ("stock", "tier", "tier_host", "tier_restart_daemon", "tier_restart_engine")
 # The restart rounds: ``tier`` with, halfway through the trace, the daemon
 # killed (``kill -9``) and started again as a user starts it (its keeper
@@ -115,9 +118,6 @@ SWEEP = (32, 128, 256, 512, 1024, 2016)   # L + 1 tokens within the tiny model's
 REPEATS = 3                               # prompts per L (the median is reported)
 QUICK_SWEEP = (32, 256)
 # The targets for the tier mode.
-TARGETS = {"hit_rate_over_oracle_min": 0.9, "ttft_p50_over_kvelastic_max": 0.5, "throughput_over_kvelastic_min": 1.0}
-
-
 class EngineFailed(RuntimeError):
     pass
 
@@ -126,8 +126,9 @@ class Engine:
     """One engine life: ``tier_run``'s engine, forked by its fork server (``server``)."""
 
     def __init__(self, server: str, model: pathlib.Path, mode: str, kv_bytes: int, max_len: int, log: pathlib.Path,
-                 socket_path: str | None, engine_id: str, cpu_bytes: int = 0) -> None:
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVELASTIC_ENABLE": "0"}
+                 socket_path: str | None, engine_id: str, cpu_bytes: int = 0,
+                 extra_env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVELASTIC_ENABLE": "0", **(extra_env or {})}
         if socket_path is not None:
             env.update(KVELASTIC_ENABLE="1", KVELASTIC_SOCKET=socket_path, KVELASTIC_ENGINE_ID=engine_id)
         self.engine_id = engine_id
@@ -172,12 +173,13 @@ class Engine:
 
 
 @contextlib.contextmanager
-def fork_server(folder: pathlib.Path) -> Iterator[str]:
+def fork_server(folder: pathlib.Path, python: str = sys.executable,
+                env: dict[str, str] | None = None) -> Iterator[str]:
     """``tier_run --server``: vLLM imported once, an engine forked per life; yields its socket."""
     path = str(folder / "fork.sock")
     with open(folder / "fork-server.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvelastic_tools.vllm_bench.tier_run", "--server", path],
-                                stdout=subprocess.PIPE, stderr=log, text=True)
+        proc = subprocess.Popen([python, "-m", "kvelastic_tools.vllm_bench.tier_run", "--server", path],
+                                stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     try:
         assert proc.stdout is not None
         if proc.stdout.readline().strip() != "SERVING":
@@ -261,45 +263,8 @@ def _settle(sock: str, timeout: float = 20.0, gone: str | None = None) -> None:
         time.sleep(0.05)
 
 
-def _ms(values: list[float], q: float) -> float | None:
-    return round(percentile(values, q) * 1e3, 1) if values else None
-
-
-def _part(requests: list[dict[str, Any]]) -> dict[str, Any]:
-    """A stretch of the trace: its requests' hit rate and TTFT."""
-    return _stretch([(r["hits"] + r["external"], len(r["prompt"]), r["ttft_s"]) for r in requests])
-
-
-def _stretch(rows: list[tuple[float, int, float]]) -> dict[str, Any]:
-    """(hit tokens, prompt tokens, TTFT) of some requests: their hit rate and TTFT quantiles."""
-    queries = sum(q for _, q, _ in rows)
-    ttfts = [t for _, _, t in rows]
-    return {"requests": len(rows), "hit_rate": round(sum(h for h, _, _ in rows) / queries, 4) if queries else None,
-            "ttft_p50_ms": _ms(ttfts, 0.5), "ttft_p90_ms": _ms(ttfts, 0.9)}
-
-
-def _restart_rounds(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Each restart round against ``tier`` run without one: the same requests
-    after the restart point, so the ratio is what the restart cost, not what
-    the second half of the trace differs from the first."""
-    base = results.get("tier", {}).get("_requests")
-    out: dict[str, Any] = {}
-    for mode in RESTARTS:
-        restart = results.get(mode, {}).get("restart")
-        if not restart:
-            continue
-        row = {"kind": restart["kind"], "after": restart["after"], "before": restart["before"],
-               "same_tokens_as_stock": results[mode].get("same_tokens_as_stock")}
-        if base is not None:
-            same = _stretch(base[restart["at_request"]:])
-            row["without_restart"] = same
-            if same["hit_rate"]:
-                row["hit_rate_kept"] = round(restart["after"]["hit_rate"] / same["hit_rate"], 3)
-        out[mode] = row
-    return out
-
-
-def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, server: str) -> dict[str, Any]:
+def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, server: str,
+             extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """The whole trace in ``mode``: per-request results and the mode's figures."""
     elastic = mode in ("kvelastic", "kvelastic_ttl10m", *TIER_MEDIA)
     kv_bytes = w.per_engine
@@ -320,7 +285,7 @@ def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, 
             nonlocal lives
             lives += 1
             engine = Engine(server, model, mode, kv_bytes, w.max_model_len, folder / f"engine-{mode}.log", sock,
-                            f"{mode}-{slot}-{lives}", cpu_bytes=w.memory)
+                            f"{mode}-{slot}-{lives}", cpu_bytes=w.memory, extra_env=extra_env)
             starts.append(engine.start_s)
             return engine
 
@@ -383,11 +348,11 @@ def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, 
         "external_hit_tokens": int(sum(r["external"] for r in requests)),
         "hit_rate": round(hits / queries, 4), "oracle_hit_rate": round(sum(oracle) / queries, 4),
         "hit_rate_over_oracle": round(hits / sum(oracle), 4) if sum(oracle) else None,
-        "ttft_p50_ms": _ms(ttfts, 0.5), "ttft_p90_ms": _ms(ttfts, 0.9), "ttft_p99_ms": _ms(ttfts, 0.99),
+        "ttft_p50_ms": ms(ttfts, 0.5), "ttft_p90_ms": ms(ttfts, 0.9), "ttft_p99_ms": ms(ttfts, 0.99),
         # The requests the tier is for: a system prompt's first turn on its second visit.
-        "ttft_revisit_p50_ms": _ms(revisits, 0.5), "ttft_revisit_p90_ms": _ms(revisits, 0.9),
+        "ttft_revisit_p50_ms": ms(revisits, 0.5), "ttft_revisit_p90_ms": ms(revisits, 0.9),
         # A conversation's later turns (interleaved: its prefix left device memory meanwhile).
-        "ttft_later_turn_p50_ms": _ms(later, 0.5),
+        "ttft_later_turn_p50_ms": ms(later, 0.5),
         "serving_s": round(serving, 2), "wall_s": round(wall, 2),
         "throughput_tok_s": round((queries + tokens_out) / serving, 1) if serving else None,
         "requests_per_s": round(len(requests) / serving, 3) if serving else None,
@@ -395,8 +360,8 @@ def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, 
     if tier is not None:
         result["tier"] = tier
     if restarted:
-        result["restart"] = {**restarted, "before": _part(requests[:restart_at]),
-                             "after": _part(requests[restart_at:])}
+        result["restart"] = {**restarted, "before": part_of(requests[:restart_at]),
+                             "after": part_of(requests[restart_at:])}
     result["_requests"] = [(r["hits"] + r["external"], len(r["prompt"]), r["ttft_s"]) for r in requests]
     result["_tokens"] = [r["tokens"] for r in requests]
     result["_ttfts"] = ttfts
@@ -448,39 +413,6 @@ def _keep_logs(folder: pathlib.Path, to: pathlib.Path) -> None:
         shutil.copyfile(log, to / log.name)
 
 
-def _targets(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    tier, base = modes.get("tier", {}), modes.get("kvelastic", {})
-    ratio = tier.get("hit_rate_over_oracle")
-    ttft = (tier["ttft_p50_ms"] / base["ttft_p50_ms"]) if tier.get("ttft_p50_ms") and base.get("ttft_p50_ms") else None
-    thr = (tier["throughput_tok_s"] / base["throughput_tok_s"]) if tier.get("throughput_tok_s") and \
-        base.get("throughput_tok_s") else None
-    out = {"hit_rate_over_oracle": ratio, "ttft_p50_over_kvelastic": None if ttft is None else round(ttft, 3),
-           "throughput_over_kvelastic": None if thr is None else round(thr, 3),
-           "same_tokens": tier.get("same_tokens_as_stock")}
-    out["met"] = {
-        "hit_rate": ratio is not None and ratio >= TARGETS["hit_rate_over_oracle_min"],
-        "ttft_p50": ttft is not None and ttft <= TARGETS["ttft_p50_over_kvelastic_max"],
-        "throughput": thr is not None and thr >= TARGETS["throughput_over_kvelastic_min"],
-        "same_tokens": bool(tier.get("same_tokens_as_stock")),
-    }
-    return out
-
-
-def _media(modes: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """The host medium against the disk on the same trace: the same hits are
-    expected (the same index, budget and demotions), so what differs is a
-    load's cost (TTFT of revisits, throughput)."""
-    host, disk = modes.get("tier_host", {}), modes.get("tier", {})
-    if "hit_rate" not in host or "hit_rate" not in disk:
-        return None
-
-    def ratio(key: str) -> float | None:
-        return round(host[key] / disk[key], 3) if host.get(key) and disk.get(key) else None
-
-    return {"hit_rate": [host["hit_rate"], disk["hit_rate"]], "ttft_p50": ratio("ttft_p50_ms"),
-            "ttft_revisit_p50": ratio("ttft_revisit_p50_ms"), "throughput": ratio("throughput_tok_s")}
-
-
 def workloads(quick: bool) -> dict[str, Workload]:
     """The workloads to run by name (``KVELASTIC_BENCH_TIER_WORKLOADS``; the
     first is the report's main one): ``interleaved`` (with the options
@@ -497,6 +429,18 @@ def workloads(quick: bool) -> dict[str, Workload]:
     return {name: w if name == "interleaved" else tier_model.WORKLOADS[name] for name in chosen.split(",") if name}
 
 
+def lmcache_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path) -> dict[str, Any]:
+    """``lmcache_mp``: stock vLLM engines (their static shares) sharing LMCache's
+    server, its memory the tier's budget; engines forked from LMCache's environment."""
+    missing = tier_lmcache.installed()
+    if missing:
+        return {"error": missing}
+    env = {**os.environ, "PYTHONPATH": tier_lmcache.engine_path()}
+    with fork_server(folder, str(tier_lmcache.PYTHON), env) as server, \
+            tier_lmcache.lmcache_server(folder, parse_size(TIER_SIZE)) as port:
+        return run_mode(w, model, mode, folder, server, {"KVELASTIC_BENCH_LMCACHE_PORT": str(port)})
+
+
 def run_workload(w: Workload, modes: tuple[str, ...], server: str, logs: str | None) -> dict[str, dict[str, Any]]:
     """Every mode over ``w``'s trace: per mode its figures (``_`` keys: per request)."""
     model, _ = tier_model.build(w.model)
@@ -504,8 +448,9 @@ def run_workload(w: Workload, modes: tuple[str, ...], server: str, logs: str | N
     for mode in modes:
         with tempfile.TemporaryDirectory(prefix="kvt-") as folder:
             try:
-                results[mode] = run_mode(w, model, mode, pathlib.Path(folder), server)
-            except EngineFailed as e:
+                results[mode] = lmcache_mode(w, model, mode, pathlib.Path(folder)) if mode == "lmcache_mp" else \
+                    run_mode(w, model, mode, pathlib.Path(folder), server)
+            except (EngineFailed, RuntimeError) as e:
                 results[mode] = {"error": str(e)}
             finally:
                 if logs:
@@ -515,21 +460,6 @@ def run_workload(w: Workload, modes: tuple[str, ...], server: str, logs: str | N
         if "_tokens" in r:
             r["same_tokens_as_stock"] = r["_tokens"] == stock if stock is not None else None
     return results
-
-
-def report(w: Workload, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One workload's part of the output."""
-    shape = tier_model.BENCH if w.model == "bench" else tier_model.TINY
-    per_token = tier_model.kv_bytes_per_token(shape)
-    return {
-        "workload": {**dataclasses.asdict(w), "params": tier_model.params(shape),
-                     "kv_bytes_per_token": per_token, "orphan_cache_ttl": TTL, "tier_size": TIER_SIZE,
-                     "prefix_working_set_over_memory": round(w.working_set_tokens() * per_token / w.memory, 2)},
-        "modes": {m: {k: v for k, v in r.items() if not k.startswith("_")} for m, r in results.items()},
-        "tier_vs_kvelastic": _targets(results),
-        "tier_host_vs_tier": _media(results),
-        "restart_rounds": _restart_rounds(results),
-    }
 
 
 def run(quick: bool = False, png: str | None = None, modes: tuple[str, ...] | None = None,
@@ -557,8 +487,11 @@ def run(quick: bool = False, png: str | None = None, modes: tuple[str, ...] | No
                 except (EngineFailed, RuntimeError, OSError) as e:
                     curves[name] = {"model": name, "error": f"{type(e).__name__}: {e}"}
     (main, w), *others = chosen.items()
-    out = {"benchmark": "tier", "quick": quick, "workload_name": main, **report(w, results[main]),
-           "workloads": {name: report(ow, results[name]) for name, ow in others},
+    def figures(name: str, workload: Workload) -> dict[str, Any]:
+        return report(workload, results[name], tuple(RESTARTS), TTL, TIER_SIZE)
+
+    out = {"benchmark": "tier", "quick": quick, "workload_name": main, **figures(main, w),
+           "workloads": {name: figures(name, ow) for name, ow in others},
            "crossover": curves, "targets": TARGETS, "total_s": round(time.monotonic() - started, 1)}
     if png is None:
         png = os.environ.get("KVELASTIC_BENCH_TIER_PNG")

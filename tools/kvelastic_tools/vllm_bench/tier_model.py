@@ -137,9 +137,10 @@ LIFE4 = dataclasses.replace(FULL, interleave=0, visits_per_life=4)
 # the users served round robin (K = 12: between two rounds of a user, every
 # other user's round), each user on one of the 3 slots. The prefix working
 # set is 256 + 12 x 584 = 7,264 tokens, 2.4x the 3,072 of the budget, and a
-# user's conversation grows each round.
+# user's conversation grows each round. Its longest prompt is 840 tokens, within
+# the 896 positions that stock's share (1,024 tokens of KV) can serve.
 MULTI_ROUND_QA = Workload(model="bench", engines=3, prompts=12, system_tokens=256, turns=5, user_tokens=32,
-                          answer_tokens=8, passes=1, visits_per_life=0, memory=24 << 20, max_model_len=1024,
+                          answer_tokens=8, passes=1, visits_per_life=0, memory=24 << 20, max_model_len=896,
                           interleave=12, shared_system=True, context_tokens=384)
 WORKLOADS = {"interleaved": FULL, "multi_round_qa": MULTI_ROUND_QA}
 # Quick (the test): the tiny model, two slots, every visit on a new engine.

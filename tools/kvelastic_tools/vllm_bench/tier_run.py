@@ -7,7 +7,8 @@ MODE: ``stock``, ``kvelastic`` and ``kvelastic_ttl10m`` (the plugin on or off is
 configured, as docs/tier.md says), ``offload`` (vLLM's own
 ``OffloadingConnector``, CPU_BYTES of host memory), ``simple_offload``
 (its ``SimpleCPUOffloadConnector``, likewise) or ``lmcache``
-(``LMCacheConnectorV1``). Prints ``READY`` once the engine is up, or
+(``LMCacheConnectorV1``) or ``lmcache_mp`` (``LMCacheMPConnector`` to the
+server on ``KVELASTIC_BENCH_LMCACHE_PORT``). Prints ``READY`` once the engine is up, or
 ``FAILED <error>`` if it could not start, then answers one command per
 input line with a ``RESULT`` line (JSON):
 
@@ -55,6 +56,11 @@ def transfer_config(mode: str, cpu_bytes: int) -> dict | None:
                 "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
     if mode == "lmcache":
         return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    if mode.startswith("lmcache_mp"):   # LMCache's multi-process server (tier_lmcache), on the port the bench gives
+        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost",
+                                              "lmcache.mp.port": int(os.environ["KVELASTIC_BENCH_LMCACHE_PORT"])}}
     return None
 
 
@@ -114,6 +120,8 @@ def main() -> None:
         config = transfer_config(mode, cpu_bytes)
         if config is not None:
             extra["kv_transfer_config"] = config
+        if mode.startswith("lmcache_mp"):
+            extra["disable_hybrid_kv_cache_manager"] = True     # as LMCache's own CI runs it
         llm = LLM(model=model, dtype="float32", max_model_len=max_len, enforce_eager=True, enable_prefix_caching=True,
                   block_size=32, max_num_seqs=4, seed=0, disable_log_stats=False, kv_cache_memory_bytes=kv_bytes,
                   **extra)
