@@ -127,7 +127,8 @@ def test_multi_round_qa_shares_one_system_prompt_and_serves_its_users_round_robi
 def test_lmcache_multi_process_server_serves_the_same_trace(tmp_path):
     """LMCache's node-shared server (``make lmcache``), on the quick trace: its
     engines load what other engines stored there (external hits), and give
-    stock's tokens; its figures sit beside the tier's in one run."""
+    stock's tokens; its figures sit beside the tier's in one run, and so do
+    its restart rounds (the server or an engine killed halfway)."""
     from kvelastic_tools.vllm_bench import tier_lmcache
 
     missing = tier_lmcache.installed()
@@ -135,7 +136,8 @@ def test_lmcache_multi_process_server_serves_the_same_trace(tmp_path):
         pytest.skip(missing)
     result = subprocess.run([sys.executable, "-m", "kvelastic", "bench", "tier", "--quick", "--json"],
                             capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "KVELASTIC_BENCH_TIER_MODES": "stock,tier,lmcache_mp"})
+                            env={**os.environ, "KVELASTIC_BENCH_TIER_MODES": "stock,tier,lmcache_mp,"
+                                 "lmcache_mp_restart_server,lmcache_mp_restart_engine"})
     assert result.returncode == 0, result.stderr[-4000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     stock, tier, lmc = (out["modes"][m] for m in ("stock", "tier", "lmcache_mp"))
@@ -143,3 +145,10 @@ def test_lmcache_multi_process_server_serves_the_same_trace(tmp_path):
     assert lmc["requests"] == stock["requests"] == 8 and lmc["same_tokens_as_stock"]
     assert lmc["external_hit_tokens"] > 0 and lmc["hit_rate"] > stock["hit_rate"]
     assert lmc["hit_rate"] <= lmc["oracle_hit_rate"] == tier["oracle_hit_rate"]
+    # Its restart rounds are measured, whatever they show (LMCache's own figures, not a target of ours).
+    rounds = out["restart_rounds"]
+    assert {k: r["kind"] for k, r in rounds.items()} == {"lmcache_mp_restart_server": "server",
+                                                        "lmcache_mp_restart_engine": "engine"}
+    for r in rounds.values():
+        assert r["against"] == "lmcache_mp" and r["after"]["requests"] == r["without_restart"]["requests"] == 4
+        assert r["same_tokens_as_stock"] in (True, False) and "hit_rate_kept" in r

@@ -35,7 +35,10 @@ request at a time:
   and ``lmcache`` (``LMCacheConnectorV1``); a mode whose engine does not start
   on this build is recorded with its error;
 - ``lmcache_mp``: stock vLLM engines sharing LMCache's multi-process server
-  (``tier_lmcache``: ``make lmcache``), as much memory as the tier.
+  (``tier_lmcache``: ``make lmcache``), as much memory as the tier;
+  ``lmcache_mp_restart_server`` and ``lmcache_mp_restart_engine``: its
+  restart rounds, a ``kill -9`` of the server (started again on its ports)
+  or of an engine halfway through, judged against ``lmcache_mp``.
 
 Per mode: the hit rate (vLLM's prefix-cache hits, local plus a connector's,
 over prompt tokens) and its ratio to the oracle's (the same prompts against a
@@ -94,7 +97,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvelastic.config import parse_size
@@ -106,18 +109,25 @@ MiB = 1 << 20
 TTL = "200ms"
 TIER_SIZE = "1GiB"
 MODES = ("stock", "kvelastic", "tier", "tier_host", "tier_restart_daemon", "tier_restart_engine", "kvelastic_ttl10m",
-         "offload", "simple_offload", "lmcache", "lmcache_mp")
+         "offload", "simple_offload", "lmcache", "lmcache_mp", "lmcache_mp_restart_server",
+         "lmcache_mp_restart_engine")
 QUICK_MODES = ("stock", "tier", "tier_host", "tier_restart_daemon", "tier_restart_engine")
 # The restart rounds: ``tier`` with, halfway through the trace, the daemon
 # killed (``kill -9``) and started again as a user starts it (its keeper
 # started by the first daemon: ``KVELASTIC_KEEPER=auto``), or one engine
 # killed and a new one started in its slot.
-RESTARTS = {"tier_restart_daemon": "daemon", "tier_restart_engine": "engine"}
-TIER_MEDIA = {"tier": "disk", "tier_host": "host", **dict.fromkeys(RESTARTS, "disk")}   # the modes with a tier
+# mode -> (what is killed, the mode it is judged against); LMCache's rounds kill its server or an engine.
+RESTARTS = {"tier_restart_daemon": ("daemon", "tier"), "tier_restart_engine": ("engine", "tier"),
+            "lmcache_mp_restart_server": ("server", "lmcache_mp"),
+            "lmcache_mp_restart_engine": ("engine", "lmcache_mp")}
+TIER_MEDIA = {"tier": "disk", "tier_host": "host", "tier_restart_daemon": "disk", "tier_restart_engine": "disk"}
 SWEEP = (32, 128, 256, 512, 1024, 2016)   # L + 1 tokens within the tiny model's 2,048 positions
 REPEATS = 3                               # prompts per L (the median is reported)
 QUICK_SWEEP = (32, 256)
 # The targets for the tier mode.
+ENGINE_TIMEOUT = 180.0     # seconds an engine may take to start or to answer one request
+
+
 class EngineFailed(RuntimeError):
     pass
 
@@ -134,7 +144,7 @@ class Engine:
         self.engine_id = engine_id
         self.started = time.monotonic()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(600)
+        self.sock.settimeout(ENGINE_TIMEOUT)
         self.sock.connect(server)
         self.sock.sendall((json.dumps({"argv": [str(model), mode, str(kv_bytes), str(max_len), str(cpu_bytes)],
                                        "env": env, "log": str(log)}) + "\n").encode())
@@ -264,14 +274,15 @@ def _settle(sock: str, timeout: float = 20.0, gone: str | None = None) -> None:
 
 
 def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, server: str,
-             extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+             extra_env: dict[str, str] | None = None, restart_server: Callable[[], float] | None = None
+             ) -> dict[str, Any]:
     """The whole trace in ``mode``: per-request results and the mode's figures."""
     elastic = mode in ("kvelastic", "kvelastic_ttl10m", *TIER_MEDIA)
     kv_bytes = w.per_engine
     requests: list[dict[str, Any]] = []
     starts: list[float] = []
     lives = 0
-    restart = RESTARTS.get(mode)
+    restart = RESTARTS[mode][0] if mode in RESTARTS else None
     total = len(w.requests())
     restart_at = total // 2 if restart else total
     restarted: dict[str, Any] = {}
@@ -305,6 +316,8 @@ def run_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Path, 
             if len(requests) == restart_at and restart == "daemon" and d is not None:
                 restarted = {"kind": "daemon", "at_request": restart_at, "daemon_start_s": round(
                     d.kill_and_restart(), 2)}
+            elif len(requests) == restart_at and restart == "server" and restart_server is not None:
+                restarted = {"kind": "server", "at_request": restart_at, "server_start_s": round(restart_server(), 2)}
             elif len(requests) == restart_at and restart == "engine":
                 alive = [i for i, e in enumerate(slots) if e is not None]
                 victim = slot if slot in alive else (alive[0] if alive else None)
@@ -437,8 +450,9 @@ def lmcache_mode(w: Workload, model: pathlib.Path, mode: str, folder: pathlib.Pa
         return {"error": missing}
     env = {**os.environ, "PYTHONPATH": tier_lmcache.engine_path()}
     with fork_server(folder, str(tier_lmcache.PYTHON), env) as server, \
-            tier_lmcache.lmcache_server(folder, parse_size(TIER_SIZE)) as port:
-        return run_mode(w, model, mode, folder, server, {"KVELASTIC_BENCH_LMCACHE_PORT": str(port)})
+            tier_lmcache.lmcache_server(folder, parse_size(TIER_SIZE)) as lmc:
+        return run_mode(w, model, mode, folder, server, {"KVELASTIC_BENCH_LMCACHE_PORT": str(lmc.port)},
+                        restart_server=lmc.kill_and_restart)
 
 
 def run_workload(w: Workload, modes: tuple[str, ...], server: str, logs: str | None) -> dict[str, dict[str, Any]]:
@@ -448,10 +462,11 @@ def run_workload(w: Workload, modes: tuple[str, ...], server: str, logs: str | N
     for mode in modes:
         with tempfile.TemporaryDirectory(prefix="kvt-") as folder:
             try:
-                results[mode] = lmcache_mode(w, model, mode, pathlib.Path(folder)) if mode == "lmcache_mp" else \
-                    run_mode(w, model, mode, pathlib.Path(folder), server)
-            except (EngineFailed, RuntimeError) as e:
-                results[mode] = {"error": str(e)}
+                where = pathlib.Path(folder)
+                results[mode] = lmcache_mode(w, model, mode, where) if mode.startswith("lmcache_mp") else \
+                    run_mode(w, model, mode, where, server)
+            except (EngineFailed, RuntimeError, OSError) as e:     # OSError: an engine stuck past its timeout
+                results[mode] = {"error": f"{type(e).__name__}: {e}"}
             finally:
                 if logs:
                     _keep_logs(pathlib.Path(folder), pathlib.Path(logs) / mode)
@@ -488,7 +503,7 @@ def run(quick: bool = False, png: str | None = None, modes: tuple[str, ...] | No
                     curves[name] = {"model": name, "error": f"{type(e).__name__}: {e}"}
     (main, w), *others = chosen.items()
     def figures(name: str, workload: Workload) -> dict[str, Any]:
-        return report(workload, results[name], tuple(RESTARTS), TTL, TIER_SIZE)
+        return report(workload, results[name], {m: base for m, (_, base) in RESTARTS.items()}, TTL, TIER_SIZE)
 
     out = {"benchmark": "tier", "quick": quick, "workload_name": main, **figures(main, w),
            "workloads": {name: figures(name, ow) for name, ow in others},

@@ -59,31 +59,57 @@ def _healthy(http_port: int) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def lmcache_server(folder: pathlib.Path, size_bytes: int) -> Iterator[int]:
-    """``lmcache server`` with ``size_bytes`` of memory; yields its port once it is healthy."""
-    port, http_port = free_port(), free_port()
-    chunk = int(os.environ.get("KVELASTIC_BENCH_LMCACHE_CHUNK", CHUNK))
-    argv = [str(VENV / "bin" / "lmcache"), "server", "--transport", "zmq", "--host", "localhost",
-            "--port", str(port), "--http-port", str(http_port), "--l1-size-gb", f"{size_bytes / 2**30:g}",
-            "--eviction-policy", "LRU", "--chunk-size", str(chunk), "--supported-transfer-mode", "auto",
-            "--shm-name", f"kvbench{os.getpid()}"]
-    with open(folder / "lmcache-server.log", "ab") as log:
-        proc = subprocess.Popen(argv, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"}, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+class LMCacheServer:
+    """``lmcache server`` with ``size_bytes`` of memory, healthy once built;
+    ``kill_and_restart`` is the restart round's ``kill -9`` (same ports)."""
+
+    def __init__(self, folder: pathlib.Path, size_bytes: int) -> None:
+        self.port, self.http_port = free_port(), free_port()
+        self.log = folder / "lmcache-server.log"
+        chunk = int(os.environ.get("KVELASTIC_BENCH_LMCACHE_CHUNK", CHUNK))
+        self.argv = [str(VENV / "bin" / "lmcache"), "server", "--transport", "zmq", "--host", "localhost",
+                     "--port", str(self.port), "--http-port", str(self.http_port),
+                     "--l1-size-gb", f"{size_bytes / 2**30:g}", "--eviction-policy", "LRU",
+                     "--chunk-size", str(chunk), "--supported-transfer-mode", "auto",
+                     "--shm-name", f"kvbench{os.getpid()}"]
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        with open(self.log, "ab") as log:
+            proc = subprocess.Popen(self.argv, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"}, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT
-        while not _healthy(http_port):
+        while not _healthy(self.http_port):
             if proc.poll() is not None or time.monotonic() > deadline:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
                 raise RuntimeError(f"lmcache server did not start (exit {proc.poll()}): "
-                                   f"{(folder / 'lmcache-server.log').read_text(errors='replace')[-1500:]}")
+                                   f"{self.log.read_text(errors='replace')[-1500:]}")
             time.sleep(0.3)
-        yield port
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+        return proc
+
+    def kill_and_restart(self) -> float:
+        """``kill -9`` of the server (its process group), then a new one; seconds until it is healthy."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        started = time.monotonic()
+        self.proc = self._start()
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                proc.wait(20)
+                self.proc.wait(20)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@contextlib.contextmanager
+def lmcache_server(folder: pathlib.Path, size_bytes: int) -> Iterator[LMCacheServer]:
+    server = LMCacheServer(folder, size_bytes)
+    try:
+        yield server
+    finally:
+        server.stop()

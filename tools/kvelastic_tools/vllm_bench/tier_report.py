@@ -32,17 +32,18 @@ def stretch(rows: list[tuple[float, int, float]]) -> dict[str, Any]:
             "ttft_p50_ms": ms(ttfts, 0.5), "ttft_p90_ms": ms(ttfts, 0.9)}
 
 
-def restart_rounds_of(results: dict[str, dict[str, Any]], restarts: tuple[str, ...]) -> dict[str, Any]:
-    """Each restart round against ``tier`` run without one: the same requests
-    after the restart point, so the ratio is what the restart cost, not what
-    the second half of the trace differs from the first."""
-    base = results.get("tier", {}).get("_requests")
+def restart_rounds_of(results: dict[str, dict[str, Any]], restarts: dict[str, str]) -> dict[str, Any]:
+    """Each restart round (``restarts``: mode -> the mode it is judged
+    against) against that mode run without one: the same requests after the
+    restart point, so the ratio is what the restart cost, not what the second
+    half of the trace differs from the first."""
     out: dict[str, Any] = {}
-    for mode in restarts:
+    for mode, against in restarts.items():
         restart = results.get(mode, {}).get("restart")
         if not restart:
             continue
-        row = {"kind": restart["kind"], "after": restart["after"], "before": restart["before"],
+        base = results.get(against, {}).get("_requests")
+        row = {"kind": restart["kind"], "against": against, "after": restart["after"], "before": restart["before"],
                "same_tokens_as_stock": results[mode].get("same_tokens_as_stock")}
         if base is not None:
             same = stretch(base[restart["at_request"]:])
@@ -86,7 +87,35 @@ def media_of(modes: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             "ttft_revisit_p50": ratio("ttft_revisit_p50_ms"), "throughput": ratio("throughput_tok_s")}
 
 
-def report(w: Workload, results: dict[str, dict[str, Any]], restarts: tuple[str, ...], ttl: str,
+LMCACHE_TARGETS = {"hit_rate_min": 1.0, "ttft_p50_max": 0.7, "throughput_min": 1.0}
+
+
+def against_lmcache(modes: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """kvelastic's tier (each medium) over LMCache's server on the same trace, and the targets."""
+    lmc = modes.get("lmcache_mp", {})
+    if "hit_rate" not in lmc:
+        return None
+    out: dict[str, Any] = {}
+    for mode in ("tier", "tier_host"):
+        mine = modes.get(mode, {})
+        if "hit_rate" not in mine:
+            continue
+
+        def ratio(key: str, mine: dict[str, Any] = mine) -> float | None:
+            return round(mine[key] / lmc[key], 3) if mine.get(key) and lmc.get(key) else None
+
+        row: dict[str, Any] = {q: ratio(k) for q, k in (("hit_rate", "hit_rate"), ("ttft_p50", "ttft_p50_ms"),
+                                        ("ttft_p90", "ttft_p90_ms"), ("ttft_p99", "ttft_p99_ms"),
+                                        ("throughput", "throughput_tok_s"))}
+        row["met"] = {"hit_rate": (row["hit_rate"] or 0) >= LMCACHE_TARGETS["hit_rate_min"],
+                      "ttft_p50": row["ttft_p50"] is not None and row["ttft_p50"] <= LMCACHE_TARGETS["ttft_p50_max"],
+                      "throughput": (row["throughput"] or 0) >= LMCACHE_TARGETS["throughput_min"],
+                      "same_tokens": bool(mine.get("same_tokens_as_stock"))}
+        out[mode] = row
+    return out
+
+
+def report(w: Workload, results: dict[str, dict[str, Any]], restarts: dict[str, str], ttl: str,
            tier_size: str) -> dict[str, Any]:
     """One workload's part of the output."""
     shape = tier_model.BENCH if w.model == "bench" else tier_model.TINY
@@ -99,4 +128,5 @@ def report(w: Workload, results: dict[str, dict[str, Any]], restarts: tuple[str,
         "tier_vs_kvelastic": tier_targets(results),
         "tier_host_vs_tier": media_of(results),
         "restart_rounds": restart_rounds_of(results, restarts),
+        "tier_vs_lmcache": against_lmcache(results),
     }
