@@ -274,8 +274,10 @@ class NotifySocket:
 
 def daemon_env(sock: pathlib.Path, notify: NotifySocket | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET" and not k.startswith("KVELASTIC_")}
+    # KVELASTIC_KEEPER as the units set it (their keeper is a unit of its own): under the default
+    # ``auto`` each daemon here would start a keeper that outlives the test by its linger.
     env.update(KVELASTIC_SOCKET=str(sock), KVELASTIC_MEMORY="64MiB", KVELASTIC_BACKEND="host",
-               KVELASTIC_METRICS_PORT="0", KVELASTIC_LOG_LEVEL="info")
+               KVELASTIC_METRICS_PORT="0", KVELASTIC_LOG_LEVEL="info", KVELASTIC_KEEPER="external")
     if notify is not None:
         env["NOTIFY_SOCKET"] = notify.path
     return env
