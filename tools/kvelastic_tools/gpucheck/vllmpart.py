@@ -106,6 +106,8 @@ class Daemon:
                                      stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def status(self) -> dict[str, Any] | None:
+        # ``kvelastic status`` in a child, not ``kvelastic.ctl``: on the GPU machine pyzmq and msgspec
+        # are importable only from the carried wheels on the children's path, not in this process.
         done = subprocess.run([sys.executable, "-m", "kvelastic", "status", "--json"], capture_output=True,
                               text=True, timeout=30, env={**os.environ, "KVELASTIC_SOCKET": self.socket,
                                                           "PYTHONPATH": os.environ.get("PYTHONPATH", "")})

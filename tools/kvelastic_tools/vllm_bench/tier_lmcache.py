@@ -20,11 +20,12 @@ import contextlib
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+
+from kvelastic_tools.ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 VENV = ROOT / ".venv-vllm-lmcache"
@@ -43,12 +44,6 @@ def installed() -> str | None:
 def engine_path() -> str:
     """PYTHONPATH for processes of LMCache's environment: the bench's own code, not installed there."""
     return os.pathsep.join([str(ROOT), str(ROOT / "tools"), str(ROOT / "patches" / "vllm")])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _healthy(http_port: int) -> bool:
